@@ -1,0 +1,326 @@
+//! The map ABI shared by the eBPF datapath (`lb-ebpf`) and the agent (`lb-user`).
+//!
+//! Every map key and value is defined here once: `#[repr(C)]`, explicit padding, and with the `user`
+//! feature `bytemuck::Pod` (which rejects hidden padding at compile time) and `aya::Pod`.
+//!
+//! Addresses and ports are stored in network byte order, exactly as they sit in a packet, so the
+//! datapath compares and copies them without swapping. [`ipv4_be`] and [`port_be`] convert.
+#![no_std]
+
+/// Names of the maps in the eBPF object. Pinned maps carry the ABI version in their name, so an agent
+/// with another layout never reuses them.
+pub mod map_name {
+    pub const FRONTENDS: &str = "LB_FRONTEND_V1";
+    pub const BACKENDS: &str = "LB_BACKEND_V1";
+    pub const CONNTRACK: &str = "LB_CT_V1";
+    pub const CONFIG: &str = "LB_CONFIG_V1";
+    pub const COUNTERS: &str = "LB_COUNTER_V1";
+    pub const ALL: [&str; 5] = [FRONTENDS, BACKENDS, CONNTRACK, CONFIG, COUNTERS];
+}
+
+/// Names of the programs in the eBPF object.
+pub mod program_name {
+    /// tc ingress on every interface where traffic enters the node (external and pod-side).
+    pub const INGRESS: &str = "lb_ingress";
+}
+
+pub const IPPROTO_TCP: u8 = 6;
+pub const IPPROTO_UDP: u8 = 17;
+
+/// Default map sizes (each is an agent flag).
+pub mod default_size {
+    /// Frontends: one per (ClusterIP, port, protocol) and per (node address, nodePort, protocol).
+    pub const FRONTENDS: u32 = 131_072;
+    /// Backend slots: one per endpoint of every service port.
+    pub const BACKENDS: u32 = 262_144;
+    /// Conntrack entries: two per connection (original and reply direction).
+    pub const CONNTRACK: u32 = 262_144;
+}
+
+/// Masquerade source ports are taken from this range by default: above Linux's default ephemeral
+/// range (32768-60999), so they never collide with the node's own sockets.
+pub const SNAT_PORT_MIN: u16 = 61_000;
+pub const SNAT_PORT_MAX: u16 = 65_535;
+
+/// IPv4 address as the u32 that holds its bytes in network order (as read from a packet).
+pub const fn ipv4_be(octets: [u8; 4]) -> u32 {
+    u32::from_ne_bytes(octets)
+}
+
+/// Port as the u16 that holds its bytes in network order.
+pub const fn port_be(port: u16) -> u16 {
+    port.to_be()
+}
+
+/// Key of `FRONTENDS`: where a service is reached. A ClusterIP port and a NodePort of the same
+/// service port are two frontends with the same `service_id`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct FrontendKey {
+    /// Network byte order.
+    pub addr: u32,
+    /// Network byte order.
+    pub port: u16,
+    pub proto: u8,
+    pub _pad: u8,
+}
+
+/// Value of `FRONTENDS`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct Frontend {
+    /// Key prefix of this service port's slots in `BACKENDS`.
+    pub service_id: u32,
+    /// Slots `0..backend_count` hold the endpoints; 0 means the service has none.
+    pub backend_count: u32,
+    /// `FRONTEND_F_*`.
+    pub flags: u32,
+}
+
+/// The frontend is reached from outside the cluster (a NodePort): masquerade new connections
+/// (externalTrafficPolicy: Cluster).
+pub const FRONTEND_F_MASQUERADE: u32 = 1 << 0;
+
+/// Key of `BACKENDS`: slot `slot` of service port `service_id`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct BackendKey {
+    pub service_id: u32,
+    pub slot: u32,
+}
+
+/// Value of `BACKENDS`: one endpoint.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct Backend {
+    /// Network byte order.
+    pub addr: u32,
+    /// Network byte order.
+    pub port: u16,
+    pub _pad: u16,
+}
+
+/// Key of `CONNTRACK`: the 5-tuple of a packet as it arrives, before any translation.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct ConntrackKey {
+    /// Network byte order.
+    pub src_addr: u32,
+    /// Network byte order.
+    pub dst_addr: u32,
+    /// Network byte order.
+    pub src_port: u16,
+    /// Network byte order.
+    pub dst_port: u16,
+    pub proto: u8,
+    pub _pad: [u8; 3],
+}
+
+/// Value of `CONNTRACK`: what a packet with that key is rewritten to. Each connection has two
+/// entries: the original direction (client → frontend, rewritten to → backend) and the reply
+/// direction (`CT_F_REPLY`: backend → client or node, rewritten to frontend → client). The reply
+/// entry's rewrite is the original key turned around, so either entry finds the other.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct ConntrackEntry {
+    /// `bpf_ktime_get_ns` of the last packet.
+    pub last_seen_ns: u64,
+    /// New source address, network byte order.
+    pub src_addr: u32,
+    /// New destination address, network byte order.
+    pub dst_addr: u32,
+    /// New source port, network byte order.
+    pub src_port: u16,
+    /// New destination port, network byte order.
+    pub dst_port: u16,
+    pub service_id: u32,
+    /// `CT_STATE_*`.
+    pub state: u8,
+    /// `CT_F_*`.
+    pub flags: u8,
+    pub _pad: [u8; 6],
+}
+
+/// The entry translates replies (backend → client).
+pub const CT_F_REPLY: u8 = 1 << 0;
+/// The connection is masqueraded (source rewritten to the node address).
+pub const CT_F_MASQUERADE: u8 = 1 << 1;
+
+/// Only the first direction has been seen (TCP: SYN sent).
+pub const CT_STATE_NEW: u8 = 0;
+/// Both directions have been seen.
+pub const CT_STATE_ESTABLISHED: u8 = 1;
+/// TCP FIN or RST seen.
+pub const CT_STATE_CLOSING: u8 = 2;
+
+const SECOND_NS: u64 = 1_000_000_000;
+pub const CT_TIMEOUT_TCP_SYN_NS: u64 = 60 * SECOND_NS;
+pub const CT_TIMEOUT_TCP_ESTABLISHED_NS: u64 = 6 * 3600 * SECOND_NS;
+pub const CT_TIMEOUT_TCP_CLOSING_NS: u64 = 10 * SECOND_NS;
+pub const CT_TIMEOUT_UDP_NS: u64 = 60 * SECOND_NS;
+
+/// How long an idle entry in `state` stays valid.
+pub const fn conntrack_timeout_ns(proto: u8, state: u8) -> u64 {
+    if proto != IPPROTO_TCP {
+        return CT_TIMEOUT_UDP_NS;
+    }
+    match state {
+        CT_STATE_ESTABLISHED => CT_TIMEOUT_TCP_ESTABLISHED_NS,
+        CT_STATE_CLOSING => CT_TIMEOUT_TCP_CLOSING_NS,
+        _ => CT_TIMEOUT_TCP_SYN_NS,
+    }
+}
+
+/// The single value of `CONFIG` (index 0): the agent's flags the datapath needs.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct Config {
+    /// Masquerade address, network byte order.
+    pub node_addr: u32,
+    /// --cluster-cidr, network byte order; sources outside it are masqueraded.
+    pub cluster_cidr_addr: u32,
+    /// Network byte order.
+    pub cluster_cidr_mask: u32,
+    /// `CONFIG_F_*`.
+    pub flags: u32,
+    /// Masquerade source port range, host byte order, inclusive.
+    pub snat_port_min: u16,
+    pub snat_port_max: u16,
+}
+
+/// --masquerade-all.
+pub const CONFIG_F_MASQUERADE_ALL: u32 = 1 << 0;
+/// The agent has written this config; until then the datapath passes everything.
+pub const CONFIG_F_READY: u32 = 1 << 1;
+
+/// Indexes of `COUNTERS`, a per-CPU array of u64 packet counts.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Counter {
+    /// A new connection to a frontend was translated.
+    NewConnection = 0,
+    /// Of those, masqueraded.
+    Masqueraded,
+    /// A packet of a tracked connection was translated (either direction).
+    Translated,
+    /// Not service traffic, passed untouched.
+    Passed,
+    /// Fragment or truncated header: passed untouched.
+    PassedUnparsed,
+    /// Dropped: the service has no endpoints.
+    DropNoBackend,
+    /// Dropped: a conntrack insert failed.
+    DropConntrackFull,
+    /// Dropped: no free masquerade port for this backend.
+    DropSnatPortsExhausted,
+    /// Dropped: a packet rewrite helper failed.
+    DropRewriteFailed,
+    /// Translated, but the FIB had no forwarding answer: handed to the stack.
+    FibFallback,
+}
+
+impl Counter {
+    pub const COUNT: u32 = 10;
+    pub const ALL: [Counter; Self::COUNT as usize] = [
+        Counter::NewConnection,
+        Counter::Masqueraded,
+        Counter::Translated,
+        Counter::Passed,
+        Counter::PassedUnparsed,
+        Counter::DropNoBackend,
+        Counter::DropConntrackFull,
+        Counter::DropSnatPortsExhausted,
+        Counter::DropRewriteFailed,
+        Counter::FibFallback,
+    ];
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            Counter::NewConnection => "new_connection",
+            Counter::Masqueraded => "masqueraded",
+            Counter::Translated => "translated",
+            Counter::Passed => "passed",
+            Counter::PassedUnparsed => "passed_unparsed",
+            Counter::DropNoBackend => "drop_no_backend",
+            Counter::DropConntrackFull => "drop_conntrack_full",
+            Counter::DropSnatPortsExhausted => "drop_snat_ports_exhausted",
+            Counter::DropRewriteFailed => "drop_rewrite_failed",
+            Counter::FibFallback => "fib_fallback",
+        }
+    }
+}
+
+const _: () = {
+    assert!(core::mem::size_of::<FrontendKey>() == 8);
+    assert!(core::mem::size_of::<Frontend>() == 12);
+    assert!(core::mem::size_of::<BackendKey>() == 8);
+    assert!(core::mem::size_of::<Backend>() == 8);
+    assert!(core::mem::size_of::<ConntrackKey>() == 16);
+    assert!(core::mem::size_of::<ConntrackEntry>() == 32);
+    assert!(core::mem::size_of::<Config>() == 20);
+    assert!(Counter::ALL[Counter::COUNT as usize - 1] as u32 == Counter::COUNT - 1);
+};
+
+#[cfg(feature = "user")]
+mod user {
+    use super::*;
+
+    // SAFETY: all of these are #[repr(C)] with explicit padding; bytemuck::Pod (derived above)
+    // checks at compile time that they have no hidden padding and accept any bit pattern.
+    unsafe impl aya::Pod for FrontendKey {}
+    unsafe impl aya::Pod for Frontend {}
+    unsafe impl aya::Pod for BackendKey {}
+    unsafe impl aya::Pod for Backend {}
+    unsafe impl aya::Pod for ConntrackKey {}
+    unsafe impl aya::Pod for ConntrackEntry {}
+    unsafe impl aya::Pod for Config {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_order_helpers_match_packet_layout() {
+        let addr = ipv4_be([10, 96, 0, 1]);
+        assert_eq!(addr.to_ne_bytes(), [10, 96, 0, 1]);
+        assert_eq!(port_be(0x1f90).to_ne_bytes(), [0x1f, 0x90]);
+    }
+
+    #[test]
+    fn timeouts_depend_on_protocol_and_state() {
+        assert_eq!(
+            conntrack_timeout_ns(IPPROTO_UDP, CT_STATE_ESTABLISHED),
+            CT_TIMEOUT_UDP_NS
+        );
+        assert_eq!(
+            conntrack_timeout_ns(IPPROTO_TCP, CT_STATE_NEW),
+            CT_TIMEOUT_TCP_SYN_NS
+        );
+        assert_eq!(
+            conntrack_timeout_ns(IPPROTO_TCP, CT_STATE_ESTABLISHED),
+            CT_TIMEOUT_TCP_ESTABLISHED_NS
+        );
+        assert_eq!(
+            conntrack_timeout_ns(IPPROTO_TCP, CT_STATE_CLOSING),
+            CT_TIMEOUT_TCP_CLOSING_NS
+        );
+    }
+
+    #[test]
+    fn counter_names_are_unique() {
+        for (i, a) in Counter::ALL.iter().enumerate() {
+            assert_eq!(*a as usize, i);
+            for b in &Counter::ALL[i + 1..] {
+                assert_ne!(a.name(), b.name());
+            }
+        }
+    }
+}

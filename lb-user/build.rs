@@ -1,0 +1,27 @@
+use anyhow::{Context as _, anyhow};
+
+/// Builds lb-ebpf for bpfel-unknown-none with the nightly toolchain; the object lands in OUT_DIR
+/// and src/datapath.rs embeds it.
+fn main() -> anyhow::Result<()> {
+    let metadata = cargo_metadata::MetadataCommand::new()
+        .no_deps()
+        .exec()
+        .context("cargo metadata")?;
+    let ebpf = metadata
+        .packages
+        .iter()
+        .find(|p| p.name.as_str() == "lb-ebpf")
+        .ok_or_else(|| anyhow!("lb-ebpf package not found"))?;
+    let root_dir = ebpf
+        .manifest_path
+        .parent()
+        .ok_or_else(|| anyhow!("no parent for {}", ebpf.manifest_path))?;
+    aya_build::build_ebpf(
+        [aya_build::Package {
+            name: "lb-ebpf",
+            root_dir: root_dir.as_str(),
+            ..Default::default()
+        }],
+        aya_build::Toolchain::Nightly,
+    )
+}

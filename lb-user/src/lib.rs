@@ -1,0 +1,2 @@
+//! The agent: desired state from manifests, one reconciler into the eBPF maps.
+pub mod datapath;

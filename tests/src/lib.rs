@@ -1,0 +1,1 @@
+//! Network-namespace topologies and socket helpers for the integration tests.
