@@ -1,1 +1,7 @@
-//! Network-namespace topologies and socket helpers for the integration tests.
+//! Network-namespace topologies, echo servers and the agent process, for the integration tests
+//! and the demo. Everything here creates only namespaces of its own and removes them on drop.
+pub mod agent;
+pub mod echo;
+pub mod manifests;
+pub mod netns;
+pub mod topology;

@@ -1,0 +1,129 @@
+//! The `lb agent` process under test, run inside the node namespace on a manifest directory.
+use std::{
+    fs,
+    path::{Path, PathBuf},
+    process::{Child, Stdio},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, Result, bail};
+use nix::{
+    sys::signal::{Signal, kill},
+    unistd::Pid,
+};
+
+use crate::topology::{CLUSTER_CIDR, EXTERNAL_INTERFACE, NODE_IP, POD_INTERFACES, Topology};
+
+/// Logged by the agent when a sync has been applied to the maps.
+pub const SYNC_DONE: &str = "sync done";
+const START_TIMEOUT: Duration = Duration::from_secs(30);
+const SYNC_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The `lb` binary: `LB_BIN` (set by `cargo xtask test`), else target/release/lb.
+pub fn lb_binary() -> PathBuf {
+    std::env::var_os("LB_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/release/lb"))
+}
+
+pub struct Agent {
+    child: Child,
+    dir: tempfile::TempDir,
+    syncs_seen: usize,
+}
+
+impl Agent {
+    /// Starts the agent on `manifests` (written as services.yaml) and waits for its first sync.
+    pub fn start(topology: &Topology, manifests: &str, extra_args: &[&str]) -> Result<Self> {
+        let dir = tempfile::Builder::new().prefix("lbt-agent").tempdir()?;
+        let manifest_dir = dir.path().join("manifests");
+        fs::create_dir(&manifest_dir)?;
+        fs::write(manifest_dir.join("services.yaml"), manifests)?;
+        let log = fs::File::create(dir.path().join("agent.log"))?;
+        let child = topology
+            .node
+            .command(lb_binary())
+            .arg("agent")
+            .arg("--manifests")
+            .arg(&manifest_dir)
+            .args(["--node-ip", &NODE_IP.to_string()])
+            .args(["--cluster-cidr", CLUSTER_CIDR])
+            .args(["--external-interface", EXTERNAL_INTERFACE])
+            .args(["--pod-interfaces", POD_INTERFACES])
+            .args(extra_args)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .with_context(|| format!("spawn {}", lb_binary().display()))?;
+        let mut agent = Agent {
+            child,
+            dir,
+            syncs_seen: 0,
+        };
+        agent.wait_for_sync(START_TIMEOUT)?;
+        Ok(agent)
+    }
+
+    pub fn manifest_dir(&self) -> PathBuf {
+        self.dir.path().join("manifests")
+    }
+
+    pub fn log(&self) -> String {
+        fs::read_to_string(self.dir.path().join("agent.log")).unwrap_or_default()
+    }
+
+    /// Replaces services.yaml (atomically, by rename) and waits until the agent has synced it.
+    pub fn update_manifests(&mut self, manifests: &str) -> Result<()> {
+        let tmp = self.dir.path().join("services.yaml.tmp");
+        fs::write(&tmp, manifests)?;
+        fs::rename(&tmp, self.manifest_dir().join("services.yaml"))?;
+        self.wait_for_sync(SYNC_TIMEOUT)
+    }
+
+    /// Waits for the next "sync done" line after those already seen.
+    pub fn wait_for_sync(&mut self, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let syncs = self.log().matches(SYNC_DONE).count();
+            if syncs > self.syncs_seen {
+                self.syncs_seen = syncs;
+                return Ok(());
+            }
+            if let Some(status) = self.child.try_wait()? {
+                bail!("agent exited ({status}):\n{}", self.log());
+            }
+            if Instant::now() > deadline {
+                bail!("no sync within {timeout:?}:\n{}", self.log());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Sends SIGTERM and waits for the agent to exit.
+    pub fn stop(&mut self) -> Result<std::process::ExitStatus> {
+        if let Some(status) = self.child.try_wait()? {
+            return Ok(status);
+        }
+        kill(Pid::from_raw(self.child.id() as i32), Signal::SIGTERM)?;
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Some(status) = self.child.try_wait()? {
+                return Ok(status);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        self.child.kill()?;
+        bail!("agent did not exit on SIGTERM:\n{}", self.log())
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        if self.stop().is_err() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}

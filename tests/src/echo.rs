@@ -1,0 +1,169 @@
+//! Servers that answer with their name and the source they saw, and the clients that ask them.
+use std::{
+    io::{ErrorKind, Read as _, Write as _},
+    net::{SocketAddr, TcpListener, TcpStream, UdpSocket},
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    thread::JoinHandle,
+    time::Duration,
+};
+
+use anyhow::{Context as _, Result, bail};
+
+use crate::netns::Netns;
+
+pub const TIMEOUT: Duration = Duration::from_secs(2);
+const POLL: Duration = Duration::from_millis(5);
+
+/// What a server answered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Answer {
+    /// The server's name (the pod's).
+    pub server: String,
+    /// The source address the server saw.
+    pub seen_source: SocketAddr,
+    /// The peer the client saw the answer come from (for UDP: recvfrom's address).
+    pub peer: SocketAddr,
+}
+
+/// TCP and UDP servers on one port, stopped on drop.
+pub struct EchoServer {
+    stop: Arc<AtomicBool>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl EchoServer {
+    /// Serves TCP and UDP on 0.0.0.0:`port` inside `ns`, answering `"<name> <source>"`.
+    pub fn start(ns: &Netns, name: &str, port: u16) -> Result<Self> {
+        let (tcp, udp) = ns.run(move || -> Result<_> {
+            let tcp = TcpListener::bind(("0.0.0.0", port))?;
+            tcp.set_nonblocking(true)?;
+            let udp = UdpSocket::bind(("0.0.0.0", port))?;
+            udp.set_read_timeout(Some(POLL * 10))?;
+            Ok((tcp, udp))
+        })??;
+        let stop = Arc::new(AtomicBool::new(false));
+        let threads = vec![
+            std::thread::spawn({
+                let (stop, name) = (stop.clone(), name.to_string());
+                move || serve_tcp(&tcp, &name, &stop)
+            }),
+            std::thread::spawn({
+                let (stop, name) = (stop.clone(), name.to_string());
+                move || serve_udp(&udp, &name, &stop)
+            }),
+        ];
+        Ok(EchoServer { stop, threads })
+    }
+}
+
+impl Drop for EchoServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        for thread in self.threads.drain(..) {
+            let _ = thread.join();
+        }
+    }
+}
+
+fn serve_tcp(listener: &TcpListener, name: &str, stop: &AtomicBool) {
+    while !stop.load(Ordering::Relaxed) {
+        match listener.accept() {
+            Ok((mut stream, peer)) => {
+                let _ = stream.set_nonblocking(false);
+                let _ = stream.set_read_timeout(Some(TIMEOUT));
+                let mut request = [0u8; 64];
+                if stream.read(&mut request).is_ok() {
+                    let _ = stream.write_all(format!("{name} {peer}").as_bytes());
+                }
+            }
+            Err(e) if e.kind() == ErrorKind::WouldBlock => std::thread::sleep(POLL),
+            Err(_) => std::thread::sleep(POLL),
+        }
+    }
+}
+
+fn serve_udp(socket: &UdpSocket, name: &str, stop: &AtomicBool) {
+    let mut buf = [0u8; 512];
+    while !stop.load(Ordering::Relaxed) {
+        if let Ok((_, peer)) = socket.recv_from(&mut buf) {
+            let _ = socket.send_to(format!("{name} {peer}").as_bytes(), peer);
+        }
+    }
+}
+
+fn parse_answer(text: &str, peer: SocketAddr) -> Result<Answer> {
+    let (server, seen) = text
+        .split_once(' ')
+        .with_context(|| format!("malformed answer {text:?}"))?;
+    Ok(Answer {
+        server: server.to_string(),
+        seen_source: seen.parse().with_context(|| format!("answer {text:?}"))?,
+        peer,
+    })
+}
+
+/// One TCP request to `to` (connect, send, read the answer, close). Call inside a namespace.
+pub fn tcp_request(to: SocketAddr) -> Result<Answer> {
+    let mut stream =
+        TcpStream::connect_timeout(&to, TIMEOUT).with_context(|| format!("connect {to}"))?;
+    stream.set_read_timeout(Some(TIMEOUT))?;
+    stream.write_all(b"hello\n")?;
+    let mut text = String::new();
+    stream
+        .read_to_string(&mut text)
+        .with_context(|| format!("read from {to}"))?;
+    parse_answer(&text, stream.peer_addr()?)
+}
+
+/// One UDP request from an unconnected socket; the answer's source is the peer. Call inside a
+/// namespace.
+pub fn udp_request(to: SocketAddr) -> Result<Answer> {
+    let socket = UdpSocket::bind("0.0.0.0:0")?;
+    socket.set_read_timeout(Some(TIMEOUT))?;
+    socket.send_to(b"hello\n", to)?;
+    let mut buf = [0u8; 512];
+    let (len, peer) = socket
+        .recv_from(&mut buf)
+        .with_context(|| format!("no UDP answer from {to}"))?;
+    parse_answer(std::str::from_utf8(&buf[..len])?, peer)
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Proto {
+    Tcp,
+    Udp,
+}
+
+impl Proto {
+    pub fn request(self, to: SocketAddr) -> Result<Answer> {
+        match self {
+            Proto::Tcp => tcp_request(to),
+            Proto::Udp => udp_request(to),
+        }
+    }
+
+    pub fn manifest_name(self) -> &'static str {
+        match self {
+            Proto::Tcp => "TCP",
+            Proto::Udp => "UDP",
+        }
+    }
+}
+
+/// `count` requests from `ns`, at most `count` × the timeout in all.
+pub fn requests(ns: &Netns, proto: Proto, to: SocketAddr, count: usize) -> Result<Vec<Answer>> {
+    let answers = ns.run(move || (0..count).map(|_| proto.request(to)).collect::<Vec<_>>())?;
+    answers.into_iter().collect()
+}
+
+/// One request from `ns`.
+pub fn request(ns: &Netns, proto: Proto, to: SocketAddr) -> Result<Answer> {
+    let mut answers = requests(ns, proto, to, 1)?;
+    match answers.pop() {
+        Some(answer) => Ok(answer),
+        None => bail!("no answer"),
+    }
+}

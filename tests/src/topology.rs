@@ -1,0 +1,187 @@
+//! The node under test and its neighbours, each in a namespace of its own:
+//!
+//! ```text
+//!  client (198.51.100.2) ──ext0── node (198.51.100.1) ──lbpa/lbpb/...── pod-a, pod-b, ... (10.244.1.x/32)
+//!                                   └─docker0 (172.17.0.1/16)──vethc── container (172.17.0.2)
+//! ```
+//!
+//! Pods are routed the way Calico and Cilium do it: a /32 on the pod, a /32 route per pod on the
+//! node, the pod's gateway an address the node holds on every pod veth. Nothing in it has a path
+//! to the machine's real interfaces.
+use std::net::Ipv4Addr;
+
+use anyhow::Result;
+
+use crate::netns::{Netns, unique_prefix};
+
+pub const NODE_IP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 1);
+pub const CLIENT_IP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 2);
+pub const CLUSTER_CIDR: &str = "10.244.0.0/16";
+pub const POD_GATEWAY: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 1);
+pub const DOCKER_GATEWAY: Ipv4Addr = Ipv4Addr::new(172, 17, 0, 1);
+pub const CONTAINER_IP: Ipv4Addr = Ipv4Addr::new(172, 17, 0, 2);
+pub const EXTERNAL_INTERFACE: &str = "ext0";
+pub const DOCKER_BRIDGE: &str = "docker0";
+/// `--pod-interfaces` for this topology: the pod veths and the docker bridge.
+pub const POD_INTERFACES: &str = "lbp*,docker0";
+
+pub struct Pod {
+    /// `pod-a`, `pod-b`, ...: what its servers answer with.
+    pub name: String,
+    pub ip: Ipv4Addr,
+    /// The node-side end of its veth.
+    pub host_interface: String,
+    pub ns: Netns,
+}
+
+pub struct Topology {
+    prefix: String,
+    pub node: Netns,
+    pub client: Netns,
+    pub container: Netns,
+    pub pods: Vec<Pod>,
+}
+
+impl Topology {
+    pub fn new(pods: usize) -> Result<Self> {
+        let prefix = unique_prefix();
+        let node = Netns::new(format!("{prefix}node"))?;
+        for (key, value) in [
+            ("net.ipv4.ip_forward", "1"),
+            ("net.ipv4.conf.all.send_redirects", "0"),
+            ("net.ipv4.conf.default.send_redirects", "0"),
+            ("net.ipv4.conf.all.rp_filter", "0"),
+            ("net.ipv4.conf.default.rp_filter", "0"),
+        ] {
+            node.sysctl(key, value)?;
+        }
+
+        let client = Netns::new(format!("{prefix}client"))?;
+        node.ip(&[
+            "link",
+            "add",
+            EXTERNAL_INTERFACE,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            client.name(),
+        ])?;
+        node.ip(&[
+            "addr",
+            "add",
+            &format!("{NODE_IP}/24"),
+            "dev",
+            EXTERNAL_INTERFACE,
+        ])?;
+        node.ip(&["link", "set", EXTERNAL_INTERFACE, "up"])?;
+        client.ip(&["addr", "add", &format!("{CLIENT_IP}/24"), "dev", "eth0"])?;
+        client.ip(&["link", "set", "eth0", "up"])?;
+
+        let container = Netns::new(format!("{prefix}ctr"))?;
+        node.ip(&["link", "add", DOCKER_BRIDGE, "type", "bridge"])?;
+        node.ip(&[
+            "addr",
+            "add",
+            &format!("{DOCKER_GATEWAY}/16"),
+            "dev",
+            DOCKER_BRIDGE,
+        ])?;
+        node.ip(&["link", "set", DOCKER_BRIDGE, "up"])?;
+        node.ip(&[
+            "link",
+            "add",
+            "vethc",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            container.name(),
+        ])?;
+        node.ip(&["link", "set", "vethc", "master", DOCKER_BRIDGE, "up"])?;
+        container.ip(&["addr", "add", &format!("{CONTAINER_IP}/16"), "dev", "eth0"])?;
+        container.ip(&["link", "set", "eth0", "up"])?;
+        container.ip(&[
+            "route",
+            "add",
+            "default",
+            "via",
+            &DOCKER_GATEWAY.to_string(),
+        ])?;
+
+        let mut topology = Topology {
+            prefix,
+            node,
+            client,
+            container,
+            pods: Vec::new(),
+        };
+        for _ in 0..pods {
+            topology.add_pod()?;
+        }
+        Ok(topology)
+    }
+
+    /// Adds the next pod (`pod-a` at 10.244.1.2, `pod-b` at .3, ...) on a new veth `lbpa`, ...
+    pub fn add_pod(&mut self) -> Result<&Pod> {
+        let index = self.pods.len();
+        assert!(index < 26, "pods are named a..z");
+        let letter = (b'a' + index as u8) as char;
+        let name = format!("pod-{letter}");
+        let ip = Ipv4Addr::new(10, 244, 1, 2 + index as u8);
+        let host_interface = format!("lbp{letter}");
+        let ns = Netns::new(format!("{}{name}", self.prefix))?;
+        let node = &self.node;
+        node.ip(&[
+            "link",
+            "add",
+            &host_interface,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            ns.name(),
+        ])?;
+        node.ip(&[
+            "addr",
+            "add",
+            &format!("{POD_GATEWAY}/32"),
+            "dev",
+            &host_interface,
+        ])?;
+        node.ip(&["link", "set", &host_interface, "up"])?;
+        node.ip(&["route", "add", &format!("{ip}/32"), "dev", &host_interface])?;
+        ns.ip(&["addr", "add", &format!("{ip}/32"), "dev", "eth0"])?;
+        ns.ip(&["link", "set", "eth0", "up"])?;
+        ns.ip(&[
+            "route",
+            "add",
+            &POD_GATEWAY.to_string(),
+            "dev",
+            "eth0",
+            "scope",
+            "link",
+        ])?;
+        ns.ip(&["route", "add", "default", "via", &POD_GATEWAY.to_string()])?;
+        self.pods.push(Pod {
+            name,
+            ip,
+            host_interface,
+            ns,
+        });
+        Ok(self.pods.last().expect("just pushed"))
+    }
+
+    pub fn pod(&self, name: &str) -> &Pod {
+        self.pods
+            .iter()
+            .find(|p| p.name == name)
+            .unwrap_or_else(|| panic!("no pod {name}"))
+    }
+}

@@ -1,0 +1,412 @@
+//! The four Service paths through a real node namespace, with real sockets, over TCP and UDP:
+//! who answered, which source the backend saw, which peer the client saw.
+use std::{
+    collections::BTreeMap,
+    net::{Ipv4Addr, SocketAddr},
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use anyhow::{Result, ensure};
+use lb_tests::{
+    agent::Agent,
+    echo::{Answer, EchoServer, Proto, request, requests},
+    manifests::{ServiceManifest, yaml},
+    topology::{CONTAINER_IP, NODE_IP, Topology},
+};
+
+const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
+const OTHER_CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 11);
+const PORT: u16 = 80;
+const NODE_PORT: u16 = 30080;
+const TARGET_PORT: u16 = 8080;
+
+fn vip() -> SocketAddr {
+    (CLUSTER_IP, PORT).into()
+}
+
+/// A topology with `pods` pods, each serving on TARGET_PORT, and the agent running on `services`.
+/// Fields drop in order: the agent stops before the servers and namespaces go.
+struct Node {
+    agent: Agent,
+    _servers: Vec<EchoServer>,
+    topology: Topology,
+}
+
+impl Node {
+    fn start(pods: usize, services: &[ServiceManifest]) -> Result<Self> {
+        let topology = Topology::new(pods)?;
+        let servers = topology
+            .pods
+            .iter()
+            .map(|pod| EchoServer::start(&pod.ns, &pod.name, TARGET_PORT))
+            .collect::<Result<Vec<_>>>()?;
+        let agent = Agent::start(&topology, &yaml(services), &[])?;
+        Ok(Node {
+            agent,
+            _servers: servers,
+            topology,
+        })
+    }
+
+    fn ip(&self, pod: &str) -> Ipv4Addr {
+        self.topology.pod(pod).ip
+    }
+
+    fn service(&self, proto: Proto, endpoints: &[&str]) -> ServiceManifest {
+        ServiceManifest::new("web", CLUSTER_IP, proto, PORT, TARGET_PORT)
+            .endpoints(endpoints.iter().map(|p| self.ip(p)))
+    }
+}
+
+fn servers(answers: &[Answer]) -> BTreeMap<String, usize> {
+    let mut counts = BTreeMap::new();
+    for answer in answers {
+        *counts.entry(answer.server.clone()).or_default() += 1;
+    }
+    counts
+}
+
+/// Every answer came from one of `expected` and all of them answered.
+fn assert_answered_by(answers: &[Answer], expected: &[&str]) -> Result<()> {
+    let counts = servers(answers);
+    let names: Vec<&str> = counts.keys().map(String::as_str).collect();
+    ensure!(
+        names == expected,
+        "answered by {counts:?}, expected {expected:?}"
+    );
+    Ok(())
+}
+
+fn assert_all(answers: &[Answer], what: &str, ok: impl Fn(&Answer) -> bool) -> Result<()> {
+    if let Some(bad) = answers.iter().find(|a| !ok(a)) {
+        anyhow::bail!("{what}: {bad:?}");
+    }
+    Ok(())
+}
+
+/// Path 1: Pod-A → ClusterIP → Pod-B / Pod-C, not masqueraded.
+fn pod_to_service(proto: Proto) -> Result<()> {
+    let mut node = Node::start(3, &[])?;
+    let service = node.service(proto, &["pod-b", "pod-c"]);
+    node.agent.update_manifests(&yaml(&[service]))?;
+    let client = &node.topology.pod("pod-a");
+    let answers = requests(&client.ns, proto, vip(), 30)?;
+    assert_answered_by(&answers, &["pod-b", "pod-c"])?;
+    assert_all(&answers, "backend saw Pod-A's own address", |a| {
+        a.seen_source.ip() == client.ip
+    })?;
+    assert_all(&answers, "client saw the ClusterIP as peer", |a| {
+        a.peer == vip()
+    })
+}
+
+#[test]
+fn pod_to_service_tcp() -> Result<()> {
+    pod_to_service(Proto::Tcp)
+}
+
+#[test]
+fn pod_to_service_udp() -> Result<()> {
+    pod_to_service(Proto::Udp)
+}
+
+/// Path 2: Pod-A → ClusterIP → Pod-A, masqueraded to the node address.
+fn hairpin(proto: Proto) -> Result<()> {
+    let mut node = Node::start(2, &[])?;
+    let service = node.service(proto, &["pod-a"]);
+    node.agent.update_manifests(&yaml(&[service]))?;
+    let answers = requests(&node.topology.pod("pod-a").ns, proto, vip(), 10)?;
+    assert_answered_by(&answers, &["pod-a"])?;
+    assert_all(&answers, "backend saw the node address", |a| {
+        a.seen_source.ip() == NODE_IP
+    })?;
+    assert_all(&answers, "client saw the ClusterIP as peer", |a| {
+        a.peer == vip()
+    })
+}
+
+#[test]
+fn hairpin_tcp() -> Result<()> {
+    hairpin(Proto::Tcp)
+}
+
+#[test]
+fn hairpin_udp() -> Result<()> {
+    hairpin(Proto::Udp)
+}
+
+/// Path 3: a container on the docker bridge (outside the cluster CIDR) → ClusterIP, masqueraded.
+fn container_to_service(proto: Proto) -> Result<()> {
+    let mut node = Node::start(3, &[])?;
+    let service = node.service(proto, &["pod-b", "pod-c"]);
+    node.agent.update_manifests(&yaml(&[service]))?;
+    let answers = requests(&node.topology.container, proto, vip(), 30)?;
+    assert_answered_by(&answers, &["pod-b", "pod-c"])?;
+    assert_all(&answers, "backend saw the node address", |a| {
+        a.seen_source.ip() == NODE_IP
+    })?;
+    assert_all(&answers, "client saw the ClusterIP as peer", |a| {
+        a.peer == vip()
+    })
+}
+
+#[test]
+fn container_to_service_tcp() -> Result<()> {
+    container_to_service(Proto::Tcp)
+}
+
+#[test]
+fn container_to_service_udp() -> Result<()> {
+    container_to_service(Proto::Udp)
+}
+
+/// Path 4: an external client → node address:nodePort, masqueraded (externalTrafficPolicy Cluster).
+fn external_to_node_port(proto: Proto) -> Result<()> {
+    let mut node = Node::start(3, &[])?;
+    let service = node
+        .service(proto, &["pod-b", "pod-c"])
+        .node_port(NODE_PORT);
+    node.agent.update_manifests(&yaml(&[service]))?;
+    let node_port: SocketAddr = (NODE_IP, NODE_PORT).into();
+    let answers = requests(&node.topology.client, proto, node_port, 30)?;
+    assert_answered_by(&answers, &["pod-b", "pod-c"])?;
+    assert_all(&answers, "backend saw the node address", |a| {
+        a.seen_source.ip() == NODE_IP
+    })?;
+    assert_all(&answers, "client saw node:nodePort as peer", |a| {
+        a.peer == node_port
+    })?;
+    // The same service stays reachable on its ClusterIP from a pod, unmasqueraded.
+    let pod_a = node.topology.pod("pod-a");
+    let answer = request(&pod_a.ns, proto, vip())?;
+    ensure!(answer.seen_source.ip() == pod_a.ip, "{answer:?}");
+    Ok(())
+}
+
+#[test]
+fn external_to_node_port_tcp() -> Result<()> {
+    external_to_node_port(Proto::Tcp)
+}
+
+#[test]
+fn external_to_node_port_udp() -> Result<()> {
+    external_to_node_port(Proto::Udp)
+}
+
+/// Uniform random selection: 300 connections over three endpoints.
+#[test]
+fn connections_spread_over_endpoints() -> Result<()> {
+    let mut node = Node::start(4, &[])?;
+    let service = node.service(Proto::Tcp, &["pod-b", "pod-c", "pod-d"]);
+    node.agent.update_manifests(&yaml(&[service]))?;
+    let answers = requests(&node.topology.pod("pod-a").ns, Proto::Tcp, vip(), 300)?;
+    let counts = servers(&answers);
+    ensure!(counts.len() == 3, "{counts:?}");
+    // Binomial(300, 1/3): mean 100, sd 8.2; 60..=140 is ±4.9 sd.
+    ensure!(
+        counts.values().all(|&n| (60..=140).contains(&n)),
+        "uneven spread {counts:?}"
+    );
+    Ok(())
+}
+
+/// Endpoints that are not ready get no traffic.
+#[test]
+fn not_ready_endpoints_are_not_used() -> Result<()> {
+    let mut node = Node::start(3, &[])?;
+    let service = node
+        .service(Proto::Tcp, &["pod-b"])
+        .not_ready_endpoint(node.ip("pod-c"));
+    node.agent.update_manifests(&yaml(&[service]))?;
+    let answers = requests(&node.topology.pod("pod-a").ns, Proto::Tcp, vip(), 20)?;
+    assert_answered_by(&answers, &["pod-b"])
+}
+
+/// Traffic that is not service traffic passes untouched (no masquerade, no rewrite).
+#[test]
+fn non_service_traffic_is_untouched() -> Result<()> {
+    let mut node = Node::start(2, &[])?;
+    let service = node.service(Proto::Udp, &["pod-b"]);
+    node.agent.update_manifests(&yaml(&[service]))?;
+    let pod_b: SocketAddr = (node.ip("pod-b"), TARGET_PORT).into();
+    for proto in [Proto::Tcp, Proto::Udp] {
+        let from_pod = request(&node.topology.pod("pod-a").ns, proto, pod_b)?;
+        ensure!(
+            from_pod.seen_source.ip() == node.ip("pod-a") && from_pod.peer == pod_b,
+            "{from_pod:?}"
+        );
+        let from_container = request(&node.topology.container, proto, pod_b)?;
+        ensure!(
+            from_container.seen_source.ip() == CONTAINER_IP && from_container.peer == pod_b,
+            "{from_container:?}"
+        );
+    }
+    Ok(())
+}
+
+/// Requests from `ns` to `to` on a thread until stopped, at most 5000 or 30 s; the errors it saw.
+struct Traffic {
+    stop: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<Result<(Vec<Answer>, Vec<String>)>>,
+}
+
+impl Traffic {
+    fn start(ns: &lb_tests::netns::Netns, proto: Proto, to: SocketAddr) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let path = format!("/run/netns/{}", ns.name());
+        let thread = std::thread::spawn({
+            let stop = stop.clone();
+            move || {
+                lb_tests::netns::enter(&path)?;
+                let deadline = Instant::now() + Duration::from_secs(30);
+                let (mut answers, mut errors) = (Vec::new(), Vec::new());
+                while !stop.load(Ordering::Relaxed)
+                    && answers.len() < 5000
+                    && Instant::now() < deadline
+                {
+                    match proto.request(to) {
+                        Ok(answer) => answers.push(answer),
+                        Err(e) => errors.push(format!("{e:#}")),
+                    }
+                }
+                Ok((answers, errors))
+            }
+        });
+        Traffic { stop, thread }
+    }
+
+    fn finish(self) -> Result<(Vec<Answer>, Vec<String>)> {
+        self.stop.store(true, Ordering::Relaxed);
+        self.thread
+            .join()
+            .map_err(|_| anyhow::anyhow!("traffic thread panicked"))?
+    }
+}
+
+/// Removing an endpoint stops new connections to it at once; the other endpoint sees no error.
+#[test]
+fn endpoint_removed_while_traffic_runs() -> Result<()> {
+    let mut node = Node::start(3, &[])?;
+    let before = node.service(Proto::Tcp, &["pod-b", "pod-c"]);
+    let after = node.service(Proto::Tcp, &["pod-b"]);
+    node.agent.update_manifests(&yaml(&[before]))?;
+    let traffic = Traffic::start(&node.topology.pod("pod-a").ns, Proto::Tcp, vip());
+    std::thread::sleep(Duration::from_millis(300));
+    node.agent.update_manifests(&yaml(&[after]))?;
+    let later = requests(&node.topology.pod("pod-a").ns, Proto::Tcp, vip(), 50)?;
+    let (answers, errors) = traffic.finish()?;
+    ensure!(
+        errors.is_empty(),
+        "errors while the endpoint went away: {errors:?}"
+    );
+    assert_answered_by(&answers[..answers.len().min(20)], &["pod-b", "pod-c"])?;
+    assert_answered_by(&later, &["pod-b"])
+}
+
+/// Deleting one service leaves another untouched; the deleted one stops answering.
+#[test]
+fn service_deleted_while_traffic_runs() -> Result<()> {
+    let mut node = Node::start(3, &[])?;
+    let kept = ServiceManifest::new("kept", OTHER_CLUSTER_IP, Proto::Udp, PORT, TARGET_PORT)
+        .endpoints([node.ip("pod-c")]);
+    let deleted = node.service(Proto::Udp, &["pod-b"]);
+    node.agent
+        .update_manifests(&yaml(&[deleted.clone(), kept.clone()]))?;
+    ensure!(request(&node.topology.pod("pod-a").ns, Proto::Udp, vip())?.server == "pod-b");
+    let kept_vip: SocketAddr = (OTHER_CLUSTER_IP, PORT).into();
+    let traffic = Traffic::start(&node.topology.pod("pod-a").ns, Proto::Udp, kept_vip);
+    std::thread::sleep(Duration::from_millis(300));
+    node.agent.update_manifests(&yaml(&[kept]))?;
+    std::thread::sleep(Duration::from_millis(300));
+    let (answers, errors) = traffic.finish()?;
+    ensure!(
+        errors.is_empty(),
+        "the kept service was disturbed: {errors:?}"
+    );
+    assert_answered_by(&answers, &["pod-c"])?;
+    // A new socket (new source port, so no conntrack entry) to the deleted service gets nothing.
+    ensure!(
+        request(&node.topology.pod("pod-a").ns, Proto::Udp, vip()).is_err(),
+        "the deleted service still answers"
+    );
+    Ok(())
+}
+
+/// A pod created after the agent started is attached: as a backend its replies are translated.
+#[test]
+fn pods_created_after_start_are_attached() -> Result<()> {
+    let mut node = Node::start(1, &[])?;
+    let pod_b = node.topology.add_pod()?;
+    let _server = EchoServer::start(&pod_b.ns, &pod_b.name, TARGET_PORT)?;
+    let service = node.service(Proto::Udp, &["pod-b"]);
+    node.agent.update_manifests(&yaml(&[service]))?;
+    // The agent attaches on the netlink event; give it a bounded number of tries.
+    let pod_a = node.topology.pod("pod-a");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match request(&pod_a.ns, Proto::Udp, vip()) {
+            Ok(answer) => {
+                ensure!(
+                    answer.server == "pod-b" && answer.peer == vip(),
+                    "{answer:?}"
+                );
+                return Ok(());
+            }
+            Err(e) if Instant::now() > deadline => return Err(e.context(node.agent.log())),
+            Err(_) => {}
+        }
+    }
+}
+
+/// A broken manifest is reported and the last good state stays in the maps.
+#[test]
+fn broken_manifest_keeps_last_good_state() -> Result<()> {
+    let mut node = Node::start(2, &[])?;
+    let service = node.service(Proto::Tcp, &["pod-b"]);
+    node.agent.update_manifests(&yaml(&[service.clone()]))?;
+    let broken = yaml(&[service]).replace("port: 80", "port: eighty");
+    std::fs::write(node.agent.manifest_dir().join("services.yaml"), broken)?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !node.agent.log().contains("spec.ports") {
+        ensure!(
+            Instant::now() < deadline,
+            "no error logged:\n{}",
+            node.agent.log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let log = node.agent.log();
+    ensure!(
+        log.contains("services.yaml"),
+        "the error names no file:\n{log}"
+    );
+    let answers = requests(&node.topology.pod("pod-a").ns, Proto::Tcp, vip(), 5)?;
+    assert_answered_by(&answers, &["pod-b"])
+}
+
+/// SIGTERM detaches the programs: the service is gone, pod traffic still flows.
+#[test]
+fn sigterm_detaches() -> Result<()> {
+    let mut node = Node::start(2, &[])?;
+    let service = node.service(Proto::Udp, &["pod-b"]);
+    node.agent.update_manifests(&yaml(&[service]))?;
+    let pod_a = node.topology.pod("pod-a");
+    ensure!(request(&pod_a.ns, Proto::Udp, vip())?.server == "pod-b");
+    let status = node.agent.stop()?;
+    ensure!(
+        status.success(),
+        "agent exit status {status}:\n{}",
+        node.agent.log()
+    );
+    ensure!(
+        request(&pod_a.ns, Proto::Udp, vip()).is_err(),
+        "still translated after SIGTERM"
+    );
+    let direct: SocketAddr = (node.ip("pod-b"), TARGET_PORT).into();
+    ensure!(request(&pod_a.ns, Proto::Udp, direct)?.server == "pod-b");
+    Ok(())
+}
