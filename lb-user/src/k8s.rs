@@ -1,0 +1,354 @@
+//! Kubernetes objects (k8s-openapi types, from any source) to the model's specs: validation,
+//! defaults, and what we ignore (ExternalName, headless, IPv6, SCTP).
+use std::net::IpAddr;
+use std::net::Ipv4Addr;
+
+use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use tracing::debug;
+
+use crate::model::{
+    PortSpec, Protocol, ServiceName, ServiceSpec, SliceEndpoint, SlicePort, SliceSpec, TargetPort,
+};
+
+/// The label that ties an EndpointSlice to its Service.
+pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
+
+/// A field with a value we cannot use; `field` is its path in the object (`spec.ports[0].port`).
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {reason}")]
+pub struct InvalidField {
+    pub field: String,
+    pub reason: String,
+}
+
+fn invalid(field: impl Into<String>, reason: impl Into<String>) -> InvalidField {
+    InvalidField {
+        field: field.into(),
+        reason: reason.into(),
+    }
+}
+
+/// The Service as a spec, or None when it is not ours to proxy.
+pub fn service(svc: &Service) -> Result<Option<ServiceSpec>, InvalidField> {
+    let name = object_name(&svc.metadata)?;
+    let Some(spec) = &svc.spec else {
+        debug!(service = %name, "ignored: no spec");
+        return Ok(None);
+    };
+    let node_ports = match spec.type_.as_deref().unwrap_or("ClusterIP") {
+        "ClusterIP" => false,
+        "NodePort" | "LoadBalancer" => true,
+        "ExternalName" => {
+            debug!(service = %name, "ignored: type ExternalName");
+            return Ok(None);
+        }
+        other => return Err(invalid("spec.type", format!("unknown type {other:?}"))),
+    };
+    let Some(cluster_ip) = cluster_ipv4(&name, spec.cluster_ip.as_deref(), &spec.cluster_ips)?
+    else {
+        return Ok(None);
+    };
+
+    let mut ports = Vec::new();
+    for (i, p) in spec.ports.iter().flatten().enumerate() {
+        let field = |f: &str| format!("spec.ports[{i}].{f}");
+        let Some(protocol) = protocol(p.protocol.as_deref(), || field("protocol"))? else {
+            debug!(service = %name, port = p.port, "ignored port: SCTP");
+            continue;
+        };
+        let port = port_number(p.port, || field("port"))?;
+        let node_port = p
+            .node_port
+            .map(|n| port_number(n, || field("nodePort")))
+            .transpose()?;
+        let target_port = match &p.target_port {
+            None => TargetPort::Number(port),
+            Some(IntOrString::Int(n)) => {
+                TargetPort::Number(port_number(*n, || field("targetPort"))?)
+            }
+            Some(IntOrString::String(s)) => TargetPort::Name(s.clone()),
+        };
+        ports.push(PortSpec {
+            name: p.name.clone().unwrap_or_default(),
+            protocol,
+            port,
+            node_port,
+            target_port,
+        });
+    }
+    Ok(Some(ServiceSpec {
+        name,
+        cluster_ip,
+        node_ports,
+        ports,
+    }))
+}
+
+/// The EndpointSlice as a spec, or None when it is not ours to use.
+pub fn endpoint_slice(slice: &EndpointSlice) -> Result<Option<SliceSpec>, InvalidField> {
+    let slice_name = object_name(&slice.metadata)?;
+    match slice.address_type.as_str() {
+        "IPv4" => {}
+        "IPv6" | "FQDN" => {
+            debug!(slice = %slice_name, address_type = %slice.address_type, "ignored: IPv4 only");
+            return Ok(None);
+        }
+        other => {
+            return Err(invalid(
+                "addressType",
+                format!("unknown address type {other:?}"),
+            ));
+        }
+    }
+    let Some(service) = slice
+        .metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(SERVICE_NAME_LABEL))
+    else {
+        debug!(slice = %slice_name, "ignored: no {SERVICE_NAME_LABEL} label");
+        return Ok(None);
+    };
+
+    let mut ports = Vec::new();
+    for (i, p) in slice.ports.iter().flatten().enumerate() {
+        let field = |f: &str| format!("ports[{i}].{f}");
+        let Some(protocol) = protocol(p.protocol.as_deref(), || field("protocol"))? else {
+            continue;
+        };
+        ports.push(SlicePort {
+            name: p.name.clone().unwrap_or_default(),
+            protocol,
+            port: p
+                .port
+                .map(|n| port_number(n, || field("port")))
+                .transpose()?,
+        });
+    }
+
+    let mut endpoints = Vec::new();
+    for (i, e) in slice.endpoints.iter().flatten().enumerate() {
+        // Consumers use the first address only (the API says the others are not used).
+        let Some(addr) = e.addresses.first() else {
+            return Err(invalid(format!("endpoints[{i}].addresses"), "empty"));
+        };
+        let addr = addr.parse::<Ipv4Addr>().map_err(|err| {
+            invalid(
+                format!("endpoints[{i}].addresses[0]"),
+                format!("{addr:?}: {err}"),
+            )
+        })?;
+        let ready = e.conditions.as_ref().and_then(|c| c.ready).unwrap_or(true);
+        endpoints.push(SliceEndpoint { addr, ready });
+    }
+
+    Ok(Some(SliceSpec {
+        service: ServiceName {
+            namespace: slice_name.namespace,
+            name: service.clone(),
+        },
+        ports,
+        endpoints,
+    }))
+}
+
+fn object_name(meta: &ObjectMeta) -> Result<ServiceName, InvalidField> {
+    let name = meta
+        .name
+        .clone()
+        .ok_or_else(|| invalid("metadata.name", "missing"))?;
+    Ok(ServiceName {
+        namespace: meta.namespace.clone().unwrap_or_else(|| "default".into()),
+        name,
+    })
+}
+
+/// The first IPv4 ClusterIP; None (ignored) for headless services, services without one, and
+/// IPv6-only services.
+fn cluster_ipv4(
+    name: &ServiceName,
+    cluster_ip: Option<&str>,
+    cluster_ips: &Option<Vec<String>>,
+) -> Result<Option<Ipv4Addr>, InvalidField> {
+    let Some(primary) = cluster_ip.or(cluster_ips
+        .as_ref()
+        .and_then(|ips| ips.first())
+        .map(String::as_str))
+    else {
+        debug!(service = %name, "ignored: no clusterIP");
+        return Ok(None);
+    };
+    if primary == "None" {
+        debug!(service = %name, "ignored: headless (clusterIP None)");
+        return Ok(None);
+    }
+    let candidates = std::iter::once(("spec.clusterIP".to_owned(), primary)).chain(
+        cluster_ips
+            .iter()
+            .flatten()
+            .enumerate()
+            .map(|(i, ip)| (format!("spec.clusterIPs[{i}]"), ip.as_str())),
+    );
+    for (field, ip) in candidates {
+        match ip.parse::<IpAddr>() {
+            Ok(IpAddr::V4(v4)) => return Ok(Some(v4)),
+            Ok(IpAddr::V6(_)) => {}
+            Err(err) => return Err(invalid(field, format!("{ip:?}: {err}"))),
+        }
+    }
+    debug!(service = %name, "ignored: no IPv4 clusterIP (IPv4 only for now)");
+    Ok(None)
+}
+
+/// None for SCTP, which we do not proxy.
+fn protocol(
+    protocol: Option<&str>,
+    field: impl FnOnce() -> String,
+) -> Result<Option<Protocol>, InvalidField> {
+    match protocol.unwrap_or("TCP") {
+        "TCP" => Ok(Some(Protocol::Tcp)),
+        "UDP" => Ok(Some(Protocol::Udp)),
+        "SCTP" => Ok(None),
+        other => Err(invalid(field(), format!("unknown protocol {other:?}"))),
+    }
+}
+
+fn port_number(n: i32, field: impl FnOnce() -> String) -> Result<u16, InvalidField> {
+    u16::try_from(n)
+        .ok()
+        .filter(|&p| p != 0)
+        .ok_or_else(|| invalid(field(), format!("{n} is not a port (1-65535)")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn svc(yaml: &str) -> Service {
+        serde_yaml::from_str(yaml).expect("test yaml")
+    }
+
+    fn slice(yaml: &str) -> EndpointSlice {
+        serde_yaml::from_str(yaml).expect("test yaml")
+    }
+
+    const HEAD: &str = "apiVersion: v1\nkind: Service\nmetadata: {name: web, namespace: shop}\n";
+
+    #[test]
+    fn service_defaults_and_target_ports() {
+        let spec = service(&svc(&format!(
+            "{HEAD}spec:\n  clusterIP: 10.96.0.10\n  ports:\n  - {{port: 80}}\n  - {{name: b, port: 81, targetPort: web, protocol: UDP}}\n  - {{name: c, port: 82, targetPort: 8082}}\n  - {{name: d, port: 83, protocol: SCTP}}\n"
+        )))
+        .unwrap()
+        .unwrap();
+        assert_eq!(spec.name.to_string(), "shop/web");
+        assert_eq!(spec.cluster_ip, Ipv4Addr::new(10, 96, 0, 10));
+        assert!(!spec.node_ports);
+        assert_eq!(spec.ports.len(), 3);
+        assert_eq!(spec.ports[0].name, "");
+        assert_eq!(spec.ports[0].protocol, Protocol::Tcp);
+        assert_eq!(spec.ports[0].target_port, TargetPort::Number(80));
+        assert_eq!(spec.ports[1].protocol, Protocol::Udp);
+        assert_eq!(spec.ports[1].target_port, TargetPort::Name("web".into()));
+        assert_eq!(spec.ports[2].target_port, TargetPort::Number(8082));
+    }
+
+    #[test]
+    fn ignored_services() {
+        for spec in [
+            "spec: {type: ExternalName, externalName: example.com}",
+            "spec: {clusterIP: None, ports: [{port: 80}]}",
+            "spec: {ports: [{port: 80}]}",
+            "spec: {clusterIP: 'fd00::10', ports: [{port: 80}]}",
+        ] {
+            assert_eq!(
+                service(&svc(&format!("{HEAD}{spec}\n"))),
+                Ok(None),
+                "{spec}"
+            );
+        }
+        let dual = service(&svc(&format!(
+            "{HEAD}spec: {{clusterIP: 'fd00::10', clusterIPs: ['fd00::10', 10.96.0.11], type: NodePort, ports: [{{port: 80, nodePort: 30080}}]}}\n"
+        )))
+        .unwrap()
+        .unwrap();
+        assert_eq!(dual.cluster_ip, Ipv4Addr::new(10, 96, 0, 11));
+        assert!(dual.node_ports);
+        assert_eq!(dual.ports[0].node_port, Some(30080));
+    }
+
+    #[test]
+    fn invalid_service_fields_are_named() {
+        let err = service(&svc(&format!(
+            "{HEAD}spec: {{clusterIP: 10.96.0.1, ports: [{{port: 80}}, {{port: 70000}}]}}\n"
+        )))
+        .unwrap_err();
+        assert_eq!(err.field, "spec.ports[1].port");
+        let err = service(&svc(&format!(
+            "{HEAD}spec: {{clusterIP: 10.96.0.300, ports: [{{port: 80}}]}}\n"
+        )))
+        .unwrap_err();
+        assert_eq!(err.field, "spec.clusterIP");
+        let err = service(&svc(&format!(
+            "{HEAD}spec: {{clusterIP: 10.96.0.1, ports: [{{port: 80, protocol: ICMP}}]}}\n"
+        )))
+        .unwrap_err();
+        assert_eq!(err.field, "spec.ports[0].protocol");
+    }
+
+    #[test]
+    fn slices_join_by_label_and_default_ready() {
+        let spec = endpoint_slice(&slice(
+            "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: web-abc\n  namespace: shop\n  labels: {kubernetes.io/service-name: web}\naddressType: IPv4\nports: [{name: http, port: 8080}, {name: s, port: 9, protocol: SCTP}]\nendpoints:\n- addresses: [10.244.1.2]\n- addresses: [10.244.1.3]\n  conditions: {ready: false}\n",
+        ))
+        .unwrap()
+        .unwrap();
+        assert_eq!(spec.service.to_string(), "shop/web");
+        assert_eq!(
+            spec.ports,
+            vec![SlicePort {
+                name: "http".into(),
+                protocol: Protocol::Tcp,
+                port: Some(8080)
+            }]
+        );
+        assert_eq!(
+            spec.endpoints,
+            vec![
+                SliceEndpoint {
+                    addr: Ipv4Addr::new(10, 244, 1, 2),
+                    ready: true
+                },
+                SliceEndpoint {
+                    addr: Ipv4Addr::new(10, 244, 1, 3),
+                    ready: false
+                },
+            ]
+        );
+    }
+
+    #[test]
+    fn ignored_and_invalid_slices() {
+        let base =
+            "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: web-abc\n";
+        let labels = "  labels: {kubernetes.io/service-name: web}\n";
+        assert_eq!(
+            endpoint_slice(&slice(&format!(
+                "{base}{labels}addressType: IPv6\nendpoints: [{{addresses: ['fd00::1']}}]\n"
+            ))),
+            Ok(None)
+        );
+        assert_eq!(
+            endpoint_slice(&slice(&format!("{base}addressType: IPv4\nendpoints: []\n"))),
+            Ok(None)
+        );
+        let err = endpoint_slice(&slice(&format!(
+            "{base}{labels}addressType: IPv4\nendpoints: [{{addresses: [10.244.1.2]}}, {{addresses: [bogus]}}]\n"
+        )))
+        .unwrap_err();
+        assert_eq!(err.field, "endpoints[1].addresses[0]");
+    }
+}

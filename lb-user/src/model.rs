@@ -1,0 +1,458 @@
+//! The desired state, whatever its source: services, their ports, and the endpoints of each port.
+//!
+//! A source (the manifest directory now, the apiserver later) produces [`ServiceSpec`]s and
+//! [`SliceSpec`]s; [`Model::join`] joins them the way kube-proxy does. Everything here is pure.
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::net::Ipv4Addr;
+
+use lb_common::{IPPROTO_TCP, IPPROTO_UDP};
+
+use crate::nodeport::NodePortAllocator;
+
+/// `namespace/name` of a Service.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ServiceName {
+    pub namespace: String,
+    pub name: String,
+}
+
+impl fmt::Display for ServiceName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Protocol {
+    Tcp,
+    Udp,
+}
+
+impl Protocol {
+    pub const fn ipproto(self) -> u8 {
+        match self {
+            Protocol::Tcp => IPPROTO_TCP,
+            Protocol::Udp => IPPROTO_UDP,
+        }
+    }
+}
+
+impl fmt::Display for Protocol {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Protocol::Tcp => "TCP",
+            Protocol::Udp => "UDP",
+        })
+    }
+}
+
+/// One port of one service: the identity that keeps its service id (and allocated nodePort)
+/// stable across syncs.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ServicePortId {
+    pub service: ServiceName,
+    /// The ServicePort name; "" when unnamed (only allowed for single-port services).
+    pub port_name: String,
+    pub protocol: Protocol,
+}
+
+impl fmt::Display for ServicePortId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}/{}", self.service, self.port_name, self.protocol)
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TargetPort {
+    Number(u16),
+    /// A container port name; only the EndpointSlice knows its number.
+    Name(String),
+}
+
+/// A Service as a source reports it, before the join.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServiceSpec {
+    pub name: ServiceName,
+    pub cluster_ip: Ipv4Addr,
+    /// type NodePort or LoadBalancer: every port is also exposed on the node.
+    pub node_ports: bool,
+    pub ports: Vec<PortSpec>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PortSpec {
+    pub name: String,
+    pub protocol: Protocol,
+    pub port: u16,
+    /// The nodePort the source gave; a node-exposed port without one gets one allocated.
+    pub node_port: Option<u16>,
+    pub target_port: TargetPort,
+}
+
+/// An EndpointSlice as a source reports it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SliceSpec {
+    pub service: ServiceName,
+    pub ports: Vec<SlicePort>,
+    pub endpoints: Vec<SliceEndpoint>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SlicePort {
+    pub name: String,
+    pub protocol: Protocol,
+    /// None means "all ports": the endpoint listens on the service's numeric targetPort.
+    pub port: Option<u16>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SliceEndpoint {
+    pub addr: Ipv4Addr,
+    pub ready: bool,
+}
+
+/// The joined desired state.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Model {
+    pub services: BTreeMap<ServiceName, Service>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Service {
+    pub cluster_ip: Ipv4Addr,
+    pub ports: Vec<ServicePort>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServicePort {
+    pub name: String,
+    pub protocol: Protocol,
+    pub port: u16,
+    /// Set when the port is exposed on the node.
+    pub node_port: Option<u16>,
+    pub target_port: TargetPort,
+    /// Sorted by (addr, port), no duplicates.
+    pub endpoints: Vec<Endpoint>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Endpoint {
+    pub addr: Ipv4Addr,
+    pub port: u16,
+    pub ready: bool,
+}
+
+impl Model {
+    /// Joins slices to services (same namespace, `kubernetes.io/service-name`) and gives every
+    /// node-exposed port without a nodePort one from `node_ports`.
+    ///
+    /// As in kube-proxy, a service port's endpoints come from the slice port with the same name
+    /// and protocol; its number is the endpoint's port (targetPort only matters when the slice
+    /// port leaves the number out).
+    pub fn join(
+        services: Vec<ServiceSpec>,
+        slices: &[SliceSpec],
+        node_ports: &mut NodePortAllocator,
+    ) -> Model {
+        let mut slices_by_service: BTreeMap<&ServiceName, Vec<&SliceSpec>> = BTreeMap::new();
+        for slice in slices {
+            slices_by_service
+                .entry(&slice.service)
+                .or_default()
+                .push(slice);
+        }
+
+        let explicit: BTreeSet<u16> = services
+            .iter()
+            .filter(|s| s.node_ports)
+            .flat_map(|s| s.ports.iter().filter_map(|p| p.node_port))
+            .collect();
+        let wanted: Vec<ServicePortId> = services
+            .iter()
+            .filter(|s| s.node_ports)
+            .flat_map(|s| {
+                s.ports
+                    .iter()
+                    .filter(|p| p.node_port.is_none())
+                    .map(|p| ServicePortId {
+                        service: s.name.clone(),
+                        port_name: p.name.clone(),
+                        protocol: p.protocol,
+                    })
+            })
+            .collect();
+        let allocated = node_ports.assign(&explicit, &wanted);
+
+        let mut model = Model::default();
+        for spec in services {
+            let service_slices = slices_by_service
+                .get(&spec.name)
+                .map(Vec::as_slice)
+                .unwrap_or_default();
+            let ports = spec
+                .ports
+                .into_iter()
+                .map(|p| {
+                    let node_port = if spec.node_ports {
+                        p.node_port.or_else(|| {
+                            allocated
+                                .get(&ServicePortId {
+                                    service: spec.name.clone(),
+                                    port_name: p.name.clone(),
+                                    protocol: p.protocol,
+                                })
+                                .copied()
+                        })
+                    } else {
+                        None
+                    };
+                    let endpoints = endpoints_of(&p, service_slices);
+                    ServicePort {
+                        name: p.name,
+                        protocol: p.protocol,
+                        port: p.port,
+                        node_port,
+                        target_port: p.target_port,
+                        endpoints,
+                    }
+                })
+                .collect();
+            model.services.insert(
+                spec.name,
+                Service {
+                    cluster_ip: spec.cluster_ip,
+                    ports,
+                },
+            );
+        }
+        model
+    }
+
+    /// Every service port with its identity.
+    pub fn ports(&self) -> impl Iterator<Item = (ServicePortId, &Service, &ServicePort)> {
+        self.services.iter().flat_map(|(name, service)| {
+            service.ports.iter().map(move |port| {
+                (
+                    ServicePortId {
+                        service: name.clone(),
+                        port_name: port.name.clone(),
+                        protocol: port.protocol,
+                    },
+                    service,
+                    port,
+                )
+            })
+        })
+    }
+
+    /// Ready endpoints over all service ports.
+    pub fn ready_endpoints(&self) -> usize {
+        self.ports()
+            .map(|(_, _, p)| p.endpoints.iter().filter(|e| e.ready).count())
+            .sum()
+    }
+}
+
+fn endpoints_of(port: &PortSpec, slices: &[&SliceSpec]) -> Vec<Endpoint> {
+    let mut by_addr: BTreeMap<(Ipv4Addr, u16), bool> = BTreeMap::new();
+    for slice in slices {
+        let Some(slice_port) = slice
+            .ports
+            .iter()
+            .find(|sp| sp.name == port.name && sp.protocol == port.protocol)
+        else {
+            continue;
+        };
+        let number = match (slice_port.port, &port.target_port) {
+            (Some(n), _) | (None, &TargetPort::Number(n)) => n,
+            (None, TargetPort::Name(_)) => continue,
+        };
+        for e in &slice.endpoints {
+            // The same address in two slices (during a rollout) counts once; ready if either
+            // says so.
+            *by_addr.entry((e.addr, number)).or_default() |= e.ready;
+        }
+    }
+    by_addr
+        .into_iter()
+        .map(|((addr, port), ready)| Endpoint { addr, port, ready })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn name(n: &str) -> ServiceName {
+        ServiceName {
+            namespace: "default".into(),
+            name: n.into(),
+        }
+    }
+
+    fn web(node_ports: bool, node_port: Option<u16>) -> ServiceSpec {
+        ServiceSpec {
+            name: name("web"),
+            cluster_ip: Ipv4Addr::new(10, 96, 0, 10),
+            node_ports,
+            ports: vec![
+                PortSpec {
+                    name: "http".into(),
+                    protocol: Protocol::Tcp,
+                    port: 80,
+                    node_port,
+                    target_port: TargetPort::Name("http".into()),
+                },
+                PortSpec {
+                    name: "dns".into(),
+                    protocol: Protocol::Udp,
+                    port: 53,
+                    node_port: None,
+                    target_port: TargetPort::Number(5353),
+                },
+            ],
+        }
+    }
+
+    fn ep(last: u8, ready: bool) -> SliceEndpoint {
+        SliceEndpoint {
+            addr: Ipv4Addr::new(10, 244, 1, last),
+            ready,
+        }
+    }
+
+    fn slice(ports: Vec<SlicePort>, endpoints: Vec<SliceEndpoint>) -> SliceSpec {
+        SliceSpec {
+            service: name("web"),
+            ports,
+            endpoints,
+        }
+    }
+
+    fn sp(name: &str, protocol: Protocol, port: Option<u16>) -> SlicePort {
+        SlicePort {
+            name: name.into(),
+            protocol,
+            port,
+        }
+    }
+
+    #[test]
+    fn endpoint_port_comes_from_the_slice_port_with_the_service_port_name() {
+        let slices = [slice(
+            vec![
+                sp("http", Protocol::Tcp, Some(8080)),
+                sp("dns", Protocol::Udp, Some(5353)),
+            ],
+            vec![ep(4, true), ep(2, true), ep(3, false)],
+        )];
+        let model = Model::join(
+            vec![web(false, None)],
+            &slices,
+            &mut NodePortAllocator::new(30000..=32767),
+        );
+        let svc = &model.services[&name("web")];
+        let http = &svc.ports[0];
+        assert_eq!(
+            http.endpoints,
+            vec![
+                Endpoint {
+                    addr: Ipv4Addr::new(10, 244, 1, 2),
+                    port: 8080,
+                    ready: true
+                },
+                Endpoint {
+                    addr: Ipv4Addr::new(10, 244, 1, 3),
+                    port: 8080,
+                    ready: false
+                },
+                Endpoint {
+                    addr: Ipv4Addr::new(10, 244, 1, 4),
+                    port: 8080,
+                    ready: true
+                },
+            ]
+        );
+        assert!(svc.ports[1].endpoints.iter().all(|e| e.port == 5353));
+        assert_eq!(http.node_port, None);
+        assert_eq!(model.ready_endpoints(), 4);
+    }
+
+    #[test]
+    fn protocol_must_match_and_unmatched_ports_have_no_endpoints() {
+        let slices = [slice(
+            vec![sp("http", Protocol::Udp, Some(8080))],
+            vec![ep(2, true)],
+        )];
+        let model = Model::join(
+            vec![web(false, None)],
+            &slices,
+            &mut NodePortAllocator::new(30000..=32767),
+        );
+        assert!(model.services[&name("web")].ports[0].endpoints.is_empty());
+        assert!(model.services[&name("web")].ports[1].endpoints.is_empty());
+    }
+
+    #[test]
+    fn a_slice_port_without_number_uses_a_numeric_target_port_only() {
+        let slices = [slice(
+            vec![
+                sp("http", Protocol::Tcp, None),
+                sp("dns", Protocol::Udp, None),
+            ],
+            vec![ep(2, true)],
+        )];
+        let model = Model::join(
+            vec![web(false, None)],
+            &slices,
+            &mut NodePortAllocator::new(30000..=32767),
+        );
+        let ports = &model.services[&name("web")].ports;
+        assert!(ports[0].endpoints.is_empty());
+        assert_eq!(ports[1].endpoints[0].port, 5353);
+    }
+
+    #[test]
+    fn endpoints_in_several_slices_are_merged() {
+        let slices = [
+            slice(
+                vec![sp("http", Protocol::Tcp, Some(80))],
+                vec![ep(2, false)],
+            ),
+            slice(
+                vec![sp("http", Protocol::Tcp, Some(80))],
+                vec![ep(2, true), ep(3, true)],
+            ),
+        ];
+        let model = Model::join(
+            vec![web(false, None)],
+            &slices,
+            &mut NodePortAllocator::new(30000..=32767),
+        );
+        let eps = &model.services[&name("web")].ports[0].endpoints;
+        assert_eq!(eps.len(), 2);
+        assert!(eps.iter().all(|e| e.ready));
+    }
+
+    #[test]
+    fn node_ports_are_kept_or_allocated_only_for_node_exposed_services() {
+        let mut alloc = NodePortAllocator::new(30000..=32767);
+        let model = Model::join(vec![web(true, Some(30080))], &[], &mut alloc);
+        let ports = &model.services[&name("web")].ports;
+        assert_eq!(ports[0].node_port, Some(30080));
+        let allocated = ports[1].node_port.expect("allocated");
+        assert!((30000..=32767).contains(&allocated) && allocated != 30080);
+
+        let again = Model::join(vec![web(true, Some(30080))], &[], &mut alloc);
+        assert_eq!(again, model);
+
+        let cluster_ip_only = Model::join(vec![web(false, Some(30080))], &[], &mut alloc);
+        assert!(
+            cluster_ip_only.services[&name("web")]
+                .ports
+                .iter()
+                .all(|p| p.node_port.is_none())
+        );
+    }
+}

@@ -1,0 +1,644 @@
+//! The one reconciler: model → desired map contents → the difference against what the maps hold
+//! → writes, in an order where no packet sees a half-written service.
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::Ipv4Addr;
+
+use lb_common::{
+    Backend, BackendKey, FRONTEND_F_MASQUERADE, Frontend, FrontendKey, ipv4_be, port_be,
+};
+use tracing::{error, warn};
+
+use crate::model::{Model, ServicePortId};
+
+/// The two service maps, as the reconciler writes them: the aya maps, or a fake in tests.
+pub trait MapWriter {
+    type Error: std::error::Error;
+    fn insert_backend(&mut self, key: BackendKey, value: Backend) -> Result<(), Self::Error>;
+    fn remove_backend(&mut self, key: BackendKey) -> Result<(), Self::Error>;
+    fn insert_frontend(&mut self, key: FrontendKey, value: Frontend) -> Result<(), Self::Error>;
+    fn remove_frontend(&mut self, key: FrontendKey) -> Result<(), Self::Error>;
+}
+
+/// Desired contents of the service maps.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct MapContents {
+    pub frontends: BTreeMap<FrontendKey, Frontend>,
+    pub backends: BTreeMap<BackendKey, Backend>,
+}
+
+/// What one sync did.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct SyncReport {
+    pub frontends_added: usize,
+    pub frontends_updated: usize,
+    pub frontends_removed: usize,
+    pub backends_added: usize,
+    pub backends_updated: usize,
+    pub backends_removed: usize,
+    /// Map writes that failed in this sync; they are retried by the next one.
+    pub failed: usize,
+}
+
+impl SyncReport {
+    pub fn changed(&self) -> bool {
+        self.frontends_added
+            + self.frontends_updated
+            + self.frontends_removed
+            + self.backends_added
+            + self.backends_updated
+            + self.backends_removed
+            > 0
+    }
+}
+
+pub struct Reconciler {
+    node_addr: Ipv4Addr,
+    /// Service id of every service port of the last sync.
+    ids: BTreeMap<ServicePortId, u32>,
+    /// Never reused while the agent runs: a freed id may still sit in conntrack entries.
+    next_id: u32,
+    /// Until the first sync: a service port takes the id its frontend has in the maps, so an
+    /// agent restart rewrites nothing.
+    adopt_ids: bool,
+    /// What the maps hold, as far as we know: read back at start, then what we wrote.
+    written: MapContents,
+    /// Failed map writes since start.
+    pub failed_total: u64,
+}
+
+impl Reconciler {
+    /// `existing`: the contents of the (pinned) maps at start.
+    pub fn new(node_addr: Ipv4Addr, existing: MapContents) -> Self {
+        let max_id = existing
+            .frontends
+            .values()
+            .map(|f| f.service_id)
+            .chain(existing.backends.keys().map(|k| k.service_id))
+            .max()
+            .unwrap_or(0);
+        Self {
+            node_addr,
+            ids: BTreeMap::new(),
+            next_id: max_id + 1,
+            adopt_ids: true,
+            written: existing,
+            failed_total: 0,
+        }
+    }
+
+    /// The map contents for `model`; gives new service ports their ids.
+    pub fn desired(&mut self, model: &Model) -> MapContents {
+        let mut ids = BTreeMap::new();
+        let mut taken = BTreeSet::new();
+        let mut fresh = Vec::new();
+        for (id, service, port) in model.ports() {
+            let adopted = self
+                .adopt_ids
+                .then(|| {
+                    self.written.frontends.get(&frontend_key(
+                        service.cluster_ip,
+                        port.port,
+                        port.protocol.ipproto(),
+                    ))
+                })
+                .flatten()
+                .map(|f| f.service_id);
+            match self.ids.get(&id).copied().or(adopted) {
+                Some(sid) if taken.insert(sid) => {
+                    ids.insert(id, sid);
+                }
+                _ => fresh.push(id),
+            }
+        }
+        for id in fresh {
+            ids.insert(id, self.next_id);
+            self.next_id += 1;
+        }
+        self.ids = ids;
+
+        let mut desired = MapContents::default();
+        for (id, service, port) in model.ports() {
+            let service_id = self.ids[&id];
+            let mut count = 0;
+            for e in port.endpoints.iter().filter(|e| e.ready) {
+                desired.backends.insert(
+                    BackendKey {
+                        service_id,
+                        slot: count,
+                    },
+                    Backend {
+                        addr: ipv4_be(e.addr.octets()),
+                        port: port_be(e.port),
+                        _pad: 0,
+                    },
+                );
+                count += 1;
+            }
+            let proto = port.protocol.ipproto();
+            let mut frontends = vec![(frontend_key(service.cluster_ip, port.port, proto), 0)];
+            if let Some(node_port) = port.node_port {
+                frontends.push((
+                    frontend_key(self.node_addr, node_port, proto),
+                    FRONTEND_F_MASQUERADE,
+                ));
+            }
+            for (key, flags) in frontends {
+                let value = Frontend {
+                    service_id,
+                    backend_count: count,
+                    flags,
+                };
+                if let Some(other) = desired.frontends.get(&key) {
+                    warn!(service_port = %id, addr = %Ipv4Addr::from(key.addr.to_ne_bytes()), port = u16::from_be(key.port), proto = key.proto, other_service_id = other.service_id, "frontend already taken by another service port: skipped");
+                    continue;
+                }
+                desired.frontends.insert(key, value);
+            }
+        }
+        desired
+    }
+
+    /// Brings the maps to `model`. Order: new/changed backend slots, then frontends (whose
+    /// backend_count then covers only written slots), then removed frontends, then slots no
+    /// frontend counts any more. A service whose backend writes failed keeps its old frontend
+    /// and old slots, so it stays consistent; the next sync retries.
+    pub fn sync<W: MapWriter>(&mut self, model: &Model, maps: &mut W) -> SyncReport {
+        let desired = self.desired(model);
+        self.adopt_ids = false;
+        let mut report = SyncReport::default();
+        let mut broken = BTreeSet::new();
+
+        for (key, value) in &desired.backends {
+            let old = self.written.backends.get(key).copied();
+            if old == Some(*value) {
+                continue;
+            }
+            match maps.insert_backend(*key, *value) {
+                Ok(()) => {
+                    self.written.backends.insert(*key, *value);
+                    if old.is_some() {
+                        report.backends_updated += 1;
+                    } else {
+                        report.backends_added += 1;
+                    }
+                }
+                Err(err) => {
+                    self.failed(&mut report, "backend insert", &format!("{key:?}"), &err);
+                    broken.insert(key.service_id);
+                }
+            }
+        }
+
+        for (key, value) in &desired.frontends {
+            let old = self.written.frontends.get(key).copied();
+            if old == Some(*value) || broken.contains(&value.service_id) {
+                continue;
+            }
+            match maps.insert_frontend(*key, *value) {
+                Ok(()) => {
+                    self.written.frontends.insert(*key, *value);
+                    if old.is_some() {
+                        report.frontends_updated += 1;
+                    } else {
+                        report.frontends_added += 1;
+                    }
+                }
+                Err(err) => {
+                    self.failed(&mut report, "frontend insert", &format!("{key:?}"), &err);
+                    broken.insert(value.service_id);
+                }
+            }
+        }
+
+        let gone: Vec<FrontendKey> = self
+            .written
+            .frontends
+            .keys()
+            .filter(|k| !desired.frontends.contains_key(k))
+            .copied()
+            .collect();
+        for key in gone {
+            match maps.remove_frontend(key) {
+                Ok(()) => {
+                    self.written.frontends.remove(&key);
+                    report.frontends_removed += 1;
+                }
+                Err(err) => self.failed(&mut report, "frontend remove", &format!("{key:?}"), &err),
+            }
+        }
+
+        // A slot stays while any frontend we could not update still counts it.
+        let still_counted: BTreeSet<BackendKey> = self
+            .written
+            .backends
+            .keys()
+            .filter(|k| {
+                self.written
+                    .frontends
+                    .values()
+                    .any(|f| f.service_id == k.service_id && k.slot < f.backend_count)
+            })
+            .copied()
+            .collect();
+        let stale: Vec<BackendKey> = self
+            .written
+            .backends
+            .keys()
+            .filter(|k| !desired.backends.contains_key(k) && !still_counted.contains(k))
+            .copied()
+            .collect();
+        for key in stale {
+            match maps.remove_backend(key) {
+                Ok(()) => {
+                    self.written.backends.remove(&key);
+                    report.backends_removed += 1;
+                }
+                Err(err) => self.failed(&mut report, "backend remove", &format!("{key:?}"), &err),
+            }
+        }
+        report
+    }
+
+    fn failed(
+        &mut self,
+        report: &mut SyncReport,
+        op: &str,
+        key: &str,
+        err: &dyn std::error::Error,
+    ) {
+        report.failed += 1;
+        self.failed_total += 1;
+        error!(op, key, error = %err, failed_total = self.failed_total, "map write failed");
+    }
+}
+
+fn frontend_key(addr: Ipv4Addr, port: u16, proto: u8) -> FrontendKey {
+    FrontendKey {
+        addr: ipv4_be(addr.octets()),
+        port: port_be(port),
+        proto,
+        _pad: 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{Endpoint, Protocol, Service, ServiceName, ServicePort, TargetPort};
+
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    enum Op {
+        InsertBackend(BackendKey, Backend),
+        RemoveBackend(BackendKey),
+        InsertFrontend(FrontendKey, Frontend),
+        RemoveFrontend(FrontendKey),
+    }
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("map full")]
+    struct Full;
+
+    /// Records every operation and keeps the resulting contents; `fail_backends_of` makes
+    /// backend inserts of one service id fail.
+    #[derive(Default)]
+    struct FakeMaps {
+        ops: Vec<Op>,
+        contents: MapContents,
+        fail_backends_of: Option<u32>,
+    }
+
+    impl MapWriter for FakeMaps {
+        type Error = Full;
+        fn insert_backend(&mut self, key: BackendKey, value: Backend) -> Result<(), Full> {
+            if self.fail_backends_of == Some(key.service_id) {
+                return Err(Full);
+            }
+            self.ops.push(Op::InsertBackend(key, value));
+            self.contents.backends.insert(key, value);
+            Ok(())
+        }
+        fn remove_backend(&mut self, key: BackendKey) -> Result<(), Full> {
+            self.ops.push(Op::RemoveBackend(key));
+            self.contents.backends.remove(&key);
+            Ok(())
+        }
+        fn insert_frontend(&mut self, key: FrontendKey, value: Frontend) -> Result<(), Full> {
+            self.ops.push(Op::InsertFrontend(key, value));
+            self.contents.frontends.insert(key, value);
+            Ok(())
+        }
+        fn remove_frontend(&mut self, key: FrontendKey) -> Result<(), Full> {
+            self.ops.push(Op::RemoveFrontend(key));
+            self.contents.frontends.remove(&key);
+            Ok(())
+        }
+    }
+
+    const NODE: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 1);
+
+    fn endpoint(last: u8, ready: bool) -> Endpoint {
+        Endpoint {
+            addr: Ipv4Addr::new(10, 244, 1, last),
+            port: 8080,
+            ready,
+        }
+    }
+
+    fn model(services: &[(&str, u8, Option<u16>, Vec<Endpoint>)]) -> Model {
+        let mut m = Model::default();
+        for (name, ip, node_port, endpoints) in services {
+            m.services.insert(
+                ServiceName {
+                    namespace: "default".into(),
+                    name: (*name).into(),
+                },
+                Service {
+                    cluster_ip: Ipv4Addr::new(10, 96, 0, *ip),
+                    ports: vec![ServicePort {
+                        name: "http".into(),
+                        protocol: Protocol::Tcp,
+                        port: 80,
+                        node_port: *node_port,
+                        target_port: TargetPort::Name("http".into()),
+                        endpoints: endpoints.clone(),
+                    }],
+                },
+            );
+        }
+        m
+    }
+
+    fn fk(ip: Ipv4Addr, port: u16) -> FrontendKey {
+        frontend_key(ip, port, lb_common::IPPROTO_TCP)
+    }
+
+    fn backend(last: u8) -> Backend {
+        Backend {
+            addr: ipv4_be([10, 244, 1, last]),
+            port: port_be(8080),
+            _pad: 0,
+        }
+    }
+
+    #[test]
+    fn first_sync_writes_backends_then_frontends() {
+        let mut r = Reconciler::new(NODE, MapContents::default());
+        let mut maps = FakeMaps::default();
+        let m = model(&[(
+            "web",
+            10,
+            Some(30080),
+            vec![endpoint(2, true), endpoint(3, true), endpoint(9, false)],
+        )]);
+        let report = r.sync(&m, &mut maps);
+        let cluster = fk(Ipv4Addr::new(10, 96, 0, 10), 80);
+        let node = fk(NODE, 30080);
+        let fe = |flags| Frontend {
+            service_id: 1,
+            backend_count: 2,
+            flags,
+        };
+        assert_eq!(
+            maps.ops[..2],
+            [
+                Op::InsertBackend(
+                    BackendKey {
+                        service_id: 1,
+                        slot: 0
+                    },
+                    backend(2)
+                ),
+                Op::InsertBackend(
+                    BackendKey {
+                        service_id: 1,
+                        slot: 1
+                    },
+                    backend(3)
+                ),
+            ]
+        );
+        let expected: BTreeMap<_, _> =
+            BTreeMap::from([(cluster, fe(0)), (node, fe(FRONTEND_F_MASQUERADE))]);
+        let expected: Vec<_> = expected
+            .into_iter()
+            .map(|(k, v)| Op::InsertFrontend(k, v))
+            .collect();
+        assert_eq!(maps.ops[2..], expected);
+        assert_eq!(report.backends_added, 2);
+        assert_eq!(report.frontends_added, 2);
+
+        let again = r.sync(&m, &mut maps);
+        assert!(!again.changed());
+        assert_eq!(maps.ops.len(), 4);
+    }
+
+    #[test]
+    fn shrinking_updates_frontend_before_deleting_slots() {
+        let mut r = Reconciler::new(NODE, MapContents::default());
+        let mut maps = FakeMaps::default();
+        r.sync(
+            &model(&[(
+                "web",
+                10,
+                None,
+                vec![endpoint(2, true), endpoint(3, true), endpoint(4, true)],
+            )]),
+            &mut maps,
+        );
+        maps.ops.clear();
+        let report = r.sync(
+            &model(&[("web", 10, None, vec![endpoint(2, true), endpoint(4, true)])]),
+            &mut maps,
+        );
+        let cluster = fk(Ipv4Addr::new(10, 96, 0, 10), 80);
+        assert_eq!(
+            maps.ops,
+            vec![
+                Op::InsertBackend(
+                    BackendKey {
+                        service_id: 1,
+                        slot: 1
+                    },
+                    backend(4)
+                ),
+                Op::InsertFrontend(
+                    cluster,
+                    Frontend {
+                        service_id: 1,
+                        backend_count: 2,
+                        flags: 0
+                    }
+                ),
+                Op::RemoveBackend(BackendKey {
+                    service_id: 1,
+                    slot: 2
+                }),
+            ]
+        );
+        assert_eq!(
+            report,
+            SyncReport {
+                backends_updated: 1,
+                frontends_updated: 1,
+                backends_removed: 1,
+                ..Default::default()
+            }
+        );
+    }
+
+    #[test]
+    fn removed_service_deletes_frontends_then_backends_and_ids_are_not_reused() {
+        let mut r = Reconciler::new(NODE, MapContents::default());
+        let mut maps = FakeMaps::default();
+        r.sync(
+            &model(&[
+                ("a", 10, Some(30080), vec![endpoint(2, true)]),
+                ("b", 11, None, vec![endpoint(3, true)]),
+            ]),
+            &mut maps,
+        );
+        maps.ops.clear();
+        r.sync(
+            &model(&[("b", 11, None, vec![endpoint(3, true)])]),
+            &mut maps,
+        );
+        let kinds: Vec<_> = maps
+            .ops
+            .iter()
+            .map(|op| match op {
+                Op::RemoveFrontend(k) => (0, k.addr, 0),
+                Op::RemoveBackend(k) => (1, k.service_id, k.slot),
+                other => panic!("unexpected {other:?}"),
+            })
+            .collect();
+        assert_eq!(kinds.len(), 3);
+        assert!(kinds[..2].iter().all(|k| k.0 == 0));
+        assert_eq!(kinds[2], (1, 1, 0));
+
+        maps.ops.clear();
+        r.sync(
+            &model(&[
+                ("b", 11, None, vec![endpoint(3, true)]),
+                ("c", 12, None, vec![endpoint(4, true)]),
+            ]),
+            &mut maps,
+        );
+        assert!(maps.ops.contains(&Op::InsertBackend(
+            BackendKey {
+                service_id: 3,
+                slot: 0
+            },
+            backend(4)
+        )));
+        assert_eq!(maps.contents, r.written);
+    }
+
+    #[test]
+    fn no_ready_endpoints_gives_an_empty_frontend() {
+        let mut r = Reconciler::new(NODE, MapContents::default());
+        let mut maps = FakeMaps::default();
+        r.sync(
+            &model(&[("web", 10, None, vec![endpoint(2, false)])]),
+            &mut maps,
+        );
+        assert!(maps.contents.backends.is_empty());
+        assert_eq!(
+            maps.contents
+                .frontends
+                .values()
+                .next()
+                .map(|f| f.backend_count),
+            Some(0)
+        );
+    }
+
+    #[test]
+    fn restart_adopts_ids_from_the_maps_and_writes_nothing() {
+        let m = model(&[("web", 10, Some(30080), vec![endpoint(2, true)])]);
+        let mut first = Reconciler::new(NODE, MapContents::default());
+        let mut maps = FakeMaps::default();
+        // Push the id away from 1 so adoption is visible.
+        first.next_id = 7;
+        first.sync(&m, &mut maps);
+        let pinned = std::mem::take(&mut maps.contents);
+
+        let mut restarted = Reconciler::new(
+            NODE,
+            MapContents {
+                frontends: pinned.frontends.clone(),
+                backends: pinned.backends.clone(),
+            },
+        );
+        let mut maps = FakeMaps {
+            contents: pinned,
+            ..Default::default()
+        };
+        let report = restarted.sync(&m, &mut maps);
+        assert!(!report.changed(), "{report:?}");
+        assert!(maps.ops.is_empty());
+        assert_eq!(restarted.next_id, 8);
+    }
+
+    #[test]
+    fn restart_cleans_up_what_is_gone() {
+        let mut first = Reconciler::new(NODE, MapContents::default());
+        let mut maps = FakeMaps::default();
+        first.sync(
+            &model(&[("web", 10, None, vec![endpoint(2, true)])]),
+            &mut maps,
+        );
+        let mut restarted = Reconciler::new(NODE, std::mem::take(&mut maps.contents));
+        let report = restarted.sync(&Model::default(), &mut maps);
+        assert_eq!((report.frontends_removed, report.backends_removed), (1, 1));
+    }
+
+    #[test]
+    fn failed_backend_writes_keep_the_old_frontend_and_are_counted() {
+        let mut r = Reconciler::new(NODE, MapContents::default());
+        let mut maps = FakeMaps::default();
+        r.sync(
+            &model(&[("web", 10, None, vec![endpoint(2, true), endpoint(3, true)])]),
+            &mut maps,
+        );
+        maps.fail_backends_of = Some(1);
+        maps.ops.clear();
+        let report = r.sync(
+            &model(&[("web", 10, None, vec![endpoint(4, true)])]),
+            &mut maps,
+        );
+        assert_eq!(report.failed, 1);
+        assert_eq!(r.failed_total, 1);
+        // Nothing touched: the old frontend still counts 2 slots, both still there.
+        assert!(maps.ops.is_empty(), "{:?}", maps.ops);
+
+        maps.fail_backends_of = None;
+        let report = r.sync(
+            &model(&[("web", 10, None, vec![endpoint(4, true)])]),
+            &mut maps,
+        );
+        assert_eq!(report.failed, 0);
+        assert_eq!(maps.contents.backends.len(), 1);
+        assert_eq!(
+            maps.contents
+                .frontends
+                .values()
+                .next()
+                .map(|f| f.backend_count),
+            Some(1)
+        );
+    }
+
+    #[test]
+    fn frontend_collisions_keep_the_first_service_port() {
+        let mut r = Reconciler::new(NODE, MapContents::default());
+        let desired = r.desired(&model(&[
+            ("a", 10, None, vec![endpoint(2, true)]),
+            ("b", 10, None, vec![endpoint(3, true)]),
+        ]));
+        assert_eq!(desired.frontends.len(), 1);
+        assert_eq!(
+            desired.frontends.values().next().map(|f| f.service_id),
+            Some(1)
+        );
+    }
+}
