@@ -1,11 +1,85 @@
+//! The tc datapath: one classifier at the ingress of every interface where traffic enters the
+//! node. Service traffic is translated there in both directions and forwarded to its egress
+//! interface; everything else passes untouched.
 #![no_std]
 #![no_main]
 
-use aya_ebpf::{bindings::TC_ACT_OK, macros::classifier, programs::TcContext};
+mod conntrack;
+mod forward;
+mod maps;
+mod masquerade;
+mod nat;
+mod parse;
+mod service;
+
+use aya_ebpf::{
+    bindings::{TC_ACT_OK, TC_ACT_SHOT},
+    macros::classifier,
+    programs::TcContext,
+};
+use lb_common::{CONFIG_F_READY, Config, ConntrackKey, Counter};
+
+use crate::conntrack::Connection;
 
 #[classifier]
-pub fn lb_ingress(_ctx: TcContext) -> i32 {
-    TC_ACT_OK
+pub fn lb_ingress(ctx: TcContext) -> i32 {
+    match try_ingress(&ctx) {
+        Ok(action) => action,
+        Err(reason) => {
+            maps::count(reason);
+            verdict(reason)
+        }
+    }
+}
+
+/// `Err` carries the counter of why the packet is not translated.
+fn try_ingress(ctx: &TcContext) -> Result<i32, Counter> {
+    let config = maps::config()
+        .filter(|config| config.flags & CONFIG_F_READY != 0)
+        .ok_or(Counter::Passed)?;
+    let packet = parse::packet(ctx)?;
+    // The stack answers an expiring packet (ICMP time exceeded) about the address the client
+    // used, so it must see the packet untranslated.
+    if packet.ttl <= 1 {
+        return Err(Counter::Passed);
+    }
+    let now = maps::now_ns();
+    let to = match conntrack::lookup(&packet, now) {
+        Some(to) => {
+            maps::count(Counter::Translated);
+            to
+        }
+        None => connect(&config, &packet.tuple, now)?,
+    };
+    nat::rewrite(ctx, &packet, &to)?;
+    forward::forward(ctx, &packet, &to)
+}
+
+/// A packet without a live connection: if it is addressed to a frontend, pick a backend and track
+/// the new connection. Returns the tuple to rewrite the packet to.
+fn connect(config: &Config, tuple: &ConntrackKey, now: u64) -> Result<ConntrackKey, Counter> {
+    let frontend = service::frontend(tuple).ok_or(Counter::Passed)?;
+    let backend = service::select_backend(&frontend)?;
+    let connection = Connection::new(tuple, frontend.service_id, &backend, now);
+    let masquerade = masquerade::needed(config, &frontend, tuple.src_addr, &backend);
+    let to = if masquerade {
+        masquerade::claim_source(config, &connection)?
+    } else {
+        connection.track_reply()?
+    };
+    connection.track_original(&to, masquerade)?;
+    maps::count(Counter::NewConnection);
+    if masquerade {
+        maps::count(Counter::Masqueraded);
+    }
+    Ok(to)
+}
+
+fn verdict(reason: Counter) -> i32 {
+    match reason {
+        Counter::Passed | Counter::PassedUnparsed => TC_ACT_OK as i32,
+        _ => TC_ACT_SHOT as i32,
+    }
 }
 
 #[cfg(not(test))]

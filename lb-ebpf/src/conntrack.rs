@@ -1,0 +1,177 @@
+//! Connection tracking: two entries per connection, each keyed by the 5-tuple of one direction as
+//! it arrives and holding what that direction is rewritten to. An entry's peer is keyed by its
+//! own rewrite turned around.
+use aya_ebpf::bindings::{BPF_ANY, BPF_NOEXIST};
+use lb_common::{
+    Backend, CT_F_MASQUERADE, CT_F_REPLY, CT_STATE_CLOSING, CT_STATE_ESTABLISHED, CT_STATE_NEW,
+    ConntrackEntry, ConntrackKey, Counter, IPPROTO_TCP, conntrack_timeout_ns,
+};
+
+use crate::{
+    maps,
+    parse::{Packet, TCP_FIN, TCP_RST},
+};
+
+/// `last_seen_ns` is refreshed at most this often, so that busy flows do not write the shared
+/// cache line on every packet. Timeouts are tens of seconds and more.
+const REFRESH_NS: u64 = 1_000_000_000;
+
+/// The tuple a packet of a tracked connection is rewritten to, or `None` when it has no live entry.
+/// Keeps both entries of the connection fresh and in the same state.
+pub fn lookup(packet: &Packet, now: u64) -> Option<ConntrackKey> {
+    let entry = maps::conntrack(&packet.tuple)?;
+    let proto = packet.tuple.proto;
+    if expired(entry, proto, now) {
+        return None;
+    }
+    let to = rewrite_of(entry, proto);
+    let state = next_state(entry, packet);
+    let refresh = now.saturating_sub(entry.last_seen_ns) > REFRESH_NS;
+    if state != entry.state || refresh {
+        update(entry, state, refresh, now);
+        // The peer ages with this entry: a flow that only ever sends one way keeps its reply
+        // path.
+        if let Some(peer) = maps::conntrack(&reversed(&to)) {
+            update(peer, state, refresh, now);
+        }
+    }
+    Some(to)
+}
+
+fn expired(entry: &ConntrackEntry, proto: u8, now: u64) -> bool {
+    // Saturating: another CPU may have stored a later timestamp than our `now`.
+    now.saturating_sub(entry.last_seen_ns) > conntrack_timeout_ns(proto, entry.state)
+}
+
+fn next_state(entry: &ConntrackEntry, packet: &Packet) -> u8 {
+    if packet.tuple.proto == IPPROTO_TCP && packet.tcp_flags & (TCP_FIN | TCP_RST) != 0 {
+        CT_STATE_CLOSING
+    } else if entry.state == CT_STATE_NEW && entry.flags & CT_F_REPLY != 0 {
+        CT_STATE_ESTABLISHED
+    } else {
+        entry.state
+    }
+}
+
+fn update(entry: &mut ConntrackEntry, state: u8, refresh: bool, now: u64) {
+    entry.state = state;
+    if refresh {
+        entry.last_seen_ns = now;
+    }
+}
+
+fn rewrite_of(entry: &ConntrackEntry, proto: u8) -> ConntrackKey {
+    ConntrackKey {
+        src_addr: entry.src_addr,
+        dst_addr: entry.dst_addr,
+        src_port: entry.src_port,
+        dst_port: entry.dst_port,
+        proto,
+        _pad: [0; 3],
+    }
+}
+
+/// The same flow seen from the other end.
+fn reversed(tuple: &ConntrackKey) -> ConntrackKey {
+    ConntrackKey {
+        src_addr: tuple.dst_addr,
+        dst_addr: tuple.src_addr,
+        src_port: tuple.dst_port,
+        dst_port: tuple.src_port,
+        proto: tuple.proto,
+        _pad: [0; 3],
+    }
+}
+
+/// A new connection from `tuple` (client → frontend) to `backend`, before it is tracked.
+pub struct Connection {
+    tuple: ConntrackKey,
+    backend: Backend,
+    service_id: u32,
+    now: u64,
+}
+
+impl Connection {
+    pub fn new(tuple: &ConntrackKey, service_id: u32, backend: &Backend, now: u64) -> Self {
+        Self {
+            tuple: *tuple,
+            backend: *backend,
+            service_id,
+            now,
+        }
+    }
+
+    /// The tuple the client's packets get when the backend sees them from `src_addr:src_port`.
+    fn translated(&self, src_addr: u32, src_port: u16) -> ConntrackKey {
+        ConntrackKey {
+            src_addr,
+            dst_addr: self.backend.addr,
+            src_port,
+            dst_port: self.backend.port,
+            proto: self.tuple.proto,
+            _pad: [0; 3],
+        }
+    }
+
+    /// Replies come back as if from the frontend.
+    fn reply_entry(&self, flags: u8) -> ConntrackEntry {
+        self.entry(&reversed(&self.tuple), flags | CT_F_REPLY)
+    }
+
+    fn entry(&self, to: &ConntrackKey, flags: u8) -> ConntrackEntry {
+        ConntrackEntry {
+            last_seen_ns: self.now,
+            src_addr: to.src_addr,
+            dst_addr: to.dst_addr,
+            src_port: to.src_port,
+            dst_port: to.dst_port,
+            service_id: self.service_id,
+            state: CT_STATE_NEW,
+            flags,
+            _pad: [0; 6],
+        }
+    }
+
+    /// Tracks the reply direction with the client's own source: the backend answers the client
+    /// address directly.
+    pub fn track_reply(&self) -> Result<ConntrackKey, Counter> {
+        let to = self.translated(self.tuple.src_addr, self.tuple.src_port);
+        if maps::conntrack_insert(&reversed(&to), &self.reply_entry(0), BPF_ANY) {
+            Ok(to)
+        } else {
+            Err(Counter::DropConntrackFull)
+        }
+    }
+
+    /// Tracks the reply direction with the masquerade source `node_addr:port` if no live
+    /// connection uses it; an expired one is taken over. `Ok(None)`: the source is in use.
+    pub fn claim_reply(&self, node_addr: u32, port: u16) -> Result<Option<ConntrackKey>, Counter> {
+        let to = self.translated(node_addr, port);
+        let key = reversed(&to);
+        let entry = self.reply_entry(CT_F_MASQUERADE);
+        if maps::conntrack_insert(&key, &entry, BPF_NOEXIST) {
+            return Ok(Some(to));
+        }
+        match maps::conntrack(&key) {
+            Some(live) if !expired(live, self.tuple.proto, self.now) => Ok(None),
+            Some(stale) => {
+                *stale = entry;
+                Ok(Some(to))
+            }
+            // The insert failed for want of room, not because the source was taken.
+            None => Err(Counter::DropConntrackFull),
+        }
+    }
+
+    /// Tracks the original direction, rewritten to `to`, once its reply entry is in place.
+    pub fn track_original(&self, to: &ConntrackKey, masquerade: bool) -> Result<(), Counter> {
+        let flags = if masquerade { CT_F_MASQUERADE } else { 0 };
+        // BPF_ANY: an expired entry of an earlier connection with this tuple is replaced.
+        if maps::conntrack_insert(&self.tuple, &self.entry(to, flags), BPF_ANY) {
+            Ok(())
+        } else {
+            maps::conntrack_remove(&reversed(to));
+            Err(Counter::DropConntrackFull)
+        }
+    }
+}

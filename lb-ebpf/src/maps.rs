@@ -1,0 +1,81 @@
+//! The maps shared with the agent (layouts in `lb_common`), the counter increment, and the kernel
+//! clock and random source that conntrack and backend selection read.
+//!
+//! The maps are not pinned in the object: the agent gives each one its pin path at load
+//! (`EbpfLoader::map_pin_path`), and packet tests load private, unpinned copies.
+use aya_ebpf::{
+    helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns},
+    macros::map,
+    maps::{Array, HashMap, LruHashMap, PerCpuArray},
+};
+use lb_common::{
+    Backend, BackendKey, Config, ConntrackEntry, ConntrackKey, Counter, Frontend, FrontendKey,
+    default_size,
+};
+
+#[map(name = "LB_FRONTEND_V1")]
+static FRONTENDS: HashMap<FrontendKey, Frontend> =
+    HashMap::with_max_entries(default_size::FRONTENDS, 0);
+
+#[map(name = "LB_BACKEND_V1")]
+static BACKENDS: HashMap<BackendKey, Backend> =
+    HashMap::with_max_entries(default_size::BACKENDS, 0);
+
+#[map(name = "LB_CT_V1")]
+static CONNTRACK: LruHashMap<ConntrackKey, ConntrackEntry> =
+    LruHashMap::with_max_entries(default_size::CONNTRACK, 0);
+
+#[map(name = "LB_CONFIG_V1")]
+static CONFIG: Array<Config> = Array::with_max_entries(1, 0);
+
+#[map(name = "LB_COUNTER_V1")]
+static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(Counter::COUNT, 0);
+
+pub fn count(counter: Counter) {
+    if let Some(slot) = COUNTERS.get_ptr_mut(counter as u32) {
+        // SAFETY: the slot is this CPU's own, and a tc program is not preempted while it runs.
+        unsafe { *slot += 1 };
+    }
+}
+
+pub fn config() -> Option<Config> {
+    CONFIG.get(0).copied()
+}
+
+pub fn frontend(key: &FrontendKey) -> Option<Frontend> {
+    // SAFETY: the value is copied out at once; the agent replaces frontends whole.
+    unsafe { FRONTENDS.get(key).copied() }
+}
+
+pub fn backend(key: &BackendKey) -> Option<Backend> {
+    // SAFETY: the value is copied out at once; the agent replaces backends whole.
+    unsafe { BACKENDS.get(key).copied() }
+}
+
+pub fn conntrack(key: &ConntrackKey) -> Option<&'static mut ConntrackEntry> {
+    // SAFETY: the value stays valid until the program returns (RCU); other CPUs may write the same
+    // entry, which tears at worst a timestamp or a state byte, as in any map-based conntrack.
+    CONNTRACK
+        .get_ptr_mut(key)
+        .map(|entry| unsafe { &mut *entry })
+}
+
+/// `flags` is `BPF_ANY`, `BPF_NOEXIST` or `BPF_EXIST`.
+pub fn conntrack_insert(key: &ConntrackKey, entry: &ConntrackEntry, flags: u32) -> bool {
+    CONNTRACK.insert(key, entry, u64::from(flags)).is_ok()
+}
+
+pub fn conntrack_remove(key: &ConntrackKey) {
+    // Nothing to undo when the entry is already gone (evicted by the LRU).
+    let _ = CONNTRACK.remove(key);
+}
+
+pub fn now_ns() -> u64 {
+    // SAFETY: the helper takes no arguments and cannot fail.
+    unsafe { bpf_ktime_get_ns() }
+}
+
+pub fn random() -> u32 {
+    // SAFETY: the helper takes no arguments and cannot fail.
+    unsafe { bpf_get_prandom_u32() }
+}

@@ -1,0 +1,114 @@
+//! Ethernet + IPv4 + TCP/UDP headers → the 5-tuple and the offsets the rewrite needs.
+//!
+//! Every read goes through `bpf_skb_load_bytes` (`ctx.load`), so a variable IHL needs no
+//! packet-pointer bounds proof and a non-linear skb reads the same as a linear one.
+use aya_ebpf::programs::TcContext;
+use lb_common::{ConntrackKey, Counter, IPPROTO_TCP, IPPROTO_UDP};
+
+pub const ETH_HLEN: usize = 14;
+const ETH_TYPE_OFFSET: usize = 12;
+const ETH_P_IP: u16 = 0x0800;
+const IPV4_MIN_HLEN: usize = 20;
+/// More-fragments flag and fragment offset; either set means this is a fragment.
+const IP_MF_AND_OFFSET: u16 = 0x3fff;
+const TCP_MIN_HLEN: usize = 20;
+const UDP_HLEN: usize = 8;
+const TCP_FLAGS_OFFSET: usize = 13;
+
+pub const TCP_FIN: u8 = 0x01;
+pub const TCP_RST: u8 = 0x04;
+
+/// The fixed part of an IPv4 header, fields in network order.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Ipv4Header {
+    version_ihl: u8,
+    tos: u8,
+    tot_len: u16,
+    _id: u16,
+    frag_off: u16,
+    ttl: u8,
+    proto: u8,
+    _check: u16,
+    src_addr: u32,
+    dst_addr: u32,
+}
+
+/// Source and destination port, the first four bytes of both TCP and UDP.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Ports {
+    src: u16,
+    dst: u16,
+}
+
+/// A parsed IPv4 TCP/UDP packet.
+pub struct Packet {
+    /// As the packet arrived: the conntrack key of its direction.
+    pub tuple: ConntrackKey,
+    /// Offset of the TCP/UDP header (Ethernet + IHL * 4).
+    pub l4: usize,
+    /// TCP flags byte (0 for UDP).
+    pub tcp_flags: u8,
+    pub ttl: u8,
+    pub tos: u8,
+    /// IPv4 total length, host order.
+    pub tot_len: u16,
+}
+
+/// `Err(Passed)` for traffic that is not IPv4 TCP/UDP, `Err(PassedUnparsed)` for fragments and
+/// truncated or inconsistent headers.
+pub fn packet(ctx: &TcContext) -> Result<Packet, Counter> {
+    let ether_type: u16 = ctx
+        .load(ETH_TYPE_OFFSET)
+        .map_err(|_| Counter::PassedUnparsed)?;
+    if u16::from_be(ether_type) != ETH_P_IP {
+        return Err(Counter::Passed);
+    }
+    let ip: Ipv4Header = ctx.load(ETH_HLEN).map_err(|_| Counter::PassedUnparsed)?;
+    let header_len = usize::from(ip.version_ihl & 0x0f) * 4;
+    let tot_len = usize::from(u16::from_be(ip.tot_len));
+    let available = (ctx.len() as usize).saturating_sub(ETH_HLEN);
+    if ip.version_ihl >> 4 != 4
+        || header_len < IPV4_MIN_HLEN
+        || tot_len < header_len
+        || tot_len > available
+    {
+        return Err(Counter::PassedUnparsed);
+    }
+    // Only the first fragment carries ports, and later ones cannot be matched to it here.
+    if u16::from_be(ip.frag_off) & IP_MF_AND_OFFSET != 0 {
+        return Err(Counter::PassedUnparsed);
+    }
+    let min_l4_len = match ip.proto {
+        IPPROTO_TCP => TCP_MIN_HLEN,
+        IPPROTO_UDP => UDP_HLEN,
+        _ => return Err(Counter::Passed),
+    };
+    if tot_len - header_len < min_l4_len {
+        return Err(Counter::PassedUnparsed);
+    }
+    let l4 = ETH_HLEN + header_len;
+    let ports: Ports = ctx.load(l4).map_err(|_| Counter::PassedUnparsed)?;
+    let tcp_flags = if ip.proto == IPPROTO_TCP {
+        ctx.load(l4 + TCP_FLAGS_OFFSET)
+            .map_err(|_| Counter::PassedUnparsed)?
+    } else {
+        0
+    };
+    Ok(Packet {
+        tuple: ConntrackKey {
+            src_addr: ip.src_addr,
+            dst_addr: ip.dst_addr,
+            src_port: ports.src,
+            dst_port: ports.dst,
+            proto: ip.proto,
+            _pad: [0; 3],
+        },
+        l4,
+        tcp_flags,
+        ttl: ip.ttl,
+        tos: ip.tos,
+        tot_len: tot_len as u16,
+    })
+}

@@ -1,0 +1,774 @@
+//! The tc datapath run on crafted packets with BPF_PROG_TEST_RUN: no interface, no pinned map.
+//! Each test loads its own copy of the object, so tests run in parallel. Run as root.
+//!
+//! The FIB lookup has no ingress interface in a test run, so translated packets are handed to the
+//! stack (TC_ACT_OK); a redirect (TC_ACT_REDIRECT, TTL decremented) is accepted as well.
+use std::net::{Ipv4Addr, SocketAddrV4};
+
+use aya::{
+    Ebpf, EbpfLoader,
+    maps::{Array, HashMap, MapData, PerCpuArray},
+    programs::{SchedClassifier, TestRun, TestRunOptions},
+};
+use etherparse::{
+    ArpHardwareId, ArpOperation, ArpPacket, EtherType, Ethernet2Header, IpHeaders, IpNumber,
+    Ipv4Header, PacketBuilder, TcpHeader, UdpHeader,
+};
+use lb_common::{
+    Backend, BackendKey, CONFIG_F_READY, CT_F_MASQUERADE, CT_F_REPLY, CT_STATE_CLOSING,
+    CT_STATE_ESTABLISHED, CT_STATE_NEW, CT_TIMEOUT_TCP_SYN_NS, Config, ConntrackEntry,
+    ConntrackKey, Counter, FRONTEND_F_MASQUERADE, Frontend, FrontendKey, IPPROTO_TCP, IPPROTO_UDP,
+    SNAT_PORT_MAX, SNAT_PORT_MIN, ipv4_be, map_name, port_be, program_name,
+};
+
+const TC_ACT_OK: u32 = 0;
+const TC_ACT_SHOT: u32 = 2;
+const TC_ACT_REDIRECT: u32 = 7;
+
+const NODE: Ipv4Addr = Ipv4Addr::new(192, 168, 1, 10);
+const CLUSTER_CIDR: (Ipv4Addr, Ipv4Addr) =
+    (Ipv4Addr::new(10, 244, 0, 0), Ipv4Addr::new(255, 255, 0, 0));
+const CLUSTER_IP: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::new(10, 96, 0, 10), 80);
+const NODE_PORT: SocketAddrV4 = SocketAddrV4::new(NODE, 30080);
+const POD: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::new(10, 244, 1, 10), 40000);
+const DOCKER_CONTAINER: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::new(172, 17, 0, 2), 40000);
+const EXTERNAL_CLIENT: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::new(203, 0, 113, 7), 50000);
+const ENDPOINTS: [SocketAddrV4; 3] = [
+    SocketAddrV4::new(Ipv4Addr::new(10, 244, 2, 11), 8080),
+    SocketAddrV4::new(Ipv4Addr::new(10, 244, 2, 12), 8080),
+    SocketAddrV4::new(Ipv4Addr::new(10, 244, 3, 13), 8080),
+];
+const SERVICE_ID: u32 = 7;
+
+const MAC_SRC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x01];
+const MAC_DST: [u8; 6] = [0x02, 0, 0, 0, 0, 0x02];
+const PAYLOAD: &[u8] = b"hello, service";
+const ETH_HLEN: usize = 14;
+/// Router Alert (RFC 2113): a valid 4-byte IPv4 option, so IHL becomes 6.
+const ROUTER_ALERT: [u8; 4] = [0x94, 0x04, 0x00, 0x00];
+
+fn config() -> Config {
+    Config {
+        node_addr: ipv4_be(NODE.octets()),
+        cluster_cidr_addr: ipv4_be(CLUSTER_CIDR.0.octets()),
+        cluster_cidr_mask: ipv4_be(CLUSTER_CIDR.1.octets()),
+        flags: CONFIG_F_READY,
+        snat_port_min: SNAT_PORT_MIN,
+        snat_port_max: SNAT_PORT_MAX,
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Proto {
+    Tcp,
+    Udp,
+}
+
+impl Proto {
+    fn number(self) -> u8 {
+        match self {
+            Proto::Tcp => IPPROTO_TCP,
+            Proto::Udp => IPPROTO_UDP,
+        }
+    }
+}
+
+/// The one packet builder: an Ethernet + IPv4 + TCP/UDP packet with valid checksums, and the
+/// header variations the tests need.
+#[derive(Clone, Copy)]
+struct Packet {
+    proto: Proto,
+    src: SocketAddrV4,
+    dst: SocketAddrV4,
+    ttl: u8,
+    tcp_fin: bool,
+    ip_options: &'static [u8],
+    more_fragments: bool,
+    fragment_offset: u16,
+    zero_udp_checksum: bool,
+}
+
+impl Packet {
+    fn new(proto: Proto, src: SocketAddrV4, dst: SocketAddrV4) -> Self {
+        Self {
+            proto,
+            src,
+            dst,
+            ttl: 64,
+            tcp_fin: false,
+            ip_options: &[],
+            more_fragments: false,
+            fragment_offset: 0,
+            zero_udp_checksum: false,
+        }
+    }
+
+    fn build(&self) -> Vec<u8> {
+        let mut ip = Ipv4Header::new(
+            0,
+            self.ttl,
+            IpNumber(self.proto.number()),
+            self.src.ip().octets(),
+            self.dst.ip().octets(),
+        )
+        .unwrap();
+        ip.options = self.ip_options.try_into().unwrap();
+        ip.more_fragments = self.more_fragments;
+        ip.fragment_offset = self.fragment_offset.try_into().unwrap();
+        let builder =
+            PacketBuilder::ethernet2(MAC_SRC, MAC_DST).ip(IpHeaders::Ipv4(ip, Default::default()));
+        let mut bytes = Vec::new();
+        match self.proto {
+            Proto::Tcp => {
+                let mut tcp = TcpHeader::new(self.src.port(), self.dst.port(), 1000, 65535);
+                tcp.ack = true;
+                tcp.fin = self.tcp_fin;
+                builder.tcp_header(tcp).write(&mut bytes, PAYLOAD).unwrap();
+            }
+            Proto::Udp => {
+                builder
+                    .udp(self.src.port(), self.dst.port())
+                    .write(&mut bytes, PAYLOAD)
+                    .unwrap();
+                if self.zero_udp_checksum {
+                    let check = ETH_HLEN + 20 + self.ip_options.len() + 6;
+                    bytes[check..check + 2].fill(0);
+                }
+            }
+        }
+        bytes
+    }
+}
+
+/// A packet that came out of the program as IPv4 TCP/UDP, with every checksum verified.
+#[derive(Debug)]
+struct Output {
+    src: SocketAddrV4,
+    dst: SocketAddrV4,
+    udp_checksum: Option<u16>,
+}
+
+/// The one checksum verifier: checks that `output` is `input` rewritten (same length, payload and
+/// IP fields other than addresses; TTL decremented only when redirected), that the IPv4 and
+/// TCP/UDP checksums are valid, and returns the new addresses.
+fn verify(input: &[u8], verdict: u32, output: &[u8]) -> Output {
+    assert!(
+        verdict == TC_ACT_OK || verdict == TC_ACT_REDIRECT,
+        "verdict {verdict}"
+    );
+    assert_eq!(output.len(), input.len());
+    let (_, ip_in) = Ethernet2Header::from_slice(input).unwrap();
+    let (ip_in, _) = Ipv4Header::from_slice(ip_in).unwrap();
+    let (_, rest) = Ethernet2Header::from_slice(output).unwrap();
+    let (ip, l4) = Ipv4Header::from_slice(rest).unwrap();
+    assert_eq!(
+        ip.calc_header_checksum(),
+        ip.header_checksum,
+        "IPv4 checksum"
+    );
+    let ttl = if verdict == TC_ACT_REDIRECT {
+        ip_in.time_to_live - 1
+    } else {
+        ip_in.time_to_live
+    };
+    assert_eq!(ip.time_to_live, ttl);
+    assert_eq!(
+        (
+            ip.total_len,
+            ip.protocol,
+            ip.options.as_slice(),
+            ip.identification
+        ),
+        (
+            ip_in.total_len,
+            ip_in.protocol,
+            ip_in.options.as_slice(),
+            ip_in.identification
+        )
+    );
+    let (ports, udp_checksum) = match ip.protocol {
+        IpNumber::TCP => {
+            let (tcp, payload) = TcpHeader::from_slice(l4).unwrap();
+            assert_eq!(payload, PAYLOAD);
+            let expected = tcp.calc_checksum_ipv4(&ip, payload).unwrap();
+            assert_eq!(tcp.checksum, expected, "TCP checksum");
+            ((tcp.source_port, tcp.destination_port), None)
+        }
+        IpNumber::UDP => {
+            let (udp, payload) = UdpHeader::from_slice(l4).unwrap();
+            assert_eq!(payload, PAYLOAD);
+            if udp.checksum != 0 {
+                let expected = udp.calc_checksum_ipv4(&ip, payload).unwrap();
+                assert_eq!(udp.checksum, expected, "UDP checksum");
+            }
+            ((udp.source_port, udp.destination_port), Some(udp.checksum))
+        }
+        other => panic!("unexpected protocol {other:?}"),
+    };
+    Output {
+        src: SocketAddrV4::new(ip.source.into(), ports.0),
+        dst: SocketAddrV4::new(ip.destination.into(), ports.1),
+        udp_checksum,
+    }
+}
+
+fn ct_key(proto: Proto, src: SocketAddrV4, dst: SocketAddrV4) -> ConntrackKey {
+    ConntrackKey {
+        src_addr: ipv4_be(src.ip().octets()),
+        dst_addr: ipv4_be(dst.ip().octets()),
+        src_port: port_be(src.port()),
+        dst_port: port_be(dst.port()),
+        proto: proto.number(),
+        _pad: [0; 3],
+    }
+}
+
+fn rewrite_of(entry: &ConntrackEntry) -> (SocketAddrV4, SocketAddrV4) {
+    let addr = |a: u32, p: u16| SocketAddrV4::new(a.to_ne_bytes().into(), u16::from_be(p));
+    (
+        addr(entry.src_addr, entry.src_port),
+        addr(entry.dst_addr, entry.dst_port),
+    )
+}
+
+/// The one fixture: a private, unpinned copy of the object with its program loaded.
+struct Datapath {
+    ebpf: Ebpf,
+}
+
+impl Datapath {
+    fn new(config: Config) -> Self {
+        let mut ebpf = EbpfLoader::new()
+            // Small maps: many copies are loaded at once.
+            .map_max_entries(map_name::FRONTENDS, 64)
+            .map_max_entries(map_name::BACKENDS, 64)
+            .map_max_entries(map_name::CONNTRACK, 16_384)
+            .load(lb_user::datapath::EBPF_OBJECT)
+            .expect("load the object (run as root)");
+        let program: &mut SchedClassifier = ebpf
+            .program_mut(program_name::INGRESS)
+            .unwrap()
+            .try_into()
+            .unwrap();
+        program.load().expect("verifier accepts the program");
+        let mut datapath = Self { ebpf };
+        let mut array: Array<_, Config> = datapath.map(map_name::CONFIG);
+        array.set(0, config, 0).unwrap();
+        datapath
+    }
+
+    /// Ready, with the ClusterIP (TCP and UDP) served by `endpoints`.
+    fn with_cluster_ip(endpoints: &[SocketAddrV4]) -> Self {
+        let mut datapath = Self::new(config());
+        for proto in [Proto::Tcp, Proto::Udp] {
+            datapath.service(proto, CLUSTER_IP, 0, SERVICE_ID, endpoints);
+        }
+        datapath
+    }
+
+    fn map<'a, T: TryFrom<&'a mut aya::maps::Map>>(&'a mut self, name: &str) -> T
+    where
+        T::Error: std::fmt::Debug,
+    {
+        self.ebpf.map_mut(name).unwrap().try_into().unwrap()
+    }
+
+    fn service(
+        &mut self,
+        proto: Proto,
+        frontend: SocketAddrV4,
+        flags: u32,
+        service_id: u32,
+        endpoints: &[SocketAddrV4],
+    ) {
+        let mut backends: HashMap<_, BackendKey, Backend> = self.map(map_name::BACKENDS);
+        for (slot, endpoint) in (0..).zip(endpoints) {
+            let backend = Backend {
+                addr: ipv4_be(endpoint.ip().octets()),
+                port: port_be(endpoint.port()),
+                _pad: 0,
+            };
+            backends
+                .insert(BackendKey { service_id, slot }, backend, 0)
+                .unwrap();
+        }
+        self.frontend(
+            proto,
+            frontend,
+            Frontend {
+                service_id,
+                backend_count: endpoints.len() as u32,
+                flags,
+            },
+        );
+    }
+
+    fn frontend(&mut self, proto: Proto, at: SocketAddrV4, frontend: Frontend) {
+        let key = FrontendKey {
+            addr: ipv4_be(at.ip().octets()),
+            port: port_be(at.port()),
+            proto: proto.number(),
+            _pad: 0,
+        };
+        let mut frontends: HashMap<_, FrontendKey, Frontend> = self.map(map_name::FRONTENDS);
+        frontends.insert(key, frontend, 0).unwrap();
+    }
+
+    fn run(&self, packet: &[u8]) -> (u32, Vec<u8>) {
+        let program: &SchedClassifier = self
+            .ebpf
+            .program(program_name::INGRESS)
+            .unwrap()
+            .try_into()
+            .unwrap();
+        let mut out = vec![0; packet.len() + 256];
+        let result = program
+            .test_run(TestRunOptions {
+                data_in: Some(packet),
+                data_out: Some(&mut out),
+                ..Default::default()
+            })
+            .unwrap();
+        out.truncate(result.data_size_out as usize);
+        (result.return_value, out)
+    }
+
+    /// Runs a packet that must be translated, and returns where it went.
+    fn translate(&self, packet: &Packet) -> Output {
+        let input = packet.build();
+        let (verdict, output) = self.run(&input);
+        verify(&input, verdict, &output)
+    }
+
+    /// Runs a packet that must come out untouched with TC_ACT_OK.
+    fn assert_untouched(&self, packet: &[u8]) {
+        let (verdict, output) = self.run(packet);
+        assert_eq!(verdict, TC_ACT_OK);
+        assert_eq!(output, packet);
+    }
+
+    fn counter(&self, counter: Counter) -> u64 {
+        let map = self.ebpf.map(map_name::COUNTERS).unwrap();
+        let counters: PerCpuArray<&MapData, u64> = map.try_into().unwrap();
+        counters.get(&(counter as u32), 0).unwrap().iter().sum()
+    }
+
+    fn conntrack(&self, key: &ConntrackKey) -> Option<ConntrackEntry> {
+        let map = self.ebpf.map(map_name::CONNTRACK).unwrap();
+        let conntrack: HashMap<&MapData, ConntrackKey, ConntrackEntry> = map.try_into().unwrap();
+        conntrack.get(key, 0).ok()
+    }
+
+    fn conntrack_len(&self) -> usize {
+        let map = self.ebpf.map(map_name::CONNTRACK).unwrap();
+        let conntrack: HashMap<&MapData, ConntrackKey, ConntrackEntry> = map.try_into().unwrap();
+        conntrack.keys().count()
+    }
+}
+
+/// A pod connects to the ClusterIP, the flow sticks to its backend, and the reply is translated
+/// back; both conntrack entries follow the connection's state.
+#[test]
+fn cluster_ip_tcp_from_pod() {
+    let datapath = Datapath::with_cluster_ip(&ENDPOINTS);
+    let first = Packet::new(Proto::Tcp, POD, CLUSTER_IP);
+    let out = datapath.translate(&first);
+    assert_eq!(out.src, POD, "source untouched");
+    let backend = out.dst;
+    assert!(ENDPOINTS.contains(&backend), "DNAT to a backend: {backend}");
+
+    let original = datapath
+        .conntrack(&ct_key(Proto::Tcp, POD, CLUSTER_IP))
+        .unwrap();
+    assert_eq!(rewrite_of(&original), (POD, backend));
+    assert_eq!((original.flags, original.state), (0, CT_STATE_NEW));
+    assert_eq!(original.service_id, SERVICE_ID);
+    let reply = datapath
+        .conntrack(&ct_key(Proto::Tcp, backend, POD))
+        .unwrap();
+    assert_eq!(rewrite_of(&reply), (CLUSTER_IP, POD));
+    assert_eq!((reply.flags, reply.state), (CT_F_REPLY, CT_STATE_NEW));
+    assert_eq!(datapath.conntrack_len(), 2);
+
+    for _ in 0..20 {
+        assert_eq!(datapath.translate(&first).dst, backend, "same backend");
+    }
+    let out = datapath.translate(&Packet::new(Proto::Tcp, backend, POD));
+    assert_eq!(
+        (out.src, out.dst),
+        (CLUSTER_IP, POD),
+        "reply reverse-translated"
+    );
+    for key in [
+        ct_key(Proto::Tcp, POD, CLUSTER_IP),
+        ct_key(Proto::Tcp, backend, POD),
+    ] {
+        assert_eq!(
+            datapath.conntrack(&key).unwrap().state,
+            CT_STATE_ESTABLISHED
+        );
+    }
+
+    let fin = Packet {
+        tcp_fin: true,
+        ..first
+    };
+    assert_eq!(datapath.translate(&fin).dst, backend);
+    for key in [
+        ct_key(Proto::Tcp, POD, CLUSTER_IP),
+        ct_key(Proto::Tcp, backend, POD),
+    ] {
+        assert_eq!(datapath.conntrack(&key).unwrap().state, CT_STATE_CLOSING);
+    }
+    assert_eq!(datapath.counter(Counter::NewConnection), 1);
+    assert_eq!(datapath.counter(Counter::Translated), 22);
+    assert_eq!(datapath.counter(Counter::Masqueraded), 0);
+    assert_eq!(datapath.conntrack_len(), 2);
+}
+
+#[test]
+fn cluster_ip_udp_from_pod() {
+    let datapath = Datapath::with_cluster_ip(&ENDPOINTS);
+    let first = Packet::new(Proto::Udp, POD, CLUSTER_IP);
+    let out = datapath.translate(&first);
+    assert_eq!(out.src, POD);
+    let backend = out.dst;
+    assert!(ENDPOINTS.contains(&backend));
+    assert_ne!(out.udp_checksum, Some(0));
+    let reply = datapath
+        .conntrack(&ct_key(Proto::Udp, backend, POD))
+        .unwrap();
+    assert_eq!(rewrite_of(&reply), (CLUSTER_IP, POD));
+    for _ in 0..5 {
+        assert_eq!(datapath.translate(&first).dst, backend);
+    }
+    let out = datapath.translate(&Packet::new(Proto::Udp, backend, POD));
+    assert_eq!((out.src, out.dst), (CLUSTER_IP, POD));
+    assert_eq!(datapath.counter(Counter::NewConnection), 1);
+    assert_eq!(datapath.counter(Counter::Translated), 6);
+}
+
+#[test]
+fn zero_udp_checksum_stays_zero() {
+    let datapath = Datapath::with_cluster_ip(&ENDPOINTS);
+    let request = Packet {
+        zero_udp_checksum: true,
+        ..Packet::new(Proto::Udp, POD, CLUSTER_IP)
+    };
+    let out = datapath.translate(&request);
+    assert!(ENDPOINTS.contains(&out.dst));
+    assert_eq!(out.udp_checksum, Some(0));
+    let reply = Packet {
+        zero_udp_checksum: true,
+        ..Packet::new(Proto::Udp, out.dst, POD)
+    };
+    let out = datapath.translate(&reply);
+    assert_eq!((out.src, out.udp_checksum), (CLUSTER_IP, Some(0)));
+}
+
+/// `client` reaches `frontend`, served by `endpoint` only: the backend must see the connection
+/// from the node address and a port of the SNAT range, and its reply must reach the client from
+/// the frontend.
+fn assert_masqueraded(
+    datapath: &Datapath,
+    client: SocketAddrV4,
+    frontend: SocketAddrV4,
+    endpoint: SocketAddrV4,
+) {
+    let out = datapath.translate(&Packet::new(Proto::Tcp, client, frontend));
+    assert_eq!(*out.src.ip(), NODE, "masqueraded to the node");
+    assert!((SNAT_PORT_MIN..=SNAT_PORT_MAX).contains(&out.src.port()));
+    assert_eq!(out.dst, endpoint);
+    let reply_key = ct_key(Proto::Tcp, endpoint, out.src);
+    let reply = datapath.conntrack(&reply_key).unwrap();
+    assert_eq!(reply.flags, CT_F_REPLY | CT_F_MASQUERADE);
+    let original = datapath
+        .conntrack(&ct_key(Proto::Tcp, client, frontend))
+        .unwrap();
+    assert_eq!(original.flags, CT_F_MASQUERADE);
+
+    let back = datapath.translate(&Packet::new(Proto::Tcp, endpoint, out.src));
+    assert_eq!((back.src, back.dst), (frontend, client));
+    assert_eq!(datapath.counter(Counter::Masqueraded), 1);
+    assert_eq!(datapath.counter(Counter::Translated), 1);
+}
+
+#[test]
+fn hairpin_is_masqueraded() {
+    let datapath = Datapath::with_cluster_ip(&[ENDPOINTS[0]]);
+    let client = SocketAddrV4::new(*ENDPOINTS[0].ip(), 40000);
+    assert_masqueraded(&datapath, client, CLUSTER_IP, ENDPOINTS[0]);
+}
+
+#[test]
+fn source_outside_cluster_cidr_is_masqueraded() {
+    let datapath = Datapath::with_cluster_ip(&[ENDPOINTS[1]]);
+    assert_masqueraded(&datapath, DOCKER_CONTAINER, CLUSTER_IP, ENDPOINTS[1]);
+}
+
+#[test]
+fn node_port_is_masqueraded() {
+    let mut datapath = Datapath::new(config());
+    datapath.service(
+        Proto::Tcp,
+        NODE_PORT,
+        FRONTEND_F_MASQUERADE,
+        SERVICE_ID,
+        &[ENDPOINTS[2]],
+    );
+    assert_masqueraded(&datapath, EXTERNAL_CLIENT, NODE_PORT, ENDPOINTS[2]);
+}
+
+#[test]
+fn backends_are_chosen_uniformly() {
+    let datapath = Datapath::with_cluster_ip(&ENDPOINTS);
+    let mut hits = [0u32; 3];
+    for port in 10_000..13_000 {
+        let client = SocketAddrV4::new(*POD.ip(), port);
+        let out = datapath.translate(&Packet::new(Proto::Tcp, client, CLUSTER_IP));
+        hits[ENDPOINTS.iter().position(|e| *e == out.dst).unwrap()] += 1;
+    }
+    assert!(hits.iter().all(|h| (800..=1200).contains(h)), "{hits:?}");
+    assert_eq!(datapath.counter(Counter::NewConnection), 3000);
+}
+
+#[test]
+fn non_service_traffic_is_untouched() {
+    let datapath = Datapath::with_cluster_ip(&ENDPOINTS);
+    let other_addr = SocketAddrV4::new(Ipv4Addr::new(10, 96, 0, 11), 80);
+    let other_port = SocketAddrV4::new(*CLUSTER_IP.ip(), 81);
+    let icmp = {
+        let mut bytes = Vec::new();
+        PacketBuilder::ethernet2(MAC_SRC, MAC_DST)
+            .ipv4(POD.ip().octets(), CLUSTER_IP.ip().octets(), 64)
+            .icmpv4_echo_request(1, 1)
+            .write(&mut bytes, PAYLOAD)
+            .unwrap();
+        bytes
+    };
+    let ipv6 = {
+        let mut bytes = Vec::new();
+        PacketBuilder::ethernet2(MAC_SRC, MAC_DST)
+            .ipv6([0xfd; 16], [0xfe; 16], 64)
+            .tcp(40000, 80, 1, 65535)
+            .write(&mut bytes, PAYLOAD)
+            .unwrap();
+        bytes
+    };
+    let arp = {
+        let mut bytes = Vec::new();
+        let request = ArpPacket::new(
+            ArpHardwareId::ETHERNET,
+            EtherType::IPV4,
+            ArpOperation::REQUEST,
+            &MAC_SRC,
+            &POD.ip().octets(),
+            &[0; 6],
+            &CLUSTER_IP.ip().octets(),
+        )
+        .unwrap();
+        PacketBuilder::ethernet2(MAC_SRC, [0xff; 6])
+            .arp(request)
+            .write(&mut bytes)
+            .unwrap();
+        bytes
+    };
+    let packets = [
+        Packet::new(Proto::Tcp, POD, other_addr).build(),
+        Packet::new(Proto::Tcp, POD, other_port).build(),
+        icmp,
+        ipv6,
+        arp,
+    ];
+    for packet in &packets {
+        datapath.assert_untouched(packet);
+    }
+    assert_eq!(datapath.counter(Counter::Passed), packets.len() as u64);
+    assert_eq!(datapath.conntrack_len(), 0);
+}
+
+#[test]
+fn malformed_packets_are_untouched() {
+    let datapath = Datapath::with_cluster_ip(&ENDPOINTS);
+    let tcp = Packet::new(Proto::Tcp, POD, CLUSTER_IP).build();
+    let udp = Packet::new(Proto::Udp, POD, CLUSTER_IP).build();
+    let l4 = ETH_HLEN + 20;
+    // Keeps the IP header consistent (total length, checksum) with an L4 header cut to `len`.
+    let cut_l4 = |packet: &[u8], len: usize| {
+        let mut bytes = packet[..l4 + len].to_vec();
+        let (mut ip, _) = Ipv4Header::from_slice(&bytes[ETH_HLEN..]).unwrap();
+        ip.total_len = (20 + len) as u16;
+        ip.header_checksum = ip.calc_header_checksum();
+        bytes[ETH_HLEN..l4].copy_from_slice(&ip.to_bytes());
+        bytes
+    };
+    let with_ip_byte = |index: usize, value: u8| {
+        let mut bytes = tcp.clone();
+        bytes[ETH_HLEN + index] = value;
+        bytes
+    };
+    let fragment = |more_fragments, fragment_offset| {
+        Packet {
+            more_fragments,
+            fragment_offset,
+            ..Packet::new(Proto::Tcp, POD, CLUSTER_IP)
+        }
+        .build()
+    };
+    let packets = [
+        // The kernel refuses test input shorter than Ethernet + a 20-byte IPv4 header, so a
+        // truncated IP header is one whose IHL (15: 60 bytes) runs past the packet.
+        with_ip_byte(0, 0x4f),
+        cut_l4(&tcp, 10),
+        cut_l4(&tcp, 0),
+        cut_l4(&udp, 4),
+        // IHL 4.
+        with_ip_byte(0, 0x44),
+        // Version 5.
+        with_ip_byte(0, 0x55),
+        // Total length above the frame's.
+        with_ip_byte(2, 0x10),
+        // Total length below the header's.
+        {
+            let mut bytes = with_ip_byte(2, 0);
+            bytes[ETH_HLEN + 3] = 16;
+            bytes
+        },
+        fragment(true, 0),
+        fragment(false, 185),
+    ];
+    for packet in &packets {
+        datapath.assert_untouched(packet);
+    }
+    assert_eq!(
+        datapath.counter(Counter::PassedUnparsed),
+        packets.len() as u64
+    );
+    assert_eq!(datapath.conntrack_len(), 0);
+}
+
+#[test]
+fn ip_options_use_the_right_l4_offset() {
+    let datapath = Datapath::with_cluster_ip(&ENDPOINTS);
+    for proto in [Proto::Tcp, Proto::Udp] {
+        let request = Packet {
+            ip_options: &ROUTER_ALERT,
+            ..Packet::new(proto, POD, CLUSTER_IP)
+        };
+        assert_eq!(request.build()[ETH_HLEN] & 0x0f, 6, "IHL");
+        let out = datapath.translate(&request);
+        assert!(ENDPOINTS.contains(&out.dst), "{proto:?}: {out:?}");
+        assert_eq!(out.src, POD);
+        let reply = Packet {
+            ip_options: &ROUTER_ALERT,
+            ..Packet::new(proto, out.dst, POD)
+        };
+        let back = datapath.translate(&reply);
+        assert_eq!((back.src, back.dst), (CLUSTER_IP, POD));
+    }
+}
+
+#[test]
+fn ttl_one_goes_to_the_stack_untranslated() {
+    let datapath = Datapath::with_cluster_ip(&ENDPOINTS);
+    let packet = Packet {
+        ttl: 1,
+        ..Packet::new(Proto::Tcp, POD, CLUSTER_IP)
+    };
+    datapath.assert_untouched(&packet.build());
+    assert_eq!(datapath.counter(Counter::NewConnection), 0);
+    assert_eq!(datapath.conntrack_len(), 0);
+}
+
+#[test]
+fn service_without_backends_drops() {
+    let mut datapath = Datapath::with_cluster_ip(&[]);
+    let packet = Packet::new(Proto::Tcp, POD, CLUSTER_IP).build();
+    assert_eq!(datapath.run(&packet).0, TC_ACT_SHOT);
+    assert_eq!(datapath.counter(Counter::DropNoBackend), 1);
+
+    // A count that claims a slot the agent has not written yet.
+    let frontend = Frontend {
+        service_id: SERVICE_ID + 1,
+        backend_count: 1,
+        flags: 0,
+    };
+    datapath.frontend(Proto::Tcp, CLUSTER_IP, frontend);
+    assert_eq!(datapath.run(&packet).0, TC_ACT_SHOT);
+    assert_eq!(datapath.counter(Counter::DropNoBackend), 2);
+    assert_eq!(datapath.conntrack_len(), 0);
+}
+
+#[test]
+fn config_not_ready_passes_everything() {
+    let mut datapath = Datapath::new(Config {
+        flags: 0,
+        ..config()
+    });
+    datapath.service(Proto::Tcp, CLUSTER_IP, 0, SERVICE_ID, &ENDPOINTS);
+    datapath.assert_untouched(&Packet::new(Proto::Tcp, POD, CLUSTER_IP).build());
+    assert_eq!(datapath.counter(Counter::NewConnection), 0);
+    assert_eq!(datapath.conntrack_len(), 0);
+}
+
+#[test]
+fn snat_ports_exhausted_drops() {
+    let mut datapath = Datapath::new(Config {
+        snat_port_min: 62_000,
+        snat_port_max: 62_000,
+        ..config()
+    });
+    datapath.service(Proto::Tcp, CLUSTER_IP, 0, SERVICE_ID, &[ENDPOINTS[0]]);
+    let out = datapath.translate(&Packet::new(Proto::Tcp, DOCKER_CONTAINER, CLUSTER_IP));
+    assert_eq!(out.src, SocketAddrV4::new(NODE, 62_000));
+
+    let second = SocketAddrV4::new(*DOCKER_CONTAINER.ip(), 40001);
+    let packet = Packet::new(Proto::Tcp, second, CLUSTER_IP).build();
+    assert_eq!(datapath.run(&packet).0, TC_ACT_SHOT);
+    assert_eq!(datapath.counter(Counter::DropSnatPortsExhausted), 1);
+    assert_eq!(datapath.counter(Counter::NewConnection), 1);
+    assert!(
+        datapath
+            .conntrack(&ct_key(Proto::Tcp, second, CLUSTER_IP))
+            .is_none()
+    );
+}
+
+#[test]
+fn expired_entry_is_replaced() {
+    let mut datapath = Datapath::with_cluster_ip(&ENDPOINTS);
+    let gone = SocketAddrV4::new(Ipv4Addr::new(10, 244, 9, 9), 9999);
+    let key = ct_key(Proto::Tcp, POD, CLUSTER_IP);
+    let ancient = ConntrackEntry {
+        last_seen_ns: 1,
+        src_addr: key.src_addr,
+        dst_addr: ipv4_be(gone.ip().octets()),
+        src_port: key.src_port,
+        dst_port: port_be(gone.port()),
+        service_id: SERVICE_ID,
+        state: CT_STATE_NEW,
+        flags: 0,
+        _pad: [0; 6],
+    };
+    assert!(
+        uptime_s() > CT_TIMEOUT_TCP_SYN_NS / 1_000_000_000,
+        "the machine must be up longer than the timeout for last_seen 1 to be ancient"
+    );
+    let mut conntrack: HashMap<_, ConntrackKey, ConntrackEntry> = datapath.map(map_name::CONNTRACK);
+    conntrack.insert(key, ancient, 0).unwrap();
+
+    let out = datapath.translate(&Packet::new(Proto::Tcp, POD, CLUSTER_IP));
+    assert!(ENDPOINTS.contains(&out.dst), "a new selection: {out:?}");
+    let entry = datapath.conntrack(&key).unwrap();
+    assert_eq!(rewrite_of(&entry), (POD, out.dst));
+    assert_eq!(entry.state, CT_STATE_NEW);
+    assert!(entry.last_seen_ns > 1);
+    assert_eq!(datapath.counter(Counter::NewConnection), 1);
+    assert_eq!(datapath.counter(Counter::Translated), 0);
+}
+
+fn uptime_s() -> u64 {
+    let uptime = std::fs::read_to_string("/proc/uptime").unwrap();
+    let seconds = uptime.split('.').next().unwrap();
+    seconds.parse().unwrap()
+}
