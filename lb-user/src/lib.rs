@@ -1,7 +1,22 @@
 //! The agent: desired state from manifests, one reconciler into the eBPF maps.
+pub mod bpffs;
 pub mod datapath;
 pub mod k8s;
+pub mod links;
 pub mod manifests;
 pub mod model;
 pub mod nodeport;
+pub mod pins;
 pub mod reconcile;
+
+/// `error: cause: cause`: aya's errors keep the OS error in their source, not their message.
+pub fn error_chain(err: &dyn std::error::Error) -> String {
+    let mut text = err.to_string();
+    let mut source = err.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}

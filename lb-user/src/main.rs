@@ -1,4 +1,25 @@
+//! `lb`: see args.rs for the commands.
+mod agent;
+mod args;
+mod stats;
+
+use clap::Parser as _;
+use tracing_subscriber::EnvFilter;
+
+use crate::args::{Cli, Command};
+
 fn main() -> anyhow::Result<()> {
-    let _ebpf = lb_user::datapath::load()?;
-    Ok(())
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match Cli::parse().command {
+        Command::Agent(args) => tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?
+            .block_on(agent::run(args)),
+        Command::Stats(args) => stats::run(args),
+    }
 }

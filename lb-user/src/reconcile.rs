@@ -8,6 +8,7 @@ use lb_common::{
 };
 use tracing::{error, warn};
 
+use crate::error_chain;
 use crate::model::{Model, ServicePortId};
 
 /// The two service maps, as the reconciler writes them: the aya maps, or a fake in tests.
@@ -268,7 +269,7 @@ impl Reconciler {
     ) {
         report.failed += 1;
         self.failed_total += 1;
-        error!(op, key, error = %err, failed_total = self.failed_total, "map write failed");
+        error!(op, key, error = %error_chain(err), failed_total = self.failed_total, "map write failed");
     }
 }
 

@@ -1,0 +1,224 @@
+//! Interfaces where traffic enters the node: the external one and the pod-side ones matching the
+//! globs, those present at start and those created later (netlink RTM_NEWLINK), each with
+//! `lb_ingress` attached at tc ingress.
+use std::collections::BTreeMap;
+use std::io;
+
+use aya::programs::tc::{self, SchedClassifierLinkId, TcAttachType};
+use aya::programs::{ProgramError, SchedClassifier};
+use aya::util::KernelVersion;
+use futures::channel::mpsc::UnboundedReceiver;
+use futures::{StreamExt as _, TryStreamExt as _};
+use rtnetlink::packet_core::{NetlinkMessage, NetlinkPayload};
+use rtnetlink::packet_route::RouteNetlinkMessage;
+use rtnetlink::packet_route::link::{LinkAttribute, LinkMessage};
+use rtnetlink::{Handle, MulticastGroup};
+use tracing::{debug, info, warn};
+
+use crate::error_chain;
+
+#[derive(Debug, thiserror::Error)]
+pub enum LinkError {
+    #[error("invalid interface pattern {pattern:?}: {source}")]
+    Pattern {
+        pattern: String,
+        source: glob::PatternError,
+    },
+    #[error("netlink socket: {0}")]
+    Socket(#[source] io::Error),
+    #[error("listing interfaces: {0}")]
+    Dump(#[from] rtnetlink::Error),
+}
+
+/// Which interface names get the program.
+#[derive(Debug)]
+pub struct InterfaceFilter {
+    external: String,
+    pods: Vec<glob::Pattern>,
+}
+
+impl InterfaceFilter {
+    pub fn new(external: &str, pod_globs: &[String]) -> Result<Self, LinkError> {
+        let pods = pod_globs
+            .iter()
+            .map(|p| {
+                glob::Pattern::new(p).map_err(|source| LinkError::Pattern {
+                    pattern: p.clone(),
+                    source,
+                })
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(Self {
+            external: external.to_owned(),
+            pods,
+        })
+    }
+
+    pub fn matches(&self, name: &str) -> bool {
+        name == self.external || self.pods.iter().any(|p| p.matches(name))
+    }
+}
+
+/// A change in the namespace's interfaces.
+#[derive(Debug, PartialEq, Eq)]
+pub enum LinkEvent {
+    /// Created, or changed (renamed, up/down): (index, name).
+    Present(u32, String),
+    Gone(u32),
+    /// The kernel dropped notifications (socket buffer overrun): list the interfaces again.
+    Lost,
+}
+
+/// Netlink link notifications, and listing the current interfaces.
+pub struct LinkWatcher {
+    handle: Handle,
+    messages: UnboundedReceiver<(
+        NetlinkMessage<RouteNetlinkMessage>,
+        rtnetlink::sys::SocketAddr,
+    )>,
+}
+
+impl LinkWatcher {
+    /// Subscribes to link notifications; call [`LinkWatcher::list`] afterwards, so no interface
+    /// created in between is missed. Needs a tokio runtime.
+    pub fn start() -> Result<Self, LinkError> {
+        let (connection, handle, messages) =
+            rtnetlink::new_multicast_connection(&[MulticastGroup::Link])
+                .map_err(LinkError::Socket)?;
+        tokio::spawn(connection);
+        Ok(Self { handle, messages })
+    }
+
+    /// The interfaces there are now: (index, name).
+    pub async fn list(&self) -> Result<Vec<(u32, String)>, LinkError> {
+        let links: Vec<LinkMessage> = self.handle.link().get().execute().try_collect().await?;
+        Ok(links.iter().filter_map(index_and_name).collect())
+    }
+
+    /// The next event; None when the netlink connection is gone.
+    pub async fn next(&mut self) -> Option<LinkEvent> {
+        loop {
+            let (message, _) = self.messages.next().await?;
+            match message.payload {
+                NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewLink(link)) => {
+                    if let Some((index, name)) = index_and_name(&link) {
+                        return Some(LinkEvent::Present(index, name));
+                    }
+                }
+                NetlinkPayload::InnerMessage(RouteNetlinkMessage::DelLink(link)) => {
+                    return Some(LinkEvent::Gone(link.header.index));
+                }
+                NetlinkPayload::Overrun(_) => return Some(LinkEvent::Lost),
+                _ => {}
+            }
+        }
+    }
+}
+
+fn index_and_name(link: &LinkMessage) -> Option<(u32, String)> {
+    link.attributes.iter().find_map(|a| match a {
+        LinkAttribute::IfName(name) => Some((link.header.index, name.clone())),
+        _ => None,
+    })
+}
+
+/// The interfaces the program is attached to, by index.
+#[derive(Default)]
+pub struct Attachments {
+    attached: BTreeMap<u32, (String, SchedClassifierLinkId)>,
+}
+
+impl Attachments {
+    pub fn len(&self) -> usize {
+        self.attached.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.attached.is_empty()
+    }
+
+    /// Attaches to interface `index` named `name` if it matches and is not attached yet.
+    /// A failure is logged, not returned: the interface may already be gone again.
+    pub fn add(
+        &mut self,
+        program: &mut SchedClassifier,
+        filter: &InterfaceFilter,
+        index: u32,
+        name: &str,
+    ) {
+        if self.attached.contains_key(&index) || !filter.matches(name) {
+            return;
+        }
+        match attach(program, name) {
+            Ok(link) => {
+                info!(interface = name, index, "attached lb_ingress at tc ingress");
+                self.attached.insert(index, (name.to_owned(), link));
+            }
+            Err(err) => warn!(interface = name, index, error = %error_chain(&err), "attach failed"),
+        }
+    }
+
+    /// Forgets a vanished interface; the kernel dropped its attachment with it.
+    pub fn remove(&mut self, program: &mut SchedClassifier, index: u32) {
+        if let Some((name, link)) = self.attached.remove(&index) {
+            // Only releases our handle: there is nothing left to detach.
+            if let Err(err) = program.detach(link) {
+                debug!(interface = %name, index, error = %error_chain(&err), "release after removal");
+            }
+            info!(interface = %name, index, "interface gone");
+        }
+    }
+
+    /// Indexes we hold that are not in `present` (after lost notifications).
+    pub fn missing_from(&self, present: &[(u32, String)]) -> Vec<u32> {
+        self.attached
+            .keys()
+            .filter(|i| !present.iter().any(|(p, _)| p == *i))
+            .copied()
+            .collect()
+    }
+
+    pub fn detach_all(&mut self, program: &mut SchedClassifier) {
+        for (index, (name, link)) in std::mem::take(&mut self.attached) {
+            match program.detach(link) {
+                Ok(()) => info!(interface = %name, index, "detached"),
+                Err(err) => {
+                    warn!(interface = %name, index, error = %error_chain(&err), "detach failed")
+                }
+            }
+        }
+    }
+}
+
+fn attach(
+    program: &mut SchedClassifier,
+    name: &str,
+) -> Result<SchedClassifierLinkId, ProgramError> {
+    // aya attaches with TCX links from 6.6 on; older kernels take a netlink filter, which needs
+    // the clsact qdisc.
+    let tcx = KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0));
+    if !tcx {
+        match tc::qdisc_add_clsact(name) {
+            Err(tc::TcError::NetlinkError(err))
+                if err.raw_os_error() == Some(nix::libc::EEXIST) => {}
+            other => other?,
+        }
+    }
+    program.attach(name, TcAttachType::Ingress)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn filter_matches_external_and_globs() {
+        let f = InterfaceFilter::new("eth0", &["lbp*".into(), "veth?x".into()]).unwrap();
+        assert!(f.matches("eth0"));
+        assert!(f.matches("lbpa"));
+        assert!(f.matches("veth1x"));
+        assert!(!f.matches("eth1"));
+        assert!(!f.matches("lo"));
+        assert!(InterfaceFilter::new("eth0", &["[".into()]).is_err());
+    }
+}
