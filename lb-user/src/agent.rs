@@ -7,13 +7,13 @@ use anyhow::{Context as _, Result};
 use lb_common::{
     CONFIG_F_MASQUERADE_ALL, CONFIG_F_READY, Config, SNAT_PORT_MAX, SNAT_PORT_MIN, ipv4_be,
 };
+use lb_user::bpffs;
 use lb_user::datapath::{Datapath, MapSizes};
 use lb_user::links::{Attachments, InterfaceFilter, LinkEvent, LinkWatcher};
 use lb_user::manifests;
 use lb_user::model::Model;
 use lb_user::nodeport::NodePortAllocator;
 use lb_user::reconcile::{Reconciler, SyncReport};
-use lb_user::{bpffs, error_chain};
 use notify::Watcher as _;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::mpsc;
@@ -107,9 +107,9 @@ pub async fn run(args: AgentArgs) -> Result<()> {
                 if let Err(err) = event {
                     warn!(error = %err, "manifest directory watch");
                 }
-                // Restart the settle time on every event of a burst.
-                let settle = Instant::now() + SETTLE;
-                next_sync = Some(next_sync.map_or(settle, |t| t.max(settle)));
+                // Restart the settle time on every event of a burst; this also replaces a
+                // pending retry, as the sync it leads to retries failed writes anyway.
+                next_sync = Some(Instant::now() + SETTLE);
             }
             () = async { tokio::time::sleep_until(deadline.expect("guarded")).await }, if deadline.is_some() => {
                 next_sync = state.sync().and_then(|r| log_sync(&r));
@@ -169,7 +169,7 @@ impl State {
         let loaded = match manifests::load_dir(&self.dir) {
             Ok(loaded) => loaded,
             Err(err) => {
-                error!(error = %error_chain(&err), "manifests rejected, the maps keep the last good state");
+                error!(error = %err, "manifests rejected, the maps keep the last good state");
                 return None;
             }
         };

@@ -3,6 +3,8 @@ mod agent;
 mod args;
 mod stats;
 
+use std::io::IsTerminal as _;
+
 use clap::Parser as _;
 use tracing_subscriber::EnvFilter;
 
@@ -14,6 +16,7 @@ fn main() -> anyhow::Result<()> {
             EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
     match Cli::parse().command {
         Command::Agent(args) => tokio::runtime::Builder::new_current_thread()
