@@ -79,7 +79,7 @@ pub fn forward(ctx: &TcContext, packet: &Packet, to: &ConntrackKey) -> Result<i3
         }
         _ => {
             maps::count(Counter::FibFallback);
-            Ok(TC_ACT_OK as i32)
+            Ok(TC_ACT_OK)
         }
     }
 }

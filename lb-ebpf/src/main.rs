@@ -77,8 +77,8 @@ fn connect(config: &Config, tuple: &ConntrackKey, now: u64) -> Result<ConntrackK
 
 fn verdict(reason: Counter) -> i32 {
     match reason {
-        Counter::Passed | Counter::PassedUnparsed => TC_ACT_OK as i32,
-        _ => TC_ACT_SHOT as i32,
+        Counter::Passed | Counter::PassedUnparsed => TC_ACT_OK,
+        _ => TC_ACT_SHOT,
     }
 }
 

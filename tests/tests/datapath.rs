@@ -15,10 +15,11 @@ use etherparse::{
     Ipv4Header, PacketBuilder, TcpHeader, UdpHeader,
 };
 use lb_common::{
-    Backend, BackendKey, CONFIG_F_READY, CT_F_MASQUERADE, CT_F_REPLY, CT_STATE_CLOSING,
-    CT_STATE_ESTABLISHED, CT_STATE_NEW, CT_TIMEOUT_TCP_SYN_NS, Config, ConntrackEntry,
-    ConntrackKey, Counter, FRONTEND_F_MASQUERADE, Frontend, FrontendKey, IPPROTO_TCP, IPPROTO_UDP,
-    SNAT_PORT_MAX, SNAT_PORT_MIN, ipv4_be, map_name, port_be, program_name,
+    Backend, BackendKey, CONFIG_F_MASQUERADE_ALL, CONFIG_F_READY, CT_F_MASQUERADE, CT_F_REPLY,
+    CT_STATE_CLOSING, CT_STATE_ESTABLISHED, CT_STATE_NEW, CT_TIMEOUT_TCP_SYN_NS, Config,
+    ConntrackEntry, ConntrackKey, Counter, FRONTEND_F_MASQUERADE, Frontend, FrontendKey,
+    IPPROTO_TCP, IPPROTO_UDP, SNAT_PORT_MAX, SNAT_PORT_MIN, ipv4_be, map_name, port_be,
+    program_name,
 };
 
 const TC_ACT_OK: u32 = 0;
@@ -44,6 +45,8 @@ const MAC_SRC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x01];
 const MAC_DST: [u8; 6] = [0x02, 0, 0, 0, 0, 0x02];
 const PAYLOAD: &[u8] = b"hello, service";
 const ETH_HLEN: usize = 14;
+/// Offset of `ingress_ifindex` in `struct __sk_buff`.
+const SKB_INGRESS_IFINDEX: usize = 36;
 /// Router Alert (RFC 2113): a valid 4-byte IPv4 option, so IHL becomes 6.
 const ROUTER_ALERT: [u8; 4] = [0x94, 0x04, 0x00, 0x00];
 
@@ -157,10 +160,13 @@ fn verify(input: &[u8], verdict: u32, output: &[u8]) -> Output {
         "verdict {verdict}"
     );
     assert_eq!(output.len(), input.len());
-    let (_, ip_in) = Ethernet2Header::from_slice(input).unwrap();
-    let (ip_in, _) = Ipv4Header::from_slice(ip_in).unwrap();
-    let (_, rest) = Ethernet2Header::from_slice(output).unwrap();
+    let (eth_in, rest) = Ethernet2Header::from_slice(input).unwrap();
+    let (ip_in, l4_in) = Ipv4Header::from_slice(rest).unwrap();
+    let (eth, rest) = Ethernet2Header::from_slice(output).unwrap();
     let (ip, l4) = Ipv4Header::from_slice(rest).unwrap();
+    if verdict == TC_ACT_OK {
+        assert_eq!(eth, eth_in, "MACs are the stack's business");
+    }
     assert_eq!(
         ip.calc_header_checksum(),
         ip.header_checksum,
@@ -190,6 +196,14 @@ fn verify(input: &[u8], verdict: u32, output: &[u8]) -> Output {
         IpNumber::TCP => {
             let (tcp, payload) = TcpHeader::from_slice(l4).unwrap();
             assert_eq!(payload, PAYLOAD);
+            let (tcp_in, _) = TcpHeader::from_slice(l4_in).unwrap();
+            let unchanged = TcpHeader {
+                source_port: tcp.source_port,
+                destination_port: tcp.destination_port,
+                checksum: tcp.checksum,
+                ..tcp_in
+            };
+            assert_eq!(tcp, unchanged, "only ports and checksum change");
             let expected = tcp.calc_checksum_ipv4(&ip, payload).unwrap();
             assert_eq!(tcp.checksum, expected, "TCP checksum");
             ((tcp.source_port, tcp.destination_port), None)
@@ -197,6 +211,7 @@ fn verify(input: &[u8], verdict: u32, output: &[u8]) -> Output {
         IpNumber::UDP => {
             let (udp, payload) = UdpHeader::from_slice(l4).unwrap();
             assert_eq!(payload, PAYLOAD);
+            assert_eq!(udp.length, UdpHeader::from_slice(l4_in).unwrap().0.length);
             if udp.checksum != 0 {
                 let expected = udp.calc_checksum_ipv4(&ip, payload).unwrap();
                 assert_eq!(udp.checksum, expected, "UDP checksum");
@@ -234,6 +249,8 @@ fn rewrite_of(entry: &ConntrackEntry) -> (SocketAddrV4, SocketAddrV4) {
 /// The one fixture: a private, unpinned copy of the object with its program loaded.
 struct Datapath {
     ebpf: Ebpf,
+    /// The interface the packets arrive on, as the FIB lookup sees it; 0: none.
+    ingress_ifindex: u32,
 }
 
 impl Datapath {
@@ -251,7 +268,10 @@ impl Datapath {
             .try_into()
             .unwrap();
         program.load().expect("verifier accepts the program");
-        let mut datapath = Self { ebpf };
+        let mut datapath = Self {
+            ebpf,
+            ingress_ifindex: 0,
+        };
         let mut array: Array<_, Config> = datapath.map(map_name::CONFIG);
         array.set(0, config, 0).unwrap();
         datapath
@@ -322,10 +342,14 @@ impl Datapath {
             .try_into()
             .unwrap();
         let mut out = vec![0; packet.len() + 256];
+        // The head of a struct __sk_buff, up to ingress_ifindex; the kernel zero-fills the rest.
+        let mut skb = [0u8; SKB_INGRESS_IFINDEX + 4];
+        skb[SKB_INGRESS_IFINDEX..].copy_from_slice(&self.ingress_ifindex.to_ne_bytes());
         let result = program
             .test_run(TestRunOptions {
                 data_in: Some(packet),
                 data_out: Some(&mut out),
+                ctx_in: Some(&skb),
                 ..Default::default()
             })
             .unwrap();
@@ -517,6 +541,16 @@ fn node_port_is_masqueraded() {
         &[ENDPOINTS[2]],
     );
     assert_masqueraded(&datapath, EXTERNAL_CLIENT, NODE_PORT, ENDPOINTS[2]);
+}
+
+#[test]
+fn masquerade_all_masquerades_pods() {
+    let mut datapath = Datapath::new(Config {
+        flags: CONFIG_F_READY | CONFIG_F_MASQUERADE_ALL,
+        ..config()
+    });
+    datapath.service(Proto::Tcp, CLUSTER_IP, 0, SERVICE_ID, &[ENDPOINTS[0]]);
+    assert_masqueraded(&datapath, POD, CLUSTER_IP, ENDPOINTS[0]);
 }
 
 #[test]
@@ -771,4 +805,97 @@ fn uptime_s() -> u64 {
     let uptime = std::fs::read_to_string("/proc/uptime").unwrap();
     let seconds = uptime.split('.').next().unwrap();
     seconds.parse().unwrap()
+}
+
+/// In a private network namespace with a route to the backends: a packet whose next hop is known
+/// is redirected with the FIB's MACs, one whose neighbour is unresolved is redirected for the
+/// kernel to resolve; both with the TTL decremented (checked by `verify`).
+#[test]
+fn routed_packets_are_redirected() {
+    // unshare(CLONE_NEWNET) moves only the calling thread, and `ip` inherits it: a thread of our
+    // own leaves the test harness's threads where they are.
+    std::thread::spawn(|| {
+        nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
+        let known = ENDPOINTS[0];
+        let unresolved = ENDPOINTS[1];
+        let egress_mac = "02:00:00:00:00:aa";
+        let neighbour_mac = "02:00:00:00:00:bb";
+        for args in [
+            "link add lb-in type veth peer name lb-in-peer",
+            &format!("link add lb-out address {egress_mac} type veth peer name lb-out-peer"),
+            "link set lb-in up",
+            "link set lb-in-peer up",
+            "link set lb-out up",
+            "link set lb-out-peer up",
+            "addr add 10.244.2.1/24 dev lb-out",
+            &format!(
+                "neigh add {} lladdr {neighbour_mac} dev lb-out nud permanent",
+                known.ip()
+            ),
+        ] {
+            let status = std::process::Command::new("ip")
+                .args(args.split(' '))
+                .status()
+                .unwrap();
+            assert!(status.success(), "ip {args}");
+        }
+        std::fs::write("/proc/sys/net/ipv4/conf/all/forwarding", "1").unwrap();
+
+        let mut datapath = Datapath::new(config());
+        datapath.service(Proto::Tcp, CLUSTER_IP, 0, SERVICE_ID, &[known]);
+        datapath.service(Proto::Udp, CLUSTER_IP, 0, SERVICE_ID + 1, &[unresolved]);
+        datapath.ingress_ifindex = nix::net::if_::if_nametoindex("lb-in").unwrap();
+
+        let input = Packet::new(Proto::Tcp, POD, CLUSTER_IP).build();
+        let (verdict, output) = datapath.run(&input);
+        assert_eq!(verdict, TC_ACT_REDIRECT);
+        assert_eq!(verify(&input, verdict, &output).dst, known);
+        let (eth, _) = Ethernet2Header::from_slice(&output).unwrap();
+        let text = |mac: [u8; 6]| mac.map(|b| format!("{b:02x}")).join(":");
+        assert_eq!(text(eth.destination), neighbour_mac);
+        assert_eq!(text(eth.source), egress_mac);
+
+        let input = Packet::new(Proto::Udp, POD, CLUSTER_IP).build();
+        let (verdict, output) = datapath.run(&input);
+        assert_eq!(verdict, TC_ACT_REDIRECT);
+        assert_eq!(verify(&input, verdict, &output).dst, unresolved);
+        assert_eq!(
+            output[..12],
+            input[..12],
+            "the kernel fills in the MACs on egress"
+        );
+        assert_eq!(datapath.counter(Counter::FibFallback), 0);
+    })
+    .join()
+    .unwrap();
+}
+
+/// Translated packets without a route back to the stack, counted.
+#[test]
+fn unrouted_packets_fall_back_to_the_stack() {
+    let datapath = Datapath::with_cluster_ip(&ENDPOINTS);
+    let input = Packet::new(Proto::Tcp, POD, CLUSTER_IP).build();
+    let (verdict, output) = datapath.run(&input);
+    assert_eq!(verdict, TC_ACT_OK);
+    verify(&input, verdict, &output);
+    assert_eq!(datapath.counter(Counter::FibFallback), 1);
+}
+
+/// Far below the kernel's 1M limit, so that added features have room; a jump in this number means
+/// a loop or branch structure that multiplies verifier states.
+#[test]
+fn verifier_cost_is_bounded() {
+    let datapath = Datapath::new(config());
+    let program: &SchedClassifier = datapath
+        .ebpf
+        .program(program_name::INGRESS)
+        .unwrap()
+        .try_into()
+        .unwrap();
+    let processed = program
+        .info()
+        .unwrap()
+        .verified_instruction_count()
+        .unwrap();
+    assert!(processed < 100_000, "{processed} instructions processed");
 }
