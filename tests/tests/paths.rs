@@ -367,7 +367,8 @@ fn pods_created_after_start_are_attached() -> Result<()> {
 fn broken_manifest_keeps_last_good_state() -> Result<()> {
     let mut node = Node::start(2, &[])?;
     let service = node.service(Proto::Tcp, &["pod-b"]);
-    node.agent.update_manifests(&yaml(&[service.clone()]))?;
+    node.agent
+        .update_manifests(&yaml(std::slice::from_ref(&service)))?;
     let broken = yaml(&[service]).replace("port: 80", "port: eighty");
     std::fs::write(node.agent.manifest_dir().join("services.yaml"), broken)?;
     let deadline = Instant::now() + Duration::from_secs(10);

@@ -34,7 +34,8 @@ enum Task {
     /// Build a test topology in network namespaces, run the agent on examples/manifests, drive
     /// the four Service paths and print what answered.
     Demo,
-    /// Run every test: unit, BPF_PROG_TEST_RUN and network-namespace integration tests (as root).
+    /// Check formatting and lints, then run every test: unit, BPF_PROG_TEST_RUN and
+    /// network-namespace integration tests (as root).
     Test {
         /// Passed to `cargo test` after `--` (e.g. a test name filter).
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
@@ -72,6 +73,18 @@ fn main() -> Result<()> {
         Task::Test { args } => {
             setup::ensure_all(&root)?;
             build(&root)?;
+            run(cargo(&root).args(["fmt", "--all", "--", "--check"]))?;
+            run(cargo(&root).args([
+                "clippy",
+                "--release",
+                "--workspace",
+                "--exclude",
+                "lb-ebpf",
+                "--all-targets",
+                "--",
+                "-D",
+                "warnings",
+            ]))?;
             run(cargo(&root)
                 .args(["test", "--release", "--workspace", "--exclude", "lb-ebpf"])
                 .arg("--")
