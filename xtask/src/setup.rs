@@ -15,7 +15,7 @@ const BPF_LINKER_VERSION: &str = "0.13.0";
 /// bpf-linker must use the nightly's own LLVM.
 const BPF_LINKER_LLVM_FEATURE: &str = "llvm-22";
 /// Debian packages the tests need, keyed by a binary each provides.
-const DEBIAN_PACKAGES: &[(&str, &str)] = &[("ip", "iproute2")];
+const DEBIAN_PACKAGES: &[(&str, &str)] = &[("ip", "iproute2"), ("sysctl", "procps")];
 
 pub fn ensure_all(root: &Path) -> Result<()> {
     ensure_nightly_rust_src()?;
