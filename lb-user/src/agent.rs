@@ -1,17 +1,23 @@
 //! `lb agent`: load and pin the datapath, attach it to the node's interfaces, and keep its maps in
-//! sync with the manifest directory until SIGTERM/SIGINT.
-use std::path::PathBuf;
+//! sync with the apiserver (or a manifest directory) until SIGTERM/SIGINT.
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result};
+use jiff::Timestamp;
 use lb_common::{
     CONFIG_F_MASQUERADE_ALL, CONFIG_F_READY, Config, SNAT_PORT_MAX, SNAT_PORT_MIN, ipv4_be,
 };
+use lb_user::apiserver::{self, ApiSource, Next};
 use lb_user::bpffs;
+use lb_user::coalesce::Coalescer;
 use lb_user::datapath::{Datapath, MapSizes};
+use lb_user::health::{self, Health, Routes};
 use lb_user::links::{Attachments, InterfaceFilter, LinkEvent, LinkWatcher};
 use lb_user::manifests;
-use lb_user::model::Model;
+use lb_user::metrics::Metrics;
+use lb_user::model::{Model, ServiceSpec, SliceSpec};
 use lb_user::nodeport::NodePortAllocator;
 use lb_user::reconcile::{Reconciler, SyncReport};
 use notify::Watcher as _;
@@ -28,11 +34,41 @@ const RETRY: Duration = Duration::from_secs(5);
 
 pub async fn run(args: AgentArgs) -> Result<()> {
     let filter = InterfaceFilter::new(&args.external_interface, &args.pod_interfaces)?;
-    anyhow::ensure!(
-        args.manifests.is_dir(),
-        "--manifests {}: not a directory",
-        args.manifests.display()
-    );
+    let metrics = Arc::new(Metrics::new());
+    // kube-proxy's health timeout is twice its sync period.
+    let health = Arc::new(Mutex::new(Health::new(2 * args.sync_period)));
+    if let Some(addr) = args.healthz_bind_address.0 {
+        health::serve(addr, Routes::Health(health.clone(), metrics.clone()))
+            .await
+            .with_context(|| format!("--healthz-bind-address {addr}"))?;
+    }
+    if let Some(addr) = args.metrics_bind_address.0 {
+        health::serve(addr, Routes::Metrics(metrics.clone()))
+            .await
+            .with_context(|| format!("--metrics-bind-address {addr}"))?;
+    }
+    if !args.nodeport_addresses.is_empty() {
+        warn!("--nodeport-addresses is not applied yet: NodePorts are served on the node IP");
+    }
+
+    let mut source = match &args.manifests {
+        Some(dir) => {
+            anyhow::ensure!(
+                dir.is_dir(),
+                "--manifests {}: not a directory",
+                dir.display()
+            );
+            anyhow::ensure!(args.node_ip.is_some(), "--manifests needs --node-ip");
+            Source::manifests(dir)?
+        }
+        None => {
+            Source::Api(ApiSource::start(args.kubeconfig.as_deref(), &node_name(&args)?).await?)
+        }
+    };
+    let node_ip = match args.node_ip {
+        Some(ip) => ip,
+        None => source.node_ip().await,
+    };
 
     bpffs::ensure(&args.bpffs)?;
     let mut datapath = Datapath::load(
@@ -45,7 +81,7 @@ pub async fn run(args: AgentArgs) -> Result<()> {
     )?;
     // No program is attached yet, so nothing reads the config while it is written.
     datapath.write_config(&Config {
-        node_addr: ipv4_be(args.node_ip.octets()),
+        node_addr: ipv4_be(node_ip.octets()),
         cluster_cidr_addr: ipv4_be(args.cluster_cidr.network().octets()),
         cluster_cidr_mask: ipv4_be(args.cluster_cidr.netmask().octets()),
         flags: CONFIG_F_READY
@@ -61,33 +97,31 @@ pub async fn run(args: AgentArgs) -> Result<()> {
     let existing = datapath.service_maps.read()?;
     info!(
         bpffs = %args.bpffs.display(),
+        %node_ip,
         frontends = existing.frontends.len(),
         backends = existing.backends.len(),
         "datapath loaded, maps pinned"
     );
     let mut state = State {
-        dir: args.manifests.clone(),
-        reconciler: Reconciler::new(args.node_ip, existing),
+        reconciler: Reconciler::new(node_ip, existing),
         node_ports: NodePortAllocator::new(args.nodeport_range.clone()),
         datapath,
+        metrics,
+        health,
     };
 
-    // Subscribe before watching/listing, so no change in between is missed.
-    let (fs_tx, mut fs_rx) = mpsc::unbounded_channel();
-    let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
-        // Our own reads of the directory are no change.
-        if !matches!(event, Ok(ref e) if e.kind.is_access()) {
-            let _ = fs_tx.send(event);
-        }
-    })?;
-    watcher
-        .watch(&args.manifests, notify::RecursiveMode::NonRecursive)
-        .with_context(|| format!("watching {}", args.manifests.display()))?;
     let mut links = LinkWatcher::start()?;
     let mut sigterm = signal(SignalKind::terminate())?;
     let mut sigint = signal(SignalKind::interrupt())?;
 
-    let first = state.sync();
+    let mut coalescer = Coalescer::new(args.min_sync_period, RETRY);
+    // The manifest directory is whole from the start: sync before attaching. The apiserver's
+    // stores are not yet; the pinned maps keep serving what they hold until they are.
+    if source.whole() {
+        state.sync(&mut source, &mut coalescer);
+    } else {
+        coalescer.queue(Instant::now(), Duration::ZERO);
+    }
     let mut attachments = Attachments::default();
     for (index, name) in links.list().await? {
         attachments.add(state.datapath.ingress()?, &filter, index, &name);
@@ -95,24 +129,25 @@ pub async fn run(args: AgentArgs) -> Result<()> {
     if attachments.is_empty() {
         warn!("no interface matches --external-interface or --pod-interfaces yet");
     }
-    let mut next_sync = first.and_then(|r| log_sync(&r));
     let mut links_open = true;
 
     loop {
-        let deadline = next_sync.map(tokio::time::Instant::from_std);
+        let deadline = source
+            .whole()
+            .then(|| coalescer.due())
+            .flatten()
+            .map(tokio::time::Instant::from_std);
         tokio::select! {
             _ = sigterm.recv() => break,
             _ = sigint.recv() => break,
-            Some(event) = fs_rx.recv() => {
-                if let Err(err) = event {
-                    warn!(error = %err, "manifest directory watch");
+            next = source.next() => {
+                if next == Next::Changed {
+                    coalescer.queue(Instant::now(), source.settle());
+                    state.queued(&source);
                 }
-                // Restart the settle time on every event of a burst; this also replaces a
-                // pending retry, as the sync it leads to retries failed writes anyway.
-                next_sync = Some(Instant::now() + SETTLE);
             }
             () = async { tokio::time::sleep_until(deadline.expect("guarded")).await }, if deadline.is_some() => {
-                next_sync = state.sync().and_then(|r| log_sync(&r));
+                state.sync(&mut source, &mut coalescer);
             }
             event = links.next(), if links_open => match event {
                 Some(LinkEvent::Present(index, name)) => {
@@ -146,11 +181,140 @@ pub async fn run(args: AgentArgs) -> Result<()> {
     Ok(())
 }
 
+/// `--hostname-override`, else NODE_NAME (the DaemonSet sets it from the downward API), else
+/// the hostname, lowercased as kube-proxy does.
+fn node_name(args: &AgentArgs) -> Result<String> {
+    if let Some(name) = &args.hostname_override {
+        return Ok(name.clone());
+    }
+    if let Ok(name) = std::env::var("NODE_NAME")
+        && !name.is_empty()
+    {
+        return Ok(name);
+    }
+    let hostname = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .context("reading the hostname (or give --hostname-override)")?;
+    Ok(hostname.trim().to_lowercase())
+}
+
+/// Where the desired state comes from.
+enum Source {
+    Manifests {
+        dir: PathBuf,
+        _watcher: notify::RecommendedWatcher,
+        events: mpsc::UnboundedReceiver<notify::Result<notify::Event>>,
+    },
+    Api(ApiSource),
+}
+
+/// The desired state a source holds now.
+struct Desired {
+    services: Vec<ServiceSpec>,
+    slices: Vec<SliceSpec>,
+    triggers: Vec<Timestamp>,
+}
+
+impl Source {
+    fn manifests(dir: &Path) -> Result<Self> {
+        let (tx, events) = mpsc::unbounded_channel();
+        let mut watcher =
+            notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
+                // Our own reads of the directory are no change.
+                if !matches!(event, Ok(ref e) if e.kind.is_access()) {
+                    let _ = tx.send(event);
+                }
+            })?;
+        watcher
+            .watch(dir, notify::RecursiveMode::NonRecursive)
+            .with_context(|| format!("watching {}", dir.display()))?;
+        Ok(Source::Manifests {
+            dir: dir.to_owned(),
+            _watcher: watcher,
+            events,
+        })
+    }
+
+    async fn next(&mut self) -> Next {
+        match self {
+            Source::Manifests { events, .. } => match events.recv().await {
+                Some(Err(err)) => {
+                    warn!(error = %err, "manifest directory watch");
+                    Next::Changed
+                }
+                Some(Ok(_)) => Next::Changed,
+                None => std::future::pending().await,
+            },
+            Source::Api(api) => api.next().await,
+        }
+    }
+
+    /// How long a change waits for more of its kind.
+    fn settle(&self) -> Duration {
+        match self {
+            Source::Manifests { .. } => SETTLE,
+            Source::Api(_) => Duration::ZERO,
+        }
+    }
+
+    fn whole(&self) -> bool {
+        match self {
+            Source::Manifests { .. } => true,
+            Source::Api(api) => api.whole(),
+        }
+    }
+
+    /// Waits for this node's Node and its address.
+    async fn node_ip(&mut self) -> std::net::Ipv4Addr {
+        let Source::Api(api) = self else {
+            unreachable!("--manifests requires --node-ip")
+        };
+        let mut logged = false;
+        loop {
+            if let Some(ip) = api.node().as_deref().and_then(apiserver::node_ip) {
+                return ip;
+            }
+            if !logged && api.node_listed() {
+                warn!(
+                    "this node's Node has no IPv4 InternalIP or ExternalIP yet (or give --node-ip); waiting"
+                );
+                logged = true;
+            }
+            api.next().await;
+        }
+    }
+
+    /// None (and an error logged) when the source's state is unusable: the maps stay as they are.
+    fn desired(&mut self) -> Option<Desired> {
+        match self {
+            Source::Manifests { dir, .. } => match manifests::load_dir(dir) {
+                Ok(loaded) => Some(Desired {
+                    services: loaded.services,
+                    slices: loaded.slices,
+                    triggers: Vec::new(),
+                }),
+                Err(err) => {
+                    error!(error = %err, "manifests rejected, the maps keep the last good state");
+                    None
+                }
+            },
+            Source::Api(api) => {
+                let snapshot = api.snapshot();
+                Some(Desired {
+                    services: snapshot.services,
+                    slices: snapshot.slices,
+                    triggers: snapshot.triggers,
+                })
+            }
+        }
+    }
+}
+
 struct State {
-    dir: PathBuf,
     reconciler: Reconciler,
     node_ports: NodePortAllocator,
     datapath: Datapath,
+    metrics: Arc<Metrics>,
+    health: Arc<Mutex<Health>>,
 }
 
 struct Sync {
@@ -162,33 +326,61 @@ struct Sync {
 }
 
 impl State {
-    /// Reads the whole directory and applies it; None (and the maps untouched) if any of it is
-    /// bad.
-    fn sync(&mut self) -> Option<Sync> {
+    /// A change arrived: health and metrics know one is waiting.
+    fn queued(&self, source: &Source) {
+        let now = Timestamp::now();
+        let mut health = self.health.lock().expect("health lock");
+        health.queued(now);
+        if let Source::Api(api) = source {
+            health.set_node_eligible(api.node_eligible());
+        }
+        self.metrics.last_queued_timestamp.set(unix_seconds(now));
+    }
+
+    /// Reads the whole desired state and applies it; the maps stay untouched if the source's
+    /// state is unusable.
+    fn sync(&mut self, source: &mut Source, coalescer: &mut Coalescer) {
         let start = Instant::now();
-        let loaded = match manifests::load_dir(&self.dir) {
-            Ok(loaded) => loaded,
-            Err(err) => {
-                error!(error = %err, "manifests rejected, the maps keep the last good state");
-                return None;
-            }
+        let Some(desired) = source.desired() else {
+            coalescer.ran(start, false);
+            return;
         };
-        let model = Model::join(loaded.services, &loaded.slices, &mut self.node_ports);
+        let model = Model::join(desired.services, &desired.slices, &mut self.node_ports);
         let report = self
             .reconciler
             .sync(&model, &mut self.datapath.service_maps);
-        Some(Sync {
+        let took = start.elapsed();
+        let now = Timestamp::now();
+        let m = &self.metrics;
+        m.sync_duration.observe(took.as_secs_f64());
+        m.last_sync_timestamp.set(unix_seconds(now));
+        m.services.set(model.services.len() as i64);
+        m.endpoints.set(model.ready_endpoints() as i64);
+        m.map_write_failures.inc_by(report.failed as u64);
+        for trigger in &desired.triggers {
+            let latency = now.duration_since(*trigger).as_secs_f64();
+            m.network_programming.observe(latency.max(0.0));
+        }
+        if report.failed == 0 {
+            self.health.lock().expect("health lock").updated(now);
+        }
+        coalescer.ran(start, report.failed > 0);
+        log_sync(&Sync {
             report,
             services: model.services.len(),
             endpoints: model.ready_endpoints(),
             failed_total: self.reconciler.failed_total,
-            took: start.elapsed(),
-        })
+            took,
+        });
     }
 }
 
-/// Logs the one line per sync; returns when to retry if writes failed.
-fn log_sync(sync: &Sync) -> Option<Instant> {
+fn unix_seconds(t: Timestamp) -> f64 {
+    t.as_nanosecond() as f64 / 1e9
+}
+
+/// Logs the one line per sync.
+fn log_sync(sync: &Sync) {
     let r = &sync.report;
     info!(
         services = sync.services,
@@ -204,5 +396,4 @@ fn log_sync(sync: &Sync) -> Option<Instant> {
         took_ms = format!("{:.1}", sync.took.as_secs_f64() * 1000.0),
         "sync done"
     );
-    (r.failed > 0).then(|| Instant::now() + RETRY)
 }

@@ -1,7 +1,8 @@
 //! Command line.
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::ops::RangeInclusive;
 use std::path::PathBuf;
+use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 use ipnet::Ipv4Net;
@@ -18,8 +19,8 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Program the datapath from a manifest directory and keep it in sync.
-    Agent(AgentArgs),
+    /// Program the datapath from the apiserver (or a manifest directory) and keep it in sync.
+    Agent(Box<AgentArgs>),
     /// Print the datapath's packet counters (summed over CPUs).
     Stats(StatsArgs),
 }
@@ -27,12 +28,21 @@ pub enum Command {
 #[derive(Debug, Args)]
 pub struct AgentArgs {
     /// Directory of Kubernetes YAML (*.yaml, *.yml): v1 Services and discovery.k8s.io/v1
-    /// EndpointSlices. Watched for changes.
-    #[arg(long, value_name = "DIR")]
-    pub manifests: PathBuf,
-    /// The node's address: NodePort frontends and the masquerade source.
+    /// EndpointSlices, watched for changes, instead of the apiserver.
+    #[arg(long, value_name = "DIR", conflicts_with = "kubeconfig")]
+    pub manifests: Option<PathBuf>,
+    /// Kubeconfig to reach the apiserver with; without it (and without --manifests), the
+    /// in-cluster config of the pod's service account.
+    #[arg(long, value_name = "FILE")]
+    pub kubeconfig: Option<PathBuf>,
+    /// This node's name, whose Node object gives the node IP; default: the NODE_NAME
+    /// environment variable, else the hostname.
+    #[arg(long, value_name = "NAME")]
+    pub hostname_override: Option<String>,
+    /// The node's address: NodePort frontends and the masquerade source. Required with
+    /// --manifests; from the apiserver, default the Node's first InternalIP (else ExternalIP).
     #[arg(long, value_name = "IPV4")]
-    pub node_ip: Ipv4Addr,
+    pub node_ip: Option<Ipv4Addr>,
     /// Pod network; connections from outside it are masqueraded.
     #[arg(long, value_name = "CIDR")]
     pub cluster_cidr: Ipv4Net,
@@ -53,6 +63,23 @@ pub struct AgentArgs {
     /// Masquerade every new service connection, not only those from outside the cluster CIDR.
     #[arg(long)]
     pub masquerade_all: bool,
+    /// Node addresses NodePorts are served on (CIDRs); accepted, not applied yet: NodePorts are
+    /// served on the node IP.
+    #[arg(long, value_name = "CIDR[,CIDR...]", value_delimiter = ',')]
+    pub nodeport_addresses: Vec<Ipv4Net>,
+    /// Where /healthz and /livez are served (IP:PORT, or IP for port 10256); "" disables.
+    #[arg(long, value_name = "IP:PORT", default_value = "0.0.0.0:10256", value_parser = |s: &str| parse_bind_address(s, 10256))]
+    pub healthz_bind_address: BindAddress,
+    /// Where /metrics is served (IP:PORT, or IP for port 10249); "" disables.
+    #[arg(long, value_name = "IP:PORT", default_value = "127.0.0.1:10249", value_parser = |s: &str| parse_bind_address(s, 10249))]
+    pub metrics_bind_address: BindAddress,
+    /// Changes are synced to the maps at most this often: a burst in between is one sync.
+    #[arg(long, value_name = "DURATION", default_value = "1s", value_parser = parse_duration)]
+    pub min_sync_period: Duration,
+    /// kube-proxy's sync period: /healthz and /livez fail when a change has waited twice this
+    /// long to be synced.
+    #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = parse_duration)]
+    pub sync_period: Duration,
     /// bpffs directory for the pinned maps (mounted if needed); pins survive agent restarts.
     #[arg(long, value_name = "DIR", default_value = DEFAULT_BPFFS)]
     pub bpffs: PathBuf,
@@ -84,6 +111,55 @@ fn parse_port_range(s: &str) -> Result<RangeInclusive<u16>, String> {
         return Err(format!("{s:?}: expected 1 <= MIN <= MAX"));
     }
     Ok(min..=max)
+}
+
+/// A listen address; None when disabled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BindAddress(pub Option<SocketAddr>);
+
+fn parse_bind_address(s: &str, default_port: u16) -> Result<BindAddress, String> {
+    if s.is_empty() {
+        return Ok(BindAddress(None));
+    }
+    if let Ok(ip) = s.parse::<IpAddr>() {
+        return Ok(BindAddress(Some((ip, default_port).into())));
+    }
+    s.parse()
+        .map(|a| BindAddress(Some(a)))
+        .map_err(|e| format!("{s:?}: {e} (expected IP:PORT, IP or \"\")"))
+}
+
+/// Go-style durations as kube-proxy takes them: `1s`, `500ms`, `1m30s`, `0`.
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    if s == "0" {
+        return Ok(Duration::ZERO);
+    }
+    let bad = || format!("{s:?}: expected a duration like 1s, 500ms, 1m30s");
+    if s.is_empty() {
+        return Err(bad());
+    }
+    let mut total = Duration::ZERO;
+    let mut rest = s;
+    while !rest.is_empty() {
+        let digits = rest
+            .find(|c: char| !c.is_ascii_digit() && c != '.')
+            .ok_or_else(bad)?;
+        let number: f64 = rest[..digits].parse().map_err(|_| bad())?;
+        rest = &rest[digits..];
+        let unit_len = rest
+            .find(|c: char| c.is_ascii_digit())
+            .unwrap_or(rest.len());
+        let unit = match &rest[..unit_len] {
+            "ms" => 0.001,
+            "s" => 1.0,
+            "m" => 60.0,
+            "h" => 3600.0,
+            _ => return Err(bad()),
+        };
+        rest = &rest[unit_len..];
+        total += Duration::try_from_secs_f64(number * unit).map_err(|_| bad())?;
+    }
+    Ok(total)
 }
 
 #[cfg(test)]
@@ -123,5 +199,69 @@ mod tests {
         assert_eq!(a.bpffs, PathBuf::from(DEFAULT_BPFFS));
         assert_eq!(a.conntrack_max, default_size::CONNTRACK);
         assert!(!a.masquerade_all);
+        assert_eq!(
+            a.healthz_bind_address,
+            BindAddress(Some("0.0.0.0:10256".parse().unwrap()))
+        );
+        assert_eq!(
+            a.metrics_bind_address,
+            BindAddress(Some("127.0.0.1:10249".parse().unwrap()))
+        );
+        assert_eq!(a.min_sync_period, Duration::from_secs(1));
+        assert_eq!(a.manifests, Some(PathBuf::from("/m")));
+    }
+
+    #[test]
+    fn apiserver_command_line() {
+        let cli = Cli::try_parse_from([
+            "lb",
+            "agent",
+            "--kubeconfig",
+            "/k",
+            "--hostname-override",
+            "n1",
+            "--cluster-cidr",
+            "10.244.0.0/16",
+            "--external-interface",
+            "ext0",
+            "--pod-interfaces",
+            "lbp*",
+            "--healthz-bind-address",
+            "",
+            "--metrics-bind-address",
+            "0.0.0.0",
+            "--min-sync-period",
+            "250ms",
+            "--nodeport-addresses",
+            "198.51.100.0/24,10.0.0.0/8",
+        ])
+        .unwrap();
+        let Command::Agent(a) = cli.command else {
+            panic!("not agent")
+        };
+        assert_eq!(a.node_ip, None);
+        assert_eq!(a.healthz_bind_address, BindAddress(None));
+        assert_eq!(
+            a.metrics_bind_address,
+            BindAddress(Some("0.0.0.0:10249".parse().unwrap()))
+        );
+        assert_eq!(a.min_sync_period, Duration::from_millis(250));
+        assert_eq!(a.nodeport_addresses.len(), 2);
+        assert!(
+            Cli::try_parse_from(["lb", "agent", "--manifests", "/m", "--kubeconfig", "/k"])
+                .is_err()
+        );
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("1s"), Ok(Duration::from_secs(1)));
+        assert_eq!(parse_duration("0"), Ok(Duration::ZERO));
+        assert_eq!(parse_duration("1m30s"), Ok(Duration::from_secs(90)));
+        assert_eq!(parse_duration("1.5s"), Ok(Duration::from_millis(1500)));
+        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+        assert!(parse_duration("10").is_err());
+        assert!(parse_duration("1x").is_err());
+        assert!(parse_duration("").is_err());
     }
 }

@@ -1,9 +1,13 @@
 //! The agent: desired state from manifests, one reconciler into the eBPF maps.
+pub mod apiserver;
 pub mod bpffs;
+pub mod coalesce;
 pub mod datapath;
+pub mod health;
 pub mod k8s;
 pub mod links;
 pub mod manifests;
+pub mod metrics;
 pub mod model;
 pub mod nodeport;
 pub mod pins;

@@ -22,7 +22,7 @@ fn main() -> anyhow::Result<()> {
         Command::Agent(args) => tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?
-            .block_on(agent::run(args)),
+            .block_on(agent::run(*args)),
         Command::Stats(args) => stats::run(args),
     }
 }

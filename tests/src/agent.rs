@@ -1,5 +1,7 @@
-//! The `lb agent` process under test, run inside the node namespace on a manifest directory.
+//! The `lb agent` process under test, run inside the node namespace on a manifest directory or
+//! an in-test apiserver.
 use std::{
+    ffi::OsString,
     fs,
     path::{Path, PathBuf},
     process::{Child, Stdio},
@@ -12,7 +14,11 @@ use nix::{
     unistd::Pid,
 };
 
+use crate::fake_apiserver::FakeApiserver;
 use crate::topology::{CLUSTER_CIDR, EXTERNAL_INTERFACE, NODE_IP, POD_INTERFACES, Topology};
+
+/// The Node name the agent runs as against a fake apiserver.
+pub const NODE_NAME: &str = "node-1";
 
 /// Logged by the agent when a sync has been applied to the maps.
 pub const SYNC_DONE: &str = "sync done";
@@ -39,14 +45,44 @@ impl Agent {
         let manifest_dir = dir.path().join("manifests");
         fs::create_dir(&manifest_dir)?;
         fs::write(manifest_dir.join("services.yaml"), manifests)?;
+        let mut args: Vec<OsString> = vec!["--manifests".into(), manifest_dir.into()];
+        args.extend(["--node-ip".into(), NODE_IP.to_string().into()]);
+        Self::spawn(topology, dir, args, extra_args, true)
+    }
+
+    /// Starts the agent on the apiserver `api` (in the node namespace) as node [`NODE_NAME`],
+    /// without --node-ip (it comes from the Node). Waits for the first sync if `wait`.
+    pub fn start_api(
+        topology: &Topology,
+        api: &FakeApiserver,
+        extra_args: &[&str],
+        wait: bool,
+    ) -> Result<Self> {
+        let dir = tempfile::Builder::new().prefix("lbt-agent").tempdir()?;
+        let kubeconfig = dir.path().join("kubeconfig");
+        api.write_kubeconfig(&kubeconfig)?;
+        let args = vec![
+            "--kubeconfig".into(),
+            kubeconfig.into(),
+            "--hostname-override".into(),
+            NODE_NAME.into(),
+        ];
+        Self::spawn(topology, dir, args, extra_args, wait)
+    }
+
+    fn spawn(
+        topology: &Topology,
+        dir: tempfile::TempDir,
+        source_args: Vec<OsString>,
+        extra_args: &[&str],
+        wait: bool,
+    ) -> Result<Self> {
         let log = fs::File::create(dir.path().join("agent.log"))?;
         let child = topology
             .node
             .command(lb_binary())
             .arg("agent")
-            .arg("--manifests")
-            .arg(&manifest_dir)
-            .args(["--node-ip", &NODE_IP.to_string()])
+            .args(source_args)
             .args(["--cluster-cidr", CLUSTER_CIDR])
             .args(["--external-interface", EXTERNAL_INTERFACE])
             .args(["--pod-interfaces", POD_INTERFACES])
@@ -62,8 +98,43 @@ impl Agent {
             dir,
             syncs_seen: 0,
         };
-        agent.wait_for_sync(START_TIMEOUT)?;
+        if wait {
+            agent.wait_for_sync(START_TIMEOUT)?;
+        }
         Ok(agent)
+    }
+
+    /// Waits for a sync (after those already seen) that left `services` services and
+    /// `endpoints` ready endpoints in the maps.
+    pub fn wait_for_programmed(
+        &mut self,
+        services: usize,
+        endpoints: usize,
+        timeout: Duration,
+    ) -> Result<()> {
+        let want = (
+            format!(" services={services} "),
+            format!(" endpoints={endpoints} "),
+        );
+        let deadline = Instant::now() + timeout;
+        loop {
+            let log = self.log();
+            let syncs: Vec<&str> = log.lines().filter(|l| l.contains(SYNC_DONE)).collect();
+            if let Some(i) = syncs[self.syncs_seen.min(syncs.len())..]
+                .iter()
+                .position(|l| l.contains(&want.0) && l.contains(&want.1))
+            {
+                self.syncs_seen += i + 1;
+                return Ok(());
+            }
+            if let Some(status) = self.child.try_wait()? {
+                bail!("agent exited ({status}):\n{log}");
+            }
+            if Instant::now() > deadline {
+                bail!("no sync to{}{}within {timeout:?}:\n{log}", want.0, want.1);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     pub fn manifest_dir(&self) -> PathBuf {

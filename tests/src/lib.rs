@@ -2,6 +2,8 @@
 //! and the demo. Everything here creates only namespaces of its own and removes them on drop.
 pub mod agent;
 pub mod echo;
+pub mod fake_apiserver;
 pub mod manifests;
 pub mod netns;
+pub mod paths;
 pub mod topology;

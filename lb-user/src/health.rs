@@ -1,0 +1,258 @@
+//! `/healthz` and `/livez` as kube-proxy answers them, and the HTTP servers for them and for the
+//! metrics.
+//!
+//! Healthy means: no change is waiting to be synced, or the oldest waiting one arrived less than
+//! the health timeout ago (kube-proxy: twice its sync period). `/healthz` is also unhealthy when
+//! this node is being deleted or carries the cluster autoscaler's ToBeDeletedByClusterAutoscaler
+//! taint, so load balancers drain it; `/livez` ignores the node.
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper::{Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use jiff::Timestamp;
+use tokio::net::TcpListener;
+use tracing::{debug, info};
+
+use crate::metrics::{CodeLabel, Metrics};
+
+#[derive(Debug, Clone)]
+pub struct Health {
+    timeout: Duration,
+    last_updated: Option<Timestamp>,
+    oldest_pending: Option<Timestamp>,
+    node_eligible: bool,
+}
+
+/// An answer: status and JSON body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Answer {
+    pub status: u16,
+    pub body: String,
+}
+
+impl Health {
+    pub fn new(timeout: Duration) -> Self {
+        Self {
+            timeout,
+            last_updated: None,
+            oldest_pending: None,
+            // Eligible while starting up, until the Node says otherwise (as kube-proxy).
+            node_eligible: true,
+        }
+    }
+
+    /// A change arrived that the maps do not hold yet.
+    pub fn queued(&mut self, now: Timestamp) {
+        self.oldest_pending.get_or_insert(now);
+    }
+
+    /// The maps hold every change queued before the sync started.
+    pub fn updated(&mut self, now: Timestamp) {
+        self.oldest_pending = None;
+        self.last_updated = Some(now);
+    }
+
+    pub fn set_node_eligible(&mut self, eligible: bool) {
+        self.node_eligible = eligible;
+    }
+
+    fn healthy(&self, now: Timestamp) -> bool {
+        self.oldest_pending.is_none_or(|since| {
+            now.duration_since(since)
+                .try_into()
+                .is_ok_and(|late: Duration| late < self.timeout)
+        })
+    }
+
+    /// When healthy, lastUpdated is the current time (kube-proxy keeps that for compatibility
+    /// with releases where it was the time of the last sync loop run).
+    fn last_updated(&self, now: Timestamp, healthy: bool) -> String {
+        if healthy {
+            go_time(Some(now))
+        } else {
+            go_time(self.last_updated)
+        }
+    }
+
+    pub fn healthz(&self, now: Timestamp) -> Answer {
+        let healthy = self.healthy(now) && self.node_eligible;
+        Answer {
+            status: if healthy { 200 } else { 503 },
+            body: format!(
+                r#"{{"lastUpdated": "{}","currentTime": "{}", "nodeEligible": {}}}"#,
+                self.last_updated(now, healthy),
+                go_time(Some(now)),
+                self.node_eligible
+            ),
+        }
+    }
+
+    pub fn livez(&self, now: Timestamp) -> Answer {
+        let healthy = self.healthy(now);
+        Answer {
+            status: if healthy { 200 } else { 503 },
+            body: format!(
+                r#"{{"lastUpdated": "{}","currentTime": "{}"}}"#,
+                self.last_updated(now, healthy),
+                go_time(Some(now))
+            ),
+        }
+    }
+}
+
+/// A time as Go's `time.Time.String()` prints it in UTC, which is what kube-proxy's body holds;
+/// None is Go's zero time.
+fn go_time(t: Option<Timestamp>) -> String {
+    match t {
+        Some(t) => t.strftime("%Y-%m-%d %H:%M:%S%.f +0000 UTC").to_string(),
+        None => "0001-01-01 00:00:00 +0000 UTC".to_owned(),
+    }
+}
+
+/// What an HTTP server answers.
+#[derive(Clone)]
+pub enum Routes {
+    /// `/healthz` and `/livez`.
+    Health(Arc<Mutex<Health>>, Arc<Metrics>),
+    /// `/metrics`.
+    Metrics(Arc<Metrics>),
+}
+
+impl Routes {
+    fn answer(&self, path: &str) -> Response<Full<Bytes>> {
+        let now = Timestamp::now();
+        let (status, content_type, body) = match (self, path) {
+            (Routes::Health(health, metrics), "/healthz" | "/livez") => {
+                let health = health.lock().expect("health lock");
+                let (answer, counter) = if path == "/healthz" {
+                    (health.healthz(now), &metrics.healthz)
+                } else {
+                    (health.livez(now), &metrics.livez)
+                };
+                counter
+                    .get_or_create(&CodeLabel {
+                        code: answer.status,
+                    })
+                    .inc();
+                (answer.status, "application/json", answer.body)
+            }
+            (Routes::Metrics(metrics), "/metrics") => (
+                200,
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                metrics.encode(),
+            ),
+            _ => (
+                404,
+                "text/plain; charset=utf-8",
+                "404 page not found\n".into(),
+            ),
+        };
+        Response::builder()
+            .status(StatusCode::from_u16(status).expect("valid status"))
+            .header("Content-Type", content_type)
+            .header("X-Content-Type-Options", "nosniff")
+            .body(Full::new(Bytes::from(body)))
+            .expect("valid response")
+    }
+}
+
+/// Binds `addr` (so a taken port fails the start) and serves `routes` on it in the background.
+pub async fn serve(addr: SocketAddr, routes: Routes) -> std::io::Result<()> {
+    let listener = TcpListener::bind(addr).await?;
+    info!(%addr, "serving {}", match routes {
+        Routes::Health(..) => "/healthz, /livez",
+        Routes::Metrics(_) => "/metrics",
+    });
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, peer)) = listener.accept().await else {
+                continue;
+            };
+            let routes = routes.clone();
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(move |req: Request<Incoming>| {
+                    let response = routes.answer(req.uri().path());
+                    async move { Ok::<_, Infallible>(response) }
+                });
+                if let Err(err) = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), service)
+                    .await
+                {
+                    debug!(%peer, error = %err, "http connection");
+                }
+            });
+        }
+    });
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(s: &str) -> Timestamp {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn healthy_while_starting_and_when_synced() {
+        let mut h = Health::new(Duration::from_secs(60));
+        let now = at("2025-03-01T10:00:00.5Z");
+        assert_eq!(
+            h.healthz(now),
+            Answer {
+                status: 200,
+                body: r#"{"lastUpdated": "2025-03-01 10:00:00.5 +0000 UTC","currentTime": "2025-03-01 10:00:00.5 +0000 UTC", "nodeEligible": true}"#.into()
+            }
+        );
+        h.queued(now);
+        h.updated(at("2025-03-01T10:00:01Z"));
+        assert_eq!(h.livez(at("2025-03-01T11:00:00Z")).status, 200);
+    }
+
+    #[test]
+    fn a_change_waiting_longer_than_the_timeout_is_unhealthy() {
+        let mut h = Health::new(Duration::from_secs(60));
+        h.updated(at("2025-03-01T09:59:00Z"));
+        h.queued(at("2025-03-01T10:00:00Z"));
+        h.queued(at("2025-03-01T10:00:30Z"));
+        assert_eq!(h.healthz(at("2025-03-01T10:00:59Z")).status, 200);
+        let late = at("2025-03-01T10:01:00Z");
+        assert_eq!(
+            h.livez(late),
+            Answer {
+                status: 503,
+                body: r#"{"lastUpdated": "2025-03-01 09:59:00 +0000 UTC","currentTime": "2025-03-01 10:01:00 +0000 UTC"}"#.into()
+            }
+        );
+        assert_eq!(h.healthz(late).status, 503);
+    }
+
+    #[test]
+    fn never_synced_reports_go_zero_time() {
+        let mut h = Health::new(Duration::from_secs(1));
+        h.queued(at("2025-03-01T10:00:00Z"));
+        let body = h.livez(at("2025-03-01T10:00:02Z")).body;
+        assert!(
+            body.starts_with(r#"{"lastUpdated": "0001-01-01 00:00:00 +0000 UTC","#),
+            "{body}"
+        );
+    }
+
+    #[test]
+    fn an_ineligible_node_fails_healthz_only() {
+        let mut h = Health::new(Duration::from_secs(60));
+        h.set_node_eligible(false);
+        let now = at("2025-03-01T10:00:00Z");
+        let healthz = h.healthz(now);
+        assert_eq!(healthz.status, 503);
+        assert!(healthz.body.ends_with(r#""nodeEligible": false}"#));
+        assert_eq!(h.livez(now).status, 200);
+    }
+}
