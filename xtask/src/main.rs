@@ -1,4 +1,4 @@
-//! Project tasks: `cargo xtask setup | build | run | demo | test`.
+//! Project tasks: `cargo xtask setup | build | run | demo | test | bench`.
 //!
 //! Every task but `setup` runs `setup` first, so on a fresh machine `cargo xtask demo` and
 //! `cargo xtask test` are all anyone types.
@@ -38,6 +38,13 @@ enum Task {
     /// network-namespace integration tests (as root).
     Test {
         /// Passed to `cargo test` after `--` (e.g. a test name filter).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+    /// Benchmark every variant (direct, kube-proxy's iptables and nftables rulesets, tc) in one
+    /// run, as root; writes target/bench/<timestamp>/ (results.json, report.md, plots).
+    Bench {
+        /// Passed to the bench binary (e.g. `--smoke`).
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
@@ -88,6 +95,13 @@ fn main() -> Result<()> {
             run(cargo(&root)
                 .args(["test", "--release", "--workspace", "--exclude", "lb-ebpf"])
                 .arg("--")
+                .args(args))
+        }
+        Task::Bench { args } => {
+            setup::ensure_all(&root)?;
+            build(&root)?;
+            run(cargo(&root)
+                .args(["run", "--release", "--package", "lb-bench", "--"])
                 .args(args))
         }
     }

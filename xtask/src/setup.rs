@@ -14,8 +14,16 @@ const NIGHTLY: &str = "nightly";
 const BPF_LINKER_VERSION: &str = "0.13.0";
 /// bpf-linker must use the nightly's own LLVM.
 const BPF_LINKER_LLVM_FEATURE: &str = "llvm-22";
-/// Debian packages the tests need, keyed by a binary each provides.
-const DEBIAN_PACKAGES: &[(&str, &str)] = &[("ip", "iproute2"), ("sysctl", "procps")];
+/// Debian packages the tests and the bench need, keyed by a binary each provides.
+const DEBIAN_PACKAGES: &[(&str, &str)] = &[
+    ("ip", "iproute2"),
+    ("sysctl", "procps"),
+    // The bench: kube-proxy's rulesets (both iptables backends come with iptables), and GRO on
+    // the veth the live-frames generator sends into.
+    ("iptables-legacy-restore", "iptables"),
+    ("nft", "nftables"),
+    ("ethtool", "ethtool"),
+];
 
 pub fn ensure_all(root: &Path) -> Result<()> {
     ensure_nightly_rust_src()?;

@@ -1,0 +1,224 @@
+//! B1: the tc program's cost per packet, from BPF_PROG_TEST_RUN on a private copy of the object,
+//! minus an empty classifier's cost measured the same way.
+//!
+//! Each run is its own syscall with `repeat = 1`: the program rewrites the packet in place, so
+//! the kernel's repeat loop would feed it its own output (an already translated packet) from the
+//! second iteration on. The kernel's per-run duration includes its timer and the skb around the
+//! program; the empty program carries the same, so the difference is the program's own work.
+use std::{
+    net::{Ipv4Addr, SocketAddrV4},
+    os::fd::AsFd as _,
+};
+
+use anyhow::{Context as _, Result};
+use aya::{
+    Ebpf, EbpfLoader,
+    maps::{Array, HashMap},
+    programs::SchedClassifier,
+};
+use lb_common::{
+    Backend, BackendKey, CONFIG_F_READY, Config, Frontend, FrontendKey, IPPROTO_TCP, SNAT_PORT_MAX,
+    SNAT_PORT_MIN, default_size, ipv4_be, map_name, port_be, program_name,
+};
+use serde::Serialize;
+
+use crate::{
+    Plan, Progress, bpf,
+    packet::{Frame, TCP_ACK, TCP_SYN},
+    services::{SERVICE_PORT, TCP_TARGET_PORT, cluster_ip},
+    traffic::{SERVER_CPU, pin},
+};
+
+const NODE: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 1);
+const BACKEND: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::new(10, 244, 1, 2), TCP_TARGET_PORT);
+/// New connections come from 10.244.128.0/17, one source port after the other.
+const FIRST_CLIENT: u32 = u32::from_be_bytes([10, 244, 128, 0]);
+const CLIENT: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::new(10, 244, 1, 4), 40000);
+const NOT_A_SERVICE: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::new(10, 244, 1, 3), 9000);
+
+#[derive(Debug, Serialize)]
+pub struct DatapathCost {
+    pub services: usize,
+    pub case: &'static str,
+    pub runs: u32,
+    /// Mean kernel-measured ns per run.
+    pub mean_ns: f64,
+    /// `mean_ns` minus the empty program's.
+    pub net_ns: f64,
+}
+
+pub fn measure(plan: &Plan, progress: Progress) -> Result<Vec<DatapathCost>> {
+    let (runs, counts) = (plan.datapath_runs, plan.datapath_counts.clone());
+    std::thread::scope(|scope| {
+        scope
+            .spawn(|| measure_pinned(runs, &counts, progress))
+            .join()
+            .map_err(|_| anyhow::anyhow!("B1 thread panicked"))?
+    })
+}
+
+fn measure_pinned(runs: u32, counts: &[usize], progress: Progress) -> Result<Vec<DatapathCost>> {
+    pin(SERVER_CPU)?;
+    let empty = bpf::load_return_only(bpf::BPF_PROG_TYPE_SCHED_CLS, bpf::TC_ACT_OK)
+        .context("load the empty classifier (run as root)")?;
+    let mut costs = Vec::new();
+    for &services in counts {
+        let datapath = Datapath::load(services, runs)?;
+        let ip = cluster_ip(services - 1);
+        let frontend = SocketAddrV4::new(ip, SERVICE_PORT);
+        let syn = Frame::tcp(CLIENT, frontend, TCP_SYN);
+        let mut new = Frame::tcp(CLIENT, frontend, TCP_SYN);
+        let reply = Frame::tcp(BACKEND, CLIENT, TCP_ACK);
+        let established = Frame::tcp(CLIENT, frontend, TCP_ACK);
+        let other = Frame::tcp(CLIENT, NOT_A_SERVICE, TCP_SYN);
+
+        let empty_ns = mean(runs, |_| run(empty.as_fd(), &syn.bytes))?;
+        let mut case = |name: &'static str, mean_ns: f64| {
+            costs.push(DatapathCost {
+                services,
+                case: name,
+                runs,
+                mean_ns,
+                net_ns: mean_ns - empty_ns,
+            });
+        };
+        case("empty program", empty_ns);
+        let fd = datapath.fd()?;
+        case("non-service", mean(runs, |_| run(fd, &other.bytes))?);
+        case(
+            "new connection",
+            mean(runs, |i| {
+                new.set_source(SocketAddrV4::new(
+                    Ipv4Addr::from(FIRST_CLIENT + (i >> 15)),
+                    20_000 + (i & 0x7fff) as u16,
+                ));
+                run(fd, &new.bytes)
+            })?,
+        );
+        // CLIENT's own connection: opened, answered once, then measured both ways.
+        run(fd, &syn.bytes)?;
+        run(fd, &reply.bytes)?;
+        case("established", mean(runs, |_| run(fd, &established.bytes))?);
+        case("reply", mean(runs, |_| run(fd, &reply.bytes))?);
+        progress(&format!(
+            "  {services:>6} services: {}",
+            costs
+                .iter()
+                .filter(|c| c.services == services && c.case != "empty program")
+                .map(|c| format!("{} {:.0} ns", c.case, c.net_ns))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+    }
+    Ok(costs)
+}
+
+fn run(fd: std::os::fd::BorrowedFd<'_>, data: &[u8]) -> Result<u32> {
+    let (_, ns) = bpf::test_run(
+        fd,
+        &bpf::TestRun {
+            data,
+            ctx: None,
+            repeat: 1,
+            flags: 0,
+            batch_size: 0,
+        },
+    )
+    .context("BPF_PROG_TEST_RUN")?;
+    Ok(ns)
+}
+
+fn mean(runs: u32, mut one: impl FnMut(u32) -> Result<u32>) -> Result<f64> {
+    let mut total: u64 = 0;
+    for i in 0..runs {
+        total += u64::from(one(i)?);
+    }
+    Ok(total as f64 / f64::from(runs))
+}
+
+/// A private copy of the object, ready, with `services` ClusterIP frontends of one backend each.
+struct Datapath {
+    ebpf: Ebpf,
+}
+
+impl Datapath {
+    fn load(services: usize, runs: u32) -> Result<Self> {
+        // Every new connection stays tracked (two entries): room for all of them, so that the
+        // measurement never includes LRU eviction.
+        let conntrack = (2 * runs as usize + 64)
+            .next_power_of_two()
+            .max(default_size::CONNTRACK as usize) as u32;
+        let mut ebpf = EbpfLoader::new()
+            .map_max_entries(map_name::CONNTRACK, conntrack)
+            .load(lb_user::datapath::EBPF_OBJECT)
+            .context("load the eBPF object (run as root)")?;
+        let program: &mut SchedClassifier = ebpf
+            .program_mut(program_name::INGRESS)
+            .context("no ingress program")?
+            .try_into()?;
+        program.load()?;
+        let mut config: Array<_, Config> = ebpf
+            .map_mut(map_name::CONFIG)
+            .context("config")?
+            .try_into()?;
+        config.set(
+            0,
+            Config {
+                node_addr: ipv4_be(NODE.octets()),
+                cluster_cidr_addr: ipv4_be([10, 244, 0, 0]),
+                cluster_cidr_mask: ipv4_be([255, 255, 0, 0]),
+                flags: CONFIG_F_READY,
+                snat_port_min: SNAT_PORT_MIN,
+                snat_port_max: SNAT_PORT_MAX,
+            },
+            0,
+        )?;
+        let mut backends: HashMap<_, BackendKey, Backend> = ebpf
+            .map_mut(map_name::BACKENDS)
+            .context("backends")?
+            .try_into()?;
+        for id in 0..services as u32 {
+            let backend = Backend {
+                addr: ipv4_be(BACKEND.ip().octets()),
+                port: port_be(BACKEND.port()),
+                _pad: 0,
+            };
+            backends.insert(
+                BackendKey {
+                    service_id: id,
+                    slot: 0,
+                },
+                backend,
+                0,
+            )?;
+        }
+        let mut frontends: HashMap<_, FrontendKey, Frontend> = ebpf
+            .map_mut(map_name::FRONTENDS)
+            .context("frontends")?
+            .try_into()?;
+        for id in 0..services as u32 {
+            let key = FrontendKey {
+                addr: ipv4_be(cluster_ip(id as usize).octets()),
+                port: port_be(SERVICE_PORT),
+                proto: IPPROTO_TCP,
+                _pad: 0,
+            };
+            let frontend = Frontend {
+                service_id: id,
+                backend_count: 1,
+                flags: 0,
+            };
+            frontends.insert(key, frontend, 0)?;
+        }
+        Ok(Datapath { ebpf })
+    }
+
+    fn fd(&self) -> Result<std::os::fd::BorrowedFd<'_>> {
+        let program: &SchedClassifier = self
+            .ebpf
+            .program(program_name::INGRESS)
+            .context("no ingress program")?
+            .try_into()?;
+        Ok(program.fd()?.as_fd())
+    }
+}

@@ -1,0 +1,80 @@
+//! Ethernet + IPv4 + TCP/UDP frames for BPF_PROG_TEST_RUN (B1) and the live-frames flood (B4).
+use std::net::SocketAddrV4;
+
+pub const ETH_HLEN: usize = 14;
+const IPV4_HLEN: usize = 20;
+/// Offsets in the frame.
+const IP_SRC: usize = ETH_HLEN + 12;
+const L4_SRC_PORT: usize = ETH_HLEN + IPV4_HLEN;
+pub const TCP_SYN: u8 = 0x02;
+pub const TCP_ACK: u8 = 0x10;
+
+pub struct Frame {
+    pub bytes: Vec<u8>,
+}
+
+impl Frame {
+    /// TCP with `flags`, no payload; checksums as a sender would leave them to offload (the
+    /// datapath updates them incrementally and never verifies).
+    pub fn tcp(src: SocketAddrV4, dst: SocketAddrV4, flags: u8) -> Self {
+        let mut l4 = vec![0u8; 20];
+        l4[0..2].copy_from_slice(&src.port().to_be_bytes());
+        l4[2..4].copy_from_slice(&dst.port().to_be_bytes());
+        l4[12] = 5 << 4;
+        l4[13] = flags;
+        l4[14..16].copy_from_slice(&65535u16.to_be_bytes());
+        Self::ipv4(
+            [0x02, 0, 0, 0, 0, 2],
+            [0x02, 0, 0, 0, 0, 1],
+            src,
+            dst,
+            6,
+            &l4,
+        )
+    }
+
+    fn ipv4(
+        dst_mac: [u8; 6],
+        src_mac: [u8; 6],
+        src: SocketAddrV4,
+        dst: SocketAddrV4,
+        proto: u8,
+        l4: &[u8],
+    ) -> Self {
+        let mut bytes = Vec::with_capacity(ETH_HLEN + IPV4_HLEN + l4.len());
+        bytes.extend_from_slice(&dst_mac);
+        bytes.extend_from_slice(&src_mac);
+        bytes.extend_from_slice(&0x0800u16.to_be_bytes());
+        let mut ip = [0u8; IPV4_HLEN];
+        ip[0] = 0x45;
+        ip[2..4].copy_from_slice(&((IPV4_HLEN + l4.len()) as u16).to_be_bytes());
+        ip[6] = 0x40; // DF
+        ip[8] = 64;
+        ip[9] = proto;
+        ip[12..16].copy_from_slice(&src.ip().octets());
+        ip[16..20].copy_from_slice(&dst.ip().octets());
+        let checksum = ipv4_checksum(&ip);
+        ip[10..12].copy_from_slice(&checksum.to_be_bytes());
+        bytes.extend_from_slice(&ip);
+        bytes.extend_from_slice(l4);
+        Frame { bytes }
+    }
+
+    /// Rewrites the source (a new flow) without fixing the IPv4 checksum: the datapath never
+    /// verifies it.
+    pub fn set_source(&mut self, src: SocketAddrV4) {
+        self.bytes[IP_SRC..IP_SRC + 4].copy_from_slice(&src.ip().octets());
+        self.bytes[L4_SRC_PORT..L4_SRC_PORT + 2].copy_from_slice(&src.port().to_be_bytes());
+    }
+}
+
+fn ipv4_checksum(header: &[u8]) -> u16 {
+    let mut sum: u32 = header
+        .chunks(2)
+        .map(|w| u32::from(u16::from_be_bytes([w[0], w[1]])))
+        .sum();
+    while sum > 0xffff {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    !(sum as u16)
+}

@@ -1,0 +1,128 @@
+//! What a run measured, as written to results.json; the report reads the same structs.
+use std::{fs, path::Path};
+
+use anyhow::Result;
+use serde::Serialize;
+
+use crate::{
+    Plan,
+    datapath_cost::DatapathCost,
+    traffic::{ConnectionRate, RequestRate},
+    variants::Variant,
+};
+
+#[derive(Debug, Serialize)]
+pub struct Results {
+    pub started_utc: String,
+    pub kernel: String,
+    pub cpus: usize,
+    pub smoke: bool,
+    pub point_seconds: f64,
+    /// Wall time of the whole run.
+    pub seconds: f64,
+    /// B1.
+    pub datapath: Vec<DatapathCost>,
+    /// B2/B3.
+    pub points: Vec<Point>,
+}
+
+impl Results {
+    pub fn new(plan: &Plan) -> Result<Self> {
+        Ok(Results {
+            started_utc: timestamp()?,
+            kernel: fs::read_to_string("/proc/sys/kernel/osrelease")?
+                .trim()
+                .to_string(),
+            cpus: std::thread::available_parallelism()?.get(),
+            smoke: plan.smoke,
+            point_seconds: plan.point_duration.as_secs_f64(),
+            seconds: 0.0,
+            datapath: Vec::new(),
+            points: Vec::new(),
+        })
+    }
+
+    pub fn write(&self, dir: &Path) -> Result<()> {
+        fs::write(
+            dir.join("results.json"),
+            serde_json::to_string_pretty(self)?,
+        )?;
+        Ok(())
+    }
+
+    pub fn point(&self, variant: Variant, services: usize) -> Option<&Point> {
+        self.points
+            .iter()
+            .find(|p| p.variant == variant && p.services == services)
+    }
+
+    /// The variants that have points, in the order they were measured.
+    pub fn variants(&self) -> Vec<Variant> {
+        let mut variants: Vec<Variant> = Vec::new();
+        for point in &self.points {
+            if !variants.contains(&point.variant) {
+                variants.push(point.variant);
+            }
+        }
+        variants
+    }
+
+    pub fn service_counts(&self) -> Vec<usize> {
+        let mut counts: Vec<usize> = self.points.iter().map(|p| p.services).collect();
+        counts.sort_unstable();
+        counts.dedup();
+        counts
+    }
+}
+
+/// B2 and B3 of one variant at one service count.
+#[derive(Debug, Serialize)]
+pub struct Point {
+    pub variant: Variant,
+    pub services: usize,
+    /// How long the variant took to load this count's rules (the agent: to sync them).
+    pub program_s: Option<f64>,
+    pub connections: Option<ConnectionRate>,
+    pub requests: Option<RequestRate>,
+    pub error: Option<String>,
+}
+
+impl Point {
+    pub fn new(variant: Variant, services: usize) -> Self {
+        Point {
+            variant,
+            services,
+            program_s: None,
+            connections: None,
+            requests: None,
+            error: None,
+        }
+    }
+
+    pub fn summary(&self) -> String {
+        let mut text = format!(
+            "  {:<16} {:>6} services:",
+            self.variant.name(),
+            self.services
+        );
+        if let Some(c) = &self.connections {
+            text += &format!(" {:>8.0} conn/s ({} failed)", c.per_second, c.failures);
+        }
+        if let Some(r) = &self.requests {
+            text += &format!(
+                " {:>8.0} req/s p50 {:.1} µs p99 {:.1} µs",
+                r.per_second, r.p50_us, r.p99_us
+            );
+        }
+        if let Some(e) = &self.error {
+            text += &format!(" ERROR {e}");
+        }
+        text
+    }
+}
+
+/// UTC, `YYYYMMDD-HHMMSS`: sorts by time as a directory name.
+pub fn timestamp() -> Result<String> {
+    let format = time::macros::format_description!("[year][month][day]-[hour][minute][second]");
+    Ok(time::OffsetDateTime::now_utc().format(&format)?)
+}

@@ -1,0 +1,249 @@
+//! The Services every variant is programmed with, from one description: `count` Services, the
+//! measured one last (the worst position in kube-proxy's iptables chains), each with real
+//! endpoints. The agent gets them as manifests; rulesets.rs writes the same as kube-proxy's rules.
+use std::{fmt::Write as _, net::Ipv4Addr};
+
+/// Every Service's TCP port, and the port the bench servers listen on.
+pub const SERVICE_PORT: u16 = 80;
+pub const TCP_TARGET_PORT: u16 = 9000;
+/// The measured Service's UDP port (NodePort `NODE_PORT`) and its sink in the backend (B4).
+pub const UDP_TARGET_PORT: u16 = 9001;
+pub const NODE_PORT: u16 = 30080;
+/// The first ClusterIP; Service `i` has the next ones in order.
+const FIRST_CLUSTER_IP: u32 = u32::from_be_bytes([10, 96, 0, 10]);
+/// Endpoints of the filler Services beyond the first sit here (no pod answers: they are never
+/// selected, the measured Service has its own).
+const FILLER_ENDPOINT_BASE: u32 = u32::from_be_bytes([10, 244, 2, 1]);
+pub const MAX_SERVICES: usize = 60_000;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Proto {
+    Tcp,
+    Udp,
+}
+
+impl Proto {
+    pub fn lower(self) -> &'static str {
+        match self {
+            Proto::Tcp => "tcp",
+            Proto::Udp => "udp",
+        }
+    }
+
+    pub fn upper(self) -> &'static str {
+        match self {
+            Proto::Tcp => "TCP",
+            Proto::Udp => "UDP",
+        }
+    }
+}
+
+/// One service port as kube-proxy sees it.
+#[derive(Clone, Debug)]
+pub struct ServicePort {
+    /// `default/<service>:<port name>`
+    pub name: String,
+    pub cluster_ip: Ipv4Addr,
+    pub proto: Proto,
+    pub port: u16,
+    pub node_port: Option<u16>,
+    pub target_port: u16,
+    pub endpoints: Vec<Ipv4Addr>,
+}
+
+#[derive(Clone, Debug)]
+pub struct ServiceSet {
+    pub count: usize,
+    /// Filler Services: the first is the measured backend, the others addresses no pod has.
+    pub filler_endpoints: usize,
+    /// The measured Service's endpoints.
+    pub measured_endpoints: Vec<Ipv4Addr>,
+    /// Address of the first filler endpoint (the backend pod).
+    pub backend: Ipv4Addr,
+}
+
+impl ServiceSet {
+    /// `count` Services (`count - 1` fillers and the measured one), each filler with
+    /// `filler_endpoints` endpoints.
+    pub fn new(count: usize, filler_endpoints: usize, backend: Ipv4Addr) -> Self {
+        assert!((1..=MAX_SERVICES).contains(&count));
+        ServiceSet {
+            count,
+            filler_endpoints,
+            measured_endpoints: vec![backend],
+            backend,
+        }
+    }
+
+    /// The measured Service's ClusterIP: the last one.
+    pub fn measured_ip(&self) -> Ipv4Addr {
+        cluster_ip(self.count - 1)
+    }
+
+    pub fn endpoint_count(&self) -> usize {
+        (self.count - 1) * self.filler_endpoints + self.measured_endpoints.len() * 2
+    }
+
+    fn filler_endpoint_ips(&self) -> Vec<Ipv4Addr> {
+        (0..self.filler_endpoints)
+            .map(|k| match k {
+                0 => self.backend,
+                k => Ipv4Addr::from(FILLER_ENDPOINT_BASE + k as u32),
+            })
+            .collect()
+    }
+
+    /// Every service port, in the order kube-proxy's chains evaluate them: the measured
+    /// Service's last.
+    pub fn ports(&self) -> Vec<ServicePort> {
+        let filler = self.filler_endpoint_ips();
+        let mut ports: Vec<ServicePort> = (0..self.count - 1)
+            .map(|i| ServicePort {
+                name: format!("default/svc-{i}:app"),
+                cluster_ip: cluster_ip(i),
+                proto: Proto::Tcp,
+                port: SERVICE_PORT,
+                node_port: None,
+                target_port: TCP_TARGET_PORT,
+                endpoints: filler.clone(),
+            })
+            .collect();
+        let ip = self.measured_ip();
+        ports.push(ServicePort {
+            name: "default/bench:flood".into(),
+            cluster_ip: ip,
+            proto: Proto::Udp,
+            port: SERVICE_PORT,
+            node_port: Some(NODE_PORT),
+            target_port: UDP_TARGET_PORT,
+            endpoints: self.measured_endpoints.clone(),
+        });
+        ports.push(ServicePort {
+            name: "default/bench:app".into(),
+            cluster_ip: ip,
+            proto: Proto::Tcp,
+            port: SERVICE_PORT,
+            node_port: None,
+            target_port: TCP_TARGET_PORT,
+            endpoints: self.measured_endpoints.clone(),
+        });
+        ports
+    }
+
+    /// Service and EndpointSlice manifests for the agent.
+    pub fn yaml(&self) -> String {
+        let mut yaml = String::with_capacity(self.count * 700);
+        let filler = self.filler_endpoint_ips();
+        for i in 0..self.count - 1 {
+            let name = format!("svc-{i}");
+            write_service(
+                &mut yaml,
+                &name,
+                cluster_ip(i),
+                &[("app", Proto::Tcp, None)],
+            );
+            write_slice(
+                &mut yaml,
+                &name,
+                &[("app", Proto::Tcp, TCP_TARGET_PORT)],
+                &filler,
+            );
+        }
+        write_service(
+            &mut yaml,
+            "bench",
+            self.measured_ip(),
+            &[
+                ("app", Proto::Tcp, None),
+                ("flood", Proto::Udp, Some(NODE_PORT)),
+            ],
+        );
+        write_slice(
+            &mut yaml,
+            "bench",
+            &[
+                ("app", Proto::Tcp, TCP_TARGET_PORT),
+                ("flood", Proto::Udp, UDP_TARGET_PORT),
+            ],
+            &self.measured_endpoints,
+        );
+        yaml
+    }
+}
+
+pub fn cluster_ip(index: usize) -> Ipv4Addr {
+    Ipv4Addr::from(FIRST_CLUSTER_IP + index as u32)
+}
+
+fn write_service(
+    yaml: &mut String,
+    name: &str,
+    ip: Ipv4Addr,
+    ports: &[(&str, Proto, Option<u16>)],
+) {
+    let kind = if ports.iter().any(|p| p.2.is_some()) {
+        "NodePort"
+    } else {
+        "ClusterIP"
+    };
+    let _ = write!(
+        yaml,
+        "---\napiVersion: v1\nkind: Service\nmetadata:\n  name: {name}\n  namespace: default\n\
+         spec:\n  type: {kind}\n  clusterIP: {ip}\n  ports:\n"
+    );
+    for (port_name, proto, node_port) in ports {
+        let _ = write!(
+            yaml,
+            "    - name: {port_name}\n      protocol: {}\n      port: {SERVICE_PORT}\n      \
+             targetPort: {port_name}\n",
+            proto.upper()
+        );
+        if let Some(node_port) = node_port {
+            let _ = writeln!(yaml, "      nodePort: {node_port}");
+        }
+    }
+}
+
+fn write_slice(
+    yaml: &mut String,
+    name: &str,
+    ports: &[(&str, Proto, u16)],
+    endpoints: &[Ipv4Addr],
+) {
+    let _ = write!(
+        yaml,
+        "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {name}-1\n  \
+         namespace: default\n  labels:\n    kubernetes.io/service-name: {name}\naddressType: IPv4\n\
+         ports:\n"
+    );
+    for (port_name, proto, port) in ports {
+        let _ = write!(
+            yaml,
+            "  - name: {port_name}\n    protocol: {}\n    port: {port}\n",
+            proto.upper()
+        );
+    }
+    yaml.push_str("endpoints:\n");
+    for addr in endpoints {
+        let _ = write!(
+            yaml,
+            "  - addresses: [\"{addr}\"]\n    conditions:\n      ready: true\n"
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn measured_service_is_last_and_has_both_ports() {
+        let set = ServiceSet::new(3, 2, Ipv4Addr::new(10, 244, 1, 2));
+        let ports = set.ports();
+        assert_eq!(ports.len(), 4);
+        assert!(ports[..2].iter().all(|p| p.endpoints.len() == 2));
+        assert_eq!(ports[3].cluster_ip, set.measured_ip());
+        assert_eq!(ports[2].node_port, Some(NODE_PORT));
+        assert_eq!(set.yaml().matches("kind: Service\n").count(), 3);
+    }
+}

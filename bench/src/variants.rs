@@ -1,0 +1,171 @@
+//! The variants: what programs the node for a ServiceSet, and where the client sends. Each one is
+//! deployed in a topology of its own (see topology.rs); a new variant (e.g. `xdp`: the agent with
+//! its XDP program) is one arm in each match.
+use std::{
+    fs,
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    process::Command,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, Result};
+use lb_tests::{agent::Agent, topology::CLUSTER_CIDR};
+use serde::Serialize;
+
+use crate::{
+    rulesets,
+    services::{SERVICE_PORT, ServiceSet, TCP_TARGET_PORT},
+    topology::BenchTopology,
+    traffic::Server,
+};
+
+/// How long the agent may take to apply a manifest change (50k Services are a large YAML file).
+const SYNC_TIMEOUT: Duration = Duration::from_secs(300);
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Variant {
+    /// The client talks to the backend pod; the node only routes.
+    Direct,
+    IptablesNft,
+    IptablesLegacy,
+    Nftables,
+    /// This project's agent and tc datapath.
+    Tc,
+}
+
+impl Variant {
+    pub const ALL: [Variant; 5] = [
+        Variant::Direct,
+        Variant::IptablesNft,
+        Variant::IptablesLegacy,
+        Variant::Nftables,
+        Variant::Tc,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Variant::Direct => "direct",
+            Variant::IptablesNft => "iptables-nft",
+            Variant::IptablesLegacy => "iptables-legacy",
+            Variant::Nftables => "nftables",
+            Variant::Tc => "tc",
+        }
+    }
+
+    /// The program that loads this variant's rules, if it has one.
+    pub fn loader(self) -> Option<&'static str> {
+        match self {
+            Variant::Direct | Variant::Tc => None,
+            Variant::IptablesNft => Some("iptables-nft-restore"),
+            Variant::IptablesLegacy => Some("iptables-legacy-restore"),
+            Variant::Nftables => Some("nft"),
+        }
+    }
+
+    /// Whether this machine can run the variant (its loader is installed).
+    pub fn available(self) -> bool {
+        self.loader().is_none_or(|program| {
+            Command::new("which")
+                .arg(program)
+                .output()
+                .is_ok_and(|o| o.status.success())
+        })
+    }
+}
+
+/// A variant deployed in its topology, with the bench servers running in the backends.
+pub struct Deployment {
+    pub variant: Variant,
+    /// Set for `tc`.
+    agent: Option<Agent>,
+    /// Where rule files and the agent's pins go.
+    dir: tempfile::TempDir,
+    bpffs: PathBuf,
+    _servers: [Server; 2],
+    pub topology: BenchTopology,
+}
+
+impl Deployment {
+    /// `bpffs`: a directory on a bpffs the agent pins its maps in (one per deployment), so the
+    /// bench can read them.
+    pub fn new(variant: Variant, bpffs: &Path) -> Result<Self> {
+        let topology = BenchTopology::new()?;
+        let servers = [
+            Server::start(&topology.backend().ns, b'a')?,
+            Server::start(&topology.second_backend().ns, b'b')?,
+        ];
+        Ok(Deployment {
+            variant,
+            agent: None,
+            dir: tempfile::Builder::new().prefix("lbbench").tempdir()?,
+            bpffs: bpffs.join(topology.node().name()),
+            _servers: servers,
+            topology,
+        })
+    }
+
+    /// Where the client sends for the measured Service.
+    pub fn target(&self, set: &ServiceSet) -> SocketAddr {
+        match self.variant {
+            Variant::Direct => (self.topology.backend().ip, TCP_TARGET_PORT).into(),
+            _ => (set.measured_ip(), SERVICE_PORT).into(),
+        }
+    }
+
+    /// Programs the node with `set`, replacing what it had; returns how long the loader (or the
+    /// agent's sync) took.
+    pub fn program(&mut self, set: &ServiceSet) -> Result<Duration> {
+        let node = self.topology.node();
+        match self.variant {
+            Variant::Direct => Ok(Duration::ZERO),
+            Variant::IptablesNft | Variant::IptablesLegacy => {
+                let file = self.dir.path().join("rules.iptables");
+                fs::write(&file, rulesets::iptables(set, CLUSTER_CIDR))?;
+                let loader = self.variant.loader().expect("iptables has a loader");
+                let start = Instant::now();
+                node.exec(loader, &[file.to_str().expect("utf-8 path")])?;
+                Ok(start.elapsed())
+            }
+            Variant::Nftables => {
+                let file = self.dir.path().join("rules.nft");
+                fs::write(&file, rulesets::nftables(set, CLUSTER_CIDR))?;
+                // Replace, not merge: the previous count's chains go.
+                let _ = node.exec("nft", &["delete", "table", "ip", "kube-proxy"]);
+                let start = Instant::now();
+                node.exec("nft", &["-f", file.to_str().expect("utf-8 path")])?;
+                Ok(start.elapsed())
+            }
+            Variant::Tc => {
+                let yaml = set.yaml();
+                match &mut self.agent {
+                    None => {
+                        let start = Instant::now();
+                        let bpffs = self.bpffs.to_str().expect("utf-8 path");
+                        self.agent = Some(
+                            Agent::start(&self.topology.inner, &yaml, &["--bpffs", bpffs])
+                                .context("start the agent")?,
+                        );
+                        Ok(start.elapsed())
+                    }
+                    Some(agent) => {
+                        let start = Instant::now();
+                        replace_manifests(agent, &yaml)?;
+                        agent.wait_for_sync(SYNC_TIMEOUT)?;
+                        Ok(start.elapsed())
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Replaces the agent's services.yaml atomically (a rename), without waiting for the sync.
+pub fn replace_manifests(agent: &Agent, yaml: &str) -> Result<()> {
+    let dir = agent.manifest_dir();
+    let tmp = dir.with_file_name("services.yaml.bench");
+    fs::write(&tmp, yaml)?;
+    fs::rename(&tmp, dir.join("services.yaml"))?;
+    Ok(())
+}
