@@ -86,6 +86,6 @@ mod tests {
         }];
         line_chart(&path, "title", "per s", &series).unwrap();
         let svg = std::fs::read_to_string(&path).unwrap();
-        assert!(svg.contains("<svg") && svg.contains(">tc<"));
+        assert!(svg.contains("<svg") && svg.contains("\ntc\n"));
     }
 }
