@@ -14,7 +14,7 @@ pub mod map_name {
     pub const BACKENDS: &str = "LB_BACKEND_V1";
     pub const CONNTRACK: &str = "LB_CT_V1";
     pub const CONFIG: &str = "LB_CONFIG_V1";
-    pub const COUNTERS: &str = "LB_COUNTER_V1";
+    pub const COUNTERS: &str = "LB_COUNTER_V2";
     pub const ALL: [&str; 5] = [FRONTENDS, BACKENDS, CONNTRACK, CONFIG, COUNTERS];
 }
 
@@ -24,6 +24,7 @@ pub mod program_name {
     pub const INGRESS: &str = "lb_ingress";
 }
 
+pub const IPPROTO_ICMP: u8 = 1;
 pub const IPPROTO_TCP: u8 = 6;
 pub const IPPROTO_UDP: u8 = 17;
 
@@ -54,6 +55,9 @@ pub const fn port_be(port: u16) -> u16 {
 
 /// Key of `FRONTENDS`: where a service is reached. A ClusterIP port and a NodePort of the same
 /// service port are two frontends with the same `service_id`.
+///
+/// [`FrontendKey::any_port`] of a ClusterIP holds a frontend without backends: a connection to a
+/// port the service does not define is rejected, as kube-proxy does.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
@@ -66,6 +70,18 @@ pub struct FrontendKey {
     pub _pad: u8,
 }
 
+impl FrontendKey {
+    /// The catch-all key of a ClusterIP (port 0, protocol 0), looked up when no port matches.
+    pub const fn any_port(addr: u32) -> Self {
+        Self {
+            addr,
+            port: 0,
+            proto: 0,
+            _pad: 0,
+        }
+    }
+}
+
 /// Value of `FRONTENDS`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -73,7 +89,8 @@ pub struct FrontendKey {
 pub struct Frontend {
     /// Key prefix of this service port's slots in `BACKENDS`.
     pub service_id: u32,
-    /// Slots `0..backend_count` hold the endpoints; 0 means the service has none.
+    /// Slots `0..backend_count` hold the endpoints; 0 means the service has none, and new
+    /// connections are rejected (ICMP port unreachable).
     pub backend_count: u32,
     /// `FRONTEND_F_*`.
     pub flags: u32,
@@ -214,7 +231,7 @@ pub enum Counter {
     Passed,
     /// Fragment or truncated header: passed untouched.
     PassedUnparsed,
-    /// Dropped: the service has no endpoints.
+    /// Dropped: the frontend counts a backend slot that is not in the map.
     DropNoBackend,
     /// Dropped: a conntrack insert failed.
     DropConntrackFull,
@@ -224,10 +241,13 @@ pub enum Counter {
     DropRewriteFailed,
     /// Translated, but the FIB had no forwarding answer: handed to the stack.
     FibFallback,
+    /// A new connection to a service without endpoints, or to a port a ClusterIP does not
+    /// define: answered with ICMP port unreachable.
+    Rejected,
 }
 
 impl Counter {
-    pub const COUNT: u32 = 10;
+    pub const COUNT: u32 = 11;
     pub const ALL: [Counter; Self::COUNT as usize] = [
         Counter::NewConnection,
         Counter::Masqueraded,
@@ -239,6 +259,7 @@ impl Counter {
         Counter::DropSnatPortsExhausted,
         Counter::DropRewriteFailed,
         Counter::FibFallback,
+        Counter::Rejected,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -253,6 +274,7 @@ impl Counter {
             Counter::DropSnatPortsExhausted => "drop_snat_ports_exhausted",
             Counter::DropRewriteFailed => "drop_rewrite_failed",
             Counter::FibFallback => "fib_fallback",
+            Counter::Rejected => "rejected",
         }
     }
 }

@@ -84,7 +84,7 @@ pub fn forward(ctx: &TcContext, packet: &Packet, to: &ConntrackKey) -> Result<i3
     }
 }
 
-fn ingress_ifindex(ctx: &TcContext) -> u32 {
+pub fn ingress_ifindex(ctx: &TcContext) -> u32 {
     // SAFETY: the context pointer is the kernel's __sk_buff for this run, readable throughout.
     unsafe { (*ctx.skb.skb).ingress_ifindex }
 }

@@ -10,6 +10,7 @@ mod maps;
 mod masquerade;
 mod nat;
 mod parse;
+mod reject;
 mod service;
 
 use aya_ebpf::{
@@ -17,7 +18,7 @@ use aya_ebpf::{
     macros::classifier,
     programs::TcContext,
 };
-use lb_common::{CONFIG_F_READY, Config, ConntrackKey, Counter};
+use lb_common::{CONFIG_F_READY, Config, ConntrackKey, Counter, Frontend};
 
 use crate::conntrack::Connection;
 
@@ -49,19 +50,30 @@ fn try_ingress(ctx: &TcContext) -> Result<i32, Counter> {
             maps::count(Counter::Translated);
             to
         }
-        None => connect(&config, &packet.tuple, now)?,
+        None => {
+            let frontend = service::frontend(&packet.tuple).ok_or(Counter::Passed)?;
+            if frontend.backend_count == 0 {
+                maps::count(Counter::Rejected);
+                return reject::port_unreachable(ctx, &packet);
+            }
+            connect(&config, &frontend, &packet.tuple, now)?
+        }
     };
     nat::rewrite(ctx, &packet, &to)?;
     forward::forward(ctx, &packet, &to)
 }
 
-/// A packet without a live connection: if it is addressed to a frontend, pick a backend and track
-/// the new connection. Returns the tuple to rewrite the packet to.
-fn connect(config: &Config, tuple: &ConntrackKey, now: u64) -> Result<ConntrackKey, Counter> {
-    let frontend = service::frontend(tuple).ok_or(Counter::Passed)?;
-    let backend = service::select_backend(&frontend)?;
+/// A packet without a live connection to `frontend`: pick a backend and track the new
+/// connection. Returns the tuple to rewrite the packet to.
+fn connect(
+    config: &Config,
+    frontend: &Frontend,
+    tuple: &ConntrackKey,
+    now: u64,
+) -> Result<ConntrackKey, Counter> {
+    let backend = service::select_backend(frontend)?;
     let connection = Connection::new(tuple, frontend.service_id, &backend, now);
-    let masquerade = masquerade::needed(config, &frontend, tuple.src_addr, &backend);
+    let masquerade = masquerade::needed(config, frontend, tuple.src_addr, &backend);
     let to = if masquerade {
         masquerade::claim_source(config, &connection)?
     } else {

@@ -28,7 +28,7 @@ static CONNTRACK: LruHashMap<ConntrackKey, ConntrackEntry> =
 #[map(name = "LB_CONFIG_V1")]
 static CONFIG: Array<Config> = Array::with_max_entries(1, 0);
 
-#[map(name = "LB_COUNTER_V1")]
+#[map(name = "LB_COUNTER_V2")]
 static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(Counter::COUNT, 0);
 
 pub fn count(counter: Counter) {

@@ -3,6 +3,7 @@ use lb_common::{Backend, BackendKey, ConntrackKey, Counter, Frontend, FrontendKe
 
 use crate::maps;
 
+/// The frontend `tuple` is addressed to: its exact port, else the catch-all of a ClusterIP.
 pub fn frontend(tuple: &ConntrackKey) -> Option<Frontend> {
     maps::frontend(&FrontendKey {
         addr: tuple.dst_addr,
@@ -10,6 +11,7 @@ pub fn frontend(tuple: &ConntrackKey) -> Option<Frontend> {
         proto: tuple.proto,
         _pad: 0,
     })
+    .or_else(|| maps::frontend(&FrontendKey::any_port(tuple.dst_addr)))
 }
 
 /// A uniformly random backend, as kube-proxy's iptables `statistic --mode random` chain picks one.

@@ -156,6 +156,11 @@ impl Reconciler {
                 desired.frontends.insert(key, value);
             }
         }
+        // Ports a ClusterIP does not define are rejected, as by kube-proxy.
+        for service in model.services.values() {
+            let key = FrontendKey::any_port(ipv4_be(service.cluster_ip.octets()));
+            desired.frontends.entry(key).or_default();
+        }
         desired
     }
 
@@ -190,7 +195,10 @@ impl Reconciler {
             }
         }
 
-        for (key, value) in &desired.frontends {
+        // Catch-alls last: a new service's ports are not rejected while it is being written.
+        let (ports, catch_alls): (Vec<_>, Vec<_>) =
+            desired.frontends.iter().partition(|(key, _)| key.port != 0);
+        for (key, value) in ports.into_iter().chain(catch_alls) {
             let old = self.written.frontends.get(key).copied();
             if old == Some(*value) || broken.contains(&value.service_id) {
                 continue;
@@ -381,6 +389,33 @@ mod tests {
         }
     }
 
+    /// The first frontend of a port (not a catch-all).
+    fn port_frontend(contents: &MapContents) -> Option<&Frontend> {
+        contents
+            .frontends
+            .iter()
+            .find(|(k, _)| k.port != 0)
+            .map(|(_, f)| f)
+    }
+
+    #[test]
+    fn catch_all_rejects_undefined_ports_of_each_cluster_ip_once() {
+        let mut r = Reconciler::new(NODE, MapContents::default());
+        let desired = r.desired(&model(&[
+            ("a", 10, Some(30080), vec![endpoint(2, true)]),
+            ("b", 11, None, vec![]),
+        ]));
+        for ip in [10, 11] {
+            let key = FrontendKey::any_port(ipv4_be([10, 96, 0, ip]));
+            assert_eq!(desired.frontends.get(&key), Some(&Frontend::default()));
+        }
+        assert_eq!(
+            desired.frontends.keys().filter(|k| k.port == 0).count(),
+            2,
+            "no catch-all for the node address"
+        );
+    }
+
     #[test]
     fn first_sync_writes_backends_then_frontends() {
         let mut r = Reconciler::new(NODE, MapContents::default());
@@ -420,17 +455,22 @@ mod tests {
         );
         let expected: BTreeMap<_, _> =
             BTreeMap::from([(cluster, fe(0)), (node, fe(FRONTEND_F_MASQUERADE))]);
-        let expected: Vec<_> = expected
+        let mut expected: Vec<_> = expected
             .into_iter()
             .map(|(k, v)| Op::InsertFrontend(k, v))
             .collect();
+        // The ClusterIP's catch-all (rejecting other ports) comes after the ports.
+        expected.push(Op::InsertFrontend(
+            FrontendKey::any_port(cluster.addr),
+            Frontend::default(),
+        ));
         assert_eq!(maps.ops[2..], expected);
         assert_eq!(report.backends_added, 2);
-        assert_eq!(report.frontends_added, 2);
+        assert_eq!(report.frontends_added, 3);
 
         let again = r.sync(&m, &mut maps);
         assert!(!again.changed());
-        assert_eq!(maps.ops.len(), 4);
+        assert_eq!(maps.ops.len(), 5);
     }
 
     #[test]
@@ -512,9 +552,9 @@ mod tests {
                 other => panic!("unexpected {other:?}"),
             })
             .collect();
-        assert_eq!(kinds.len(), 3);
-        assert!(kinds[..2].iter().all(|k| k.0 == 0));
-        assert_eq!(kinds[2], (1, 1, 0));
+        assert_eq!(kinds.len(), 4);
+        assert!(kinds[..3].iter().all(|k| k.0 == 0));
+        assert_eq!(kinds[3], (1, 1, 0));
 
         maps.ops.clear();
         r.sync(
@@ -544,11 +584,7 @@ mod tests {
         );
         assert!(maps.contents.backends.is_empty());
         assert_eq!(
-            maps.contents
-                .frontends
-                .values()
-                .next()
-                .map(|f| f.backend_count),
+            port_frontend(&maps.contents).map(|f| f.backend_count),
             Some(0)
         );
     }
@@ -590,7 +626,7 @@ mod tests {
         );
         let mut restarted = Reconciler::new(NODE, std::mem::take(&mut maps.contents));
         let report = restarted.sync(&Model::default(), &mut maps);
-        assert_eq!((report.frontends_removed, report.backends_removed), (1, 1));
+        assert_eq!((report.frontends_removed, report.backends_removed), (2, 1));
     }
 
     #[test]
@@ -620,11 +656,7 @@ mod tests {
         assert_eq!(report.failed, 0);
         assert_eq!(maps.contents.backends.len(), 1);
         assert_eq!(
-            maps.contents
-                .frontends
-                .values()
-                .next()
-                .map(|f| f.backend_count),
+            port_frontend(&maps.contents).map(|f| f.backend_count),
             Some(1)
         );
     }
@@ -636,10 +668,7 @@ mod tests {
             ("a", 10, None, vec![endpoint(2, true)]),
             ("b", 10, None, vec![endpoint(3, true)]),
         ]));
-        assert_eq!(desired.frontends.len(), 1);
-        assert_eq!(
-            desired.frontends.values().next().map(|f| f.service_id),
-            Some(1)
-        );
+        assert_eq!(desired.frontends.len(), 2, "one port and one catch-all");
+        assert_eq!(port_frontend(&desired).map(|f| f.service_id), Some(1));
     }
 }

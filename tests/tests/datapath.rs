@@ -714,22 +714,118 @@ fn ttl_one_goes_to_the_stack_untranslated() {
     assert_eq!(datapath.conntrack_len(), 0);
 }
 
-#[test]
-fn service_without_backends_drops() {
-    let mut datapath = Datapath::with_cluster_ip(&[]);
-    let packet = Packet::new(Proto::Tcp, POD, CLUSTER_IP).build();
-    assert_eq!(datapath.run(&packet).0, TC_ACT_SHOT);
-    assert_eq!(datapath.counter(Counter::DropNoBackend), 1);
+/// The 16-bit ones' complement sum of `bytes` is all ones: the checksum over them is valid.
+fn checksum_ok(bytes: &[u8]) -> bool {
+    let mut sum: u32 = bytes
+        .chunks(2)
+        .map(|w| u32::from(u16::from_be_bytes([w[0], *w.get(1).unwrap_or(&0)])))
+        .sum();
+    while sum > 0xffff {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    sum == 0xffff
+}
 
+/// `output` is the ICMP port unreachable about `input`, bounced back to its sender: MACs
+/// swapped, from the address the client tried, the original IP header and 8 bytes quoted,
+/// both checksums valid.
+fn assert_port_unreachable(input: &[u8], verdict: u32, output: &[u8]) {
+    assert_eq!(verdict, TC_ACT_REDIRECT, "sent back out");
+    assert_eq!(output[..6], input[6..12], "to the sender's MAC");
+    assert_eq!(output[6..12], input[..6], "from the MAC it was sent to");
+    let (ip_in, _) = Ipv4Header::from_slice(&input[ETH_HLEN..]).unwrap();
+    let (ip, icmp) = Ipv4Header::from_slice(&output[ETH_HLEN..]).unwrap();
+    assert_eq!(
+        ip.calc_header_checksum(),
+        ip.header_checksum,
+        "IPv4 checksum"
+    );
+    assert_eq!(ip.protocol, IpNumber::ICMP);
+    assert_eq!(
+        (ip.source, ip.destination),
+        (ip_in.destination, ip_in.source)
+    );
+    let quote_len = ip_in.header_len() + 8;
+    assert_eq!(usize::from(ip.total_len), 20 + 8 + quote_len);
+    assert_eq!(
+        output.len(),
+        ETH_HLEN + usize::from(ip.total_len),
+        "trimmed"
+    );
+    assert_eq!(
+        icmp[..2],
+        [3, 3],
+        "destination unreachable, port unreachable"
+    );
+    assert_eq!(icmp[4..8], [0; 4]);
+    assert_eq!(icmp[8..], input[ETH_HLEN..ETH_HLEN + quote_len], "quote");
+    assert!(checksum_ok(icmp), "ICMP checksum");
+}
+
+#[test]
+fn service_without_backends_rejects() {
+    let datapath = Datapath::with_cluster_ip(&[]);
+    let packets = [
+        Packet::new(Proto::Tcp, POD, CLUSTER_IP),
+        Packet::new(Proto::Udp, POD, CLUSTER_IP),
+        Packet {
+            ip_options: &ROUTER_ALERT,
+            ..Packet::new(Proto::Udp, POD, CLUSTER_IP)
+        },
+    ];
+    for packet in &packets {
+        let input = packet.build();
+        let (verdict, output) = datapath.run(&input);
+        assert_port_unreachable(&input, verdict, &output);
+    }
+    assert_eq!(datapath.counter(Counter::Rejected), packets.len() as u64);
+    assert_eq!(datapath.counter(Counter::NewConnection), 0);
+    assert_eq!(datapath.conntrack_len(), 0);
+}
+
+/// A ClusterIP's catch-all frontend rejects the ports the service does not define; without one
+/// (any other address) the packet is not ours.
+#[test]
+fn undefined_cluster_ip_port_rejects() {
+    let mut datapath = Datapath::with_cluster_ip(&ENDPOINTS);
+    let mut frontends: HashMap<_, FrontendKey, Frontend> = datapath.map(map_name::FRONTENDS);
+    frontends
+        .insert(
+            FrontendKey::any_port(ipv4_be(CLUSTER_IP.ip().octets())),
+            Frontend::default(),
+            0,
+        )
+        .unwrap();
+    for proto in [Proto::Tcp, Proto::Udp] {
+        let input = Packet::new(proto, POD, SocketAddrV4::new(*CLUSTER_IP.ip(), 81)).build();
+        let (verdict, output) = datapath.run(&input);
+        assert_port_unreachable(&input, verdict, &output);
+    }
+    assert!(
+        ENDPOINTS.contains(
+            &datapath
+                .translate(&Packet::new(Proto::Tcp, POD, CLUSTER_IP))
+                .dst
+        )
+    );
+    let elsewhere = SocketAddrV4::new(Ipv4Addr::new(10, 96, 0, 99), 81);
+    datapath.assert_untouched(&Packet::new(Proto::Tcp, POD, elsewhere).build());
+    assert_eq!(datapath.counter(Counter::Rejected), 2);
+}
+
+#[test]
+fn missing_backend_slot_drops() {
+    let mut datapath = Datapath::new(config());
+    let packet = Packet::new(Proto::Tcp, POD, CLUSTER_IP).build();
     // A count that claims a slot the agent has not written yet.
     let frontend = Frontend {
-        service_id: SERVICE_ID + 1,
+        service_id: SERVICE_ID,
         backend_count: 1,
         flags: 0,
     };
     datapath.frontend(Proto::Tcp, CLUSTER_IP, frontend);
     assert_eq!(datapath.run(&packet).0, TC_ACT_SHOT);
-    assert_eq!(datapath.counter(Counter::DropNoBackend), 2);
+    assert_eq!(datapath.counter(Counter::DropNoBackend), 1);
     assert_eq!(datapath.conntrack_len(), 0);
 }
 

@@ -1,0 +1,139 @@
+//! REJECT, as kube-proxy answers a connection to a service without endpoints: the packet is
+//! turned in place into an ICMP port unreachable (RFC 792: the original IP header and the first
+//! 8 bytes of its payload quoted), from the address the client tried, and sent back out the
+//! interface it came in on, towards the hop it came from. The client's kernel matches the quote
+//! to its socket: connect() fails with ECONNREFUSED, a connected UDP socket reports it.
+use core::ptr;
+
+use aya_ebpf::{
+    bindings::{__sk_buff, BPF_F_RECOMPUTE_CSUM},
+    helpers::{
+        bpf_csum_diff, bpf_redirect, bpf_skb_change_tail, bpf_skb_load_bytes, bpf_skb_store_bytes,
+    },
+    programs::TcContext,
+};
+use lb_common::{Counter, IPPROTO_ICMP};
+
+use crate::{
+    forward,
+    parse::{ETH_HLEN, Packet},
+};
+
+const ICMP_DEST_UNREACH: u8 = 3;
+const ICMP_PORT_UNREACH: u8 = 3;
+const IP_HLEN: usize = 20;
+const ICMP_HLEN: usize = 8;
+const QUOTED_PAYLOAD: usize = 8;
+/// The longest IPv4 header (IHL 15) and the payload bytes quoted after it.
+const QUOTE_MAX: usize = 60 + QUOTED_PAYLOAD;
+/// Internetwork control precedence, as the kernel's own ICMP errors carry.
+const TOS_INTERNETWORK_CONTROL: u8 = 0xc0;
+const TTL: u8 = 64;
+/// Every store keeps `skb->csum` of a CHECKSUM_COMPLETE packet right.
+const STORE_FLAGS: u64 = BPF_F_RECOMPUTE_CSUM as u64;
+
+/// Rewrites `packet` into the ICMP error about it and redirects it back to its sender.
+pub fn port_unreachable(ctx: &TcContext, packet: &Packet) -> Result<i32, Counter> {
+    let quote_len = packet.l4 - ETH_HLEN + QUOTED_PAYLOAD;
+    // Spelled out for the verifier, which needs the bounds of every helper's length.
+    if !(IP_HLEN + QUOTED_PAYLOAD..=QUOTE_MAX).contains(&quote_len) {
+        return Err(Counter::DropRewriteFailed);
+    }
+    // The ICMP header and the quote, contiguous: one checksum, one store.
+    let mut icmp = [0u8; ICMP_HLEN + QUOTE_MAX];
+    icmp[0] = ICMP_DEST_UNREACH;
+    icmp[1] = ICMP_PORT_UNREACH;
+    let icmp_len = ICMP_HLEN + quote_len;
+    let skb = ctx.skb.skb;
+    // SAFETY: `icmp` has room for `quote_len` bytes past the ICMP header; the parser checked that
+    // the packet holds the IP header and 8 bytes past it.
+    let loaded = unsafe {
+        bpf_skb_load_bytes(
+            skb.cast(),
+            ETH_HLEN as u32,
+            icmp.as_mut_ptr().add(ICMP_HLEN).cast(),
+            quote_len as u32,
+        )
+    };
+    if loaded != 0 {
+        return Err(Counter::DropRewriteFailed);
+    }
+    // SAFETY: `icmp` is initialised stack memory of at least `icmp_len` bytes, a multiple of 4
+    // (IHL * 4 + 16); the helper only reads it.
+    let sum = unsafe {
+        bpf_csum_diff(
+            ptr::null_mut(),
+            0,
+            icmp.as_mut_ptr().cast(),
+            icmp_len as u32,
+            0,
+        )
+    };
+    let sum = u32::try_from(sum).map_err(|_| Counter::DropRewriteFailed)?;
+    icmp[2..4].copy_from_slice(&fold(sum).to_ne_bytes());
+
+    let macs: [u8; 12] = ctx.load(0).map_err(|_| Counter::DropRewriteFailed)?;
+    let mut swapped = [0u8; 12];
+    swapped[..6].copy_from_slice(&macs[6..]);
+    swapped[6..].copy_from_slice(&macs[..6]);
+    let ip = ip_header(
+        (IP_HLEN + icmp_len) as u16,
+        packet.tuple.dst_addr,
+        packet.tuple.src_addr,
+    );
+
+    // SAFETY: the context's skb, resized to exactly the error's length; the quote was read
+    // before.
+    if unsafe { bpf_skb_change_tail(skb, (ETH_HLEN + IP_HLEN + icmp_len) as u32, 0) } != 0 {
+        return Err(Counter::DropRewriteFailed);
+    }
+    ctx.store(0, &swapped, STORE_FLAGS)
+        .and_then(|()| ctx.store(ETH_HLEN, &ip, STORE_FLAGS))
+        .map_err(|_| Counter::DropRewriteFailed)?;
+    // SAFETY: `icmp` holds `icmp_len` initialised bytes and the packet is that long past the IP
+    // header.
+    if unsafe { store(skb, ETH_HLEN + IP_HLEN, &icmp, icmp_len) } != 0 {
+        return Err(Counter::DropRewriteFailed);
+    }
+    // SAFETY: the helper only records the target; flags 0 means egress.
+    Ok(unsafe { bpf_redirect(forward::ingress_ifindex(ctx), 0) } as i32)
+}
+
+/// # Safety
+/// `len` must not exceed `from.len()`.
+unsafe fn store(skb: *mut __sk_buff, offset: usize, from: &[u8], len: usize) -> i64 {
+    // SAFETY: per the contract, `from` has `len` readable bytes.
+    unsafe {
+        bpf_skb_store_bytes(
+            skb,
+            offset as u32,
+            from.as_ptr().cast(),
+            len as u32,
+            STORE_FLAGS,
+        )
+    }
+}
+
+fn ip_header(tot_len: u16, src_addr: u32, dst_addr: u32) -> [u8; IP_HLEN] {
+    let mut ip = [0u8; IP_HLEN];
+    ip[0] = 0x45;
+    ip[1] = TOS_INTERNETWORK_CONTROL;
+    ip[2..4].copy_from_slice(&tot_len.to_be_bytes());
+    ip[8] = TTL;
+    ip[9] = IPPROTO_ICMP;
+    ip[12..16].copy_from_slice(&src_addr.to_ne_bytes());
+    ip[16..20].copy_from_slice(&dst_addr.to_ne_bytes());
+    let mut sum = 0u32;
+    for word in ip.chunks_exact(2) {
+        sum += u32::from(u16::from_ne_bytes([word[0], word[1]]));
+    }
+    ip[10..12].copy_from_slice(&fold(sum).to_ne_bytes());
+    ip
+}
+
+/// The ones' complement of the 16-bit ones' complement sum `sum` (in memory byte order).
+fn fold(sum: u32) -> u16 {
+    let sum = (sum & 0xffff) + (sum >> 16);
+    let sum = (sum & 0xffff) + (sum >> 16);
+    !(sum as u16)
+}

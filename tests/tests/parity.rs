@@ -1,0 +1,133 @@
+//! kube-proxy parity, beyond the four paths: each Service field and behaviour a kube-proxy user
+//! relies on, through a real node namespace with real sockets.
+use std::{
+    io::ErrorKind,
+    net::{Ipv4Addr, SocketAddr, TcpStream, UdpSocket},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Result, bail, ensure};
+use lb_tests::{
+    agent::Agent,
+    echo::{EchoServer, Proto, TIMEOUT, request},
+    manifests::{ServiceManifest, yaml},
+    netns::Netns,
+    topology::{NODE_IP, Topology},
+};
+
+const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
+const PORT: u16 = 80;
+const NODE_PORT: u16 = 30080;
+const TARGET_PORT: u16 = 8080;
+/// A rejected connection fails well before any timeout.
+const FAST: Duration = Duration::from_millis(500);
+
+fn vip() -> SocketAddr {
+    (CLUSTER_IP, PORT).into()
+}
+
+/// A topology with `pods` pods serving on TARGET_PORT and the agent running on `services`.
+/// Fields drop in order: the agent stops before the servers and namespaces go.
+struct Node {
+    agent: Agent,
+    _servers: Vec<EchoServer>,
+    topology: Topology,
+}
+
+impl Node {
+    fn start(pods: usize, services: &[ServiceManifest], agent_args: &[&str]) -> Result<Self> {
+        let topology = Topology::new(pods)?;
+        let servers = topology
+            .pods
+            .iter()
+            .map(|pod| EchoServer::start(&pod.ns, &pod.name, TARGET_PORT))
+            .collect::<Result<Vec<_>>>()?;
+        let agent = Agent::start(&topology, &yaml(services), agent_args)?;
+        Ok(Node {
+            agent,
+            _servers: servers,
+            topology,
+        })
+    }
+
+    fn ip(&self, pod: &str) -> Ipv4Addr {
+        self.topology.pod(pod).ip
+    }
+
+    fn pod_ns(&self, pod: &str) -> &Netns {
+        &self.topology.pod(pod).ns
+    }
+
+    fn service(&self, proto: Proto, endpoints: &[&str]) -> ServiceManifest {
+        ServiceManifest::new("web", CLUSTER_IP, proto, PORT, TARGET_PORT)
+            .endpoints(endpoints.iter().map(|p| self.ip(p)))
+    }
+}
+
+/// How a connection attempt from `ns` to `to` failed, and how long it took; an error if it
+/// succeeded. UDP uses a connected socket, which is told about ICMP errors.
+fn refusal(ns: &Netns, proto: Proto, to: SocketAddr) -> Result<(ErrorKind, Duration)> {
+    ns.run(move || -> Result<(ErrorKind, Duration)> {
+        let start = Instant::now();
+        let error = match proto {
+            Proto::Tcp => match TcpStream::connect_timeout(&to, TIMEOUT) {
+                Ok(_) => bail!("TCP connect to {to} succeeded"),
+                Err(e) => e,
+            },
+            Proto::Udp => {
+                let socket = UdpSocket::bind("0.0.0.0:0")?;
+                socket.connect(to)?;
+                socket.set_read_timeout(Some(TIMEOUT))?;
+                socket.send(b"hello\n")?;
+                let mut buf = [0u8; 512];
+                match socket.recv(&mut buf) {
+                    Ok(_) => bail!("UDP answer from {to}"),
+                    Err(e) => e,
+                }
+            }
+        };
+        Ok((error.kind(), start.elapsed()))
+    })?
+}
+
+fn assert_refused(ns: &Netns, proto: Proto, to: SocketAddr) -> Result<()> {
+    let (kind, took) = refusal(ns, proto, to)?;
+    ensure!(
+        kind == ErrorKind::ConnectionRefused && took < FAST,
+        "{proto:?} to {to}: {kind:?} after {took:?}, expected a fast ECONNREFUSED"
+    );
+    Ok(())
+}
+
+/// REJECT: a service without ready endpoints answers new connections with ICMP port
+/// unreachable (TCP and UDP, ClusterIP and NodePort), and so does a port the ClusterIP does not
+/// define. Without the datapath the node has no route to the ClusterIP (an unreachable error of
+/// another kind), so ECONNREFUSED shows the reject.
+#[test]
+fn no_endpoints_and_undefined_ports_are_rejected() -> Result<()> {
+    let mut node = Node::start(2, &[], &[])?;
+    let tcp = |n: &Node| n.service(Proto::Tcp, &[]).node_port(NODE_PORT);
+    node.agent
+        .update_manifests(&yaml(&[tcp(&node).not_ready_endpoint(node.ip("pod-b"))]))?;
+    let pod_a = node.pod_ns("pod-a");
+    assert_refused(pod_a, Proto::Tcp, vip())?;
+    assert_refused(
+        &node.topology.client,
+        Proto::Tcp,
+        (NODE_IP, NODE_PORT).into(),
+    )?;
+    // The service defines TCP 80 only: UDP 80 and TCP 81 are undefined ports.
+    assert_refused(pod_a, Proto::Udp, vip())?;
+    assert_refused(pod_a, Proto::Tcp, (CLUSTER_IP, 81).into())?;
+    assert_refused(&node.topology.container, Proto::Tcp, vip())?;
+
+    let udp = ServiceManifest::new("dns", CLUSTER_IP, Proto::Udp, 53, TARGET_PORT);
+    node.agent.update_manifests(&yaml(&[
+        node.service(Proto::Tcp, &["pod-b"]).node_port(NODE_PORT),
+        udp,
+    ]))?;
+    let pod_a = node.pod_ns("pod-a");
+    assert_refused(pod_a, Proto::Udp, (CLUSTER_IP, 53).into())?;
+    ensure!(request(pod_a, Proto::Tcp, vip())?.server == "pod-b");
+    assert_refused(pod_a, Proto::Tcp, (CLUSTER_IP, 81).into())
+}
