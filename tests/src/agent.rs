@@ -137,6 +137,10 @@ impl Agent {
         }
     }
 
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     pub fn manifest_dir(&self) -> PathBuf {
         self.dir.path().join("manifests")
     }

@@ -1,0 +1,526 @@
+//! The agent fed by an in-test apiserver (the real kube-rs list/watch client against
+//! lb_tests::fake_apiserver): the four paths, changes while traffic flows, the apiserver going
+//! away, expired watches, split and early slices, 10,000 services, /healthz, /livez, /metrics.
+use std::{
+    io::{Read as _, Write as _},
+    net::{Ipv4Addr, SocketAddr},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, Result, ensure};
+use k8s_openapi::api::core::v1::{Node, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use lb_tests::{
+    agent::{Agent, NODE_NAME},
+    echo::{EchoServer, Proto, request, requests},
+    fake_apiserver::{FakeApiserver, Kind},
+    manifests::ServiceManifest,
+    netns::Netns,
+    paths::{
+        Traffic, assert_answered_by, check_container_to_service, check_external_to_node_port,
+        check_hairpin, check_pod_to_service,
+    },
+    topology::{NODE_IP, Topology},
+};
+
+const WEB_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
+const HAIRPIN_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 11);
+const KEPT_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 12);
+const PORT: u16 = 80;
+const NODE_PORT: u16 = 30080;
+const TARGET_PORT: u16 = 8080;
+const SYNC: Duration = Duration::from_secs(20);
+/// Short, so tests do not wait on it; still coalesces the bursts the tests make.
+const AGENT_ARGS: &[&str] = &["--min-sync-period", "200ms"];
+
+fn addr(ip: Ipv4Addr) -> SocketAddr {
+    (ip, PORT).into()
+}
+
+/// This node's Node object, with its InternalIP (the agent takes its node IP from it).
+fn node_object() -> Node {
+    serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1", "kind": "Node",
+        "metadata": {"name": NODE_NAME},
+        "status": {"addresses": [
+            {"type": "Hostname", "address": NODE_NAME},
+            {"type": "InternalIP", "address": NODE_IP.to_string()},
+        ]},
+    }))
+    .expect("node")
+}
+
+/// The Service and EndpointSlice of a test manifest, as apiserver objects.
+fn objects(manifest: &ServiceManifest) -> (Service, EndpointSlice) {
+    let yaml = manifest.yaml();
+    let mut docs = yaml.split("---\n");
+    let service = serde_yaml::from_str(docs.next().expect("service")).expect("service yaml");
+    let slice = serde_yaml::from_str(docs.next().expect("slice")).expect("slice yaml");
+    (service, slice)
+}
+
+/// A topology with pods serving on TARGET_PORT, an apiserver in the node namespace holding the
+/// Node and `services`, and the agent on it. Fields drop in order: the agent first.
+struct ApiNode {
+    agent: Agent,
+    api: FakeApiserver,
+    _servers: Vec<EchoServer>,
+    topology: Topology,
+}
+
+impl ApiNode {
+    fn start(pods: usize) -> Result<Self> {
+        Self::start_with(pods, AGENT_ARGS, true, |_| {})
+    }
+
+    /// `prepare` runs on the apiserver before the agent starts.
+    fn start_with(
+        pods: usize,
+        args: &[&str],
+        wait: bool,
+        prepare: impl FnOnce(&FakeApiserver),
+    ) -> Result<Self> {
+        let topology = Topology::new(pods)?;
+        let servers = topology
+            .pods
+            .iter()
+            .map(|pod| EchoServer::start(&pod.ns, &pod.name, TARGET_PORT))
+            .collect::<Result<Vec<_>>>()?;
+        let api = FakeApiserver::start(&topology.node)?;
+        api.apply(&[node_object()]);
+        prepare(&api);
+        let mut node = ApiNode {
+            agent: Agent::start_api(&topology, &api, args, false)?,
+            api,
+            _servers: servers,
+            topology,
+        };
+        if wait {
+            node.agent.wait_for_sync(SYNC)?;
+        }
+        Ok(node)
+    }
+
+    fn publish(&self, services: &[ServiceManifest]) {
+        let (svcs, slices): (Vec<_>, Vec<_>) = services.iter().map(objects).unzip();
+        self.api.apply(&svcs);
+        self.api.apply(&slices);
+    }
+
+    fn ip(&self, pod: &str) -> Ipv4Addr {
+        self.topology.pod(pod).ip
+    }
+
+    fn service(&self, name: &str, ip: Ipv4Addr, proto: Proto, pods: &[&str]) -> ServiceManifest {
+        ServiceManifest::new(name, ip, proto, PORT, TARGET_PORT)
+            .endpoints(pods.iter().map(|p| self.ip(p)))
+    }
+}
+
+fn four_paths(proto: Proto) -> Result<()> {
+    let mut node = ApiNode::start(3)?;
+    let web = node
+        .service("web", WEB_IP, proto, &["pod-b", "pod-c"])
+        .node_port(NODE_PORT);
+    let hairpin = node.service("hairpin", HAIRPIN_IP, proto, &["pod-a"]);
+    node.publish(&[web, hairpin]);
+    node.agent.wait_for_programmed(2, 3, SYNC)?;
+    let t = &node.topology;
+    check_pod_to_service(t, proto, addr(WEB_IP)).context("path 1")?;
+    check_hairpin(t, proto, addr(HAIRPIN_IP)).context("path 2")?;
+    check_container_to_service(t, proto, addr(WEB_IP)).context("path 3")?;
+    check_external_to_node_port(t, proto, addr(WEB_IP), NODE_PORT).context("path 4")?;
+    let log = node.agent.log();
+    ensure!(
+        log.contains(&format!("node_ip={NODE_IP}")),
+        "node IP not from the Node:\n{log}"
+    );
+    Ok(())
+}
+
+#[test]
+fn four_paths_tcp() -> Result<()> {
+    four_paths(Proto::Tcp)
+}
+
+#[test]
+fn four_paths_udp() -> Result<()> {
+    four_paths(Proto::Udp)
+}
+
+/// Slices change, a service goes, another comes; a kept service's traffic sees no error. A
+/// service another proxy owns (service-proxy-name label) is never programmed.
+#[test]
+fn create_update_delete_while_traffic_flows() -> Result<()> {
+    let mut node = ApiNode::start(3)?;
+    let kept = node.service("kept", KEPT_IP, Proto::Tcp, &["pod-c"]);
+    let web = node.service("web", WEB_IP, Proto::Tcp, &["pod-b", "pod-c"]);
+    node.publish(&[kept, web.clone()]);
+    node.agent.wait_for_programmed(2, 3, SYNC)?;
+    let pod_a = &node.topology.pod("pod-a").ns;
+    let traffic = Traffic::start(pod_a, Proto::Tcp, addr(KEPT_IP), Duration::from_secs(30));
+
+    let (_, fewer) = objects(&node.service("web", WEB_IP, Proto::Tcp, &["pod-b"]));
+    node.api.apply(&[fewer]);
+    node.agent.wait_for_programmed(2, 2, SYNC)?;
+    assert_answered_by(&requests(pod_a, Proto::Tcp, addr(WEB_IP), 20)?, &["pod-b"])?;
+
+    let (mut other, _) = objects(&node.service("other", HAIRPIN_IP, Proto::Tcp, &[]));
+    other.metadata.labels.get_or_insert_default().insert(
+        "service.kubernetes.io/service-proxy-name".into(),
+        "other-proxy".into(),
+    );
+    node.api.apply(&[other]);
+    node.api.delete::<EndpointSlice>(Some("default"), "web-1");
+    node.api.delete::<Service>(Some("default"), "web");
+    node.agent.wait_for_programmed(1, 1, SYNC)?;
+    ensure!(
+        request(pod_a, Proto::Tcp, addr(WEB_IP)).is_err(),
+        "the deleted service still answers"
+    );
+    ensure!(
+        request(pod_a, Proto::Tcp, addr(HAIRPIN_IP)).is_err(),
+        "a service of another proxy was programmed"
+    );
+
+    let back = node.service("web", WEB_IP, Proto::Tcp, &["pod-b"]);
+    node.publish(&[back]);
+    node.agent.wait_for_programmed(2, 2, SYNC)?;
+    assert_answered_by(&requests(pod_a, Proto::Tcp, addr(WEB_IP), 20)?, &["pod-b"])?;
+
+    let (answers, errors) = traffic.finish()?;
+    ensure!(
+        errors.is_empty(),
+        "the kept service was disturbed: {errors:?}"
+    );
+    assert_answered_by(&answers, &["pod-c"])
+}
+
+/// The apiserver goes away: the datapath keeps serving; a change made meanwhile is programmed
+/// once it is back.
+#[test]
+fn apiserver_gone_and_back() -> Result<()> {
+    let mut node = ApiNode::start(3)?;
+    node.publish(&[node.service("web", WEB_IP, Proto::Tcp, &["pod-b", "pod-c"])]);
+    node.agent.wait_for_programmed(1, 2, SYNC)?;
+    node.api.stop();
+    let pod_a = &node.topology.pod("pod-a").ns;
+    let traffic = Traffic::start(pod_a, Proto::Tcp, addr(WEB_IP), Duration::from_secs(3));
+    std::thread::sleep(Duration::from_secs(3));
+    node.publish(&[node.service("web", WEB_IP, Proto::Tcp, &["pod-c"])]);
+    let (answers, errors) = traffic.finish()?;
+    ensure!(
+        errors.is_empty(),
+        "traffic failed while the apiserver was away: {errors:?}"
+    );
+    assert_answered_by(&answers, &["pod-b", "pod-c"])?;
+    let log = node.agent.log();
+    ensure!(
+        log.contains("watch failed"),
+        "no watch failure logged:\n{log}"
+    );
+
+    node.api.restart()?;
+    node.agent.wait_for_programmed(1, 1, SYNC)?;
+    assert_answered_by(&requests(pod_a, Proto::Tcp, addr(WEB_IP), 20)?, &["pod-c"])
+}
+
+/// 410 Gone on every watch; the Service relist then fails for a while: the maps keep every live
+/// service until the relist completes, then converge (a service created meanwhile appears).
+#[test]
+fn expired_watch_relists_without_deleting_live_services() -> Result<()> {
+    let mut node = ApiNode::start(3)?;
+    node.publish(&[
+        node.service("web", WEB_IP, Proto::Tcp, &["pod-b"]),
+        node.service("kept", KEPT_IP, Proto::Tcp, &["pod-c"]),
+    ]);
+    node.agent.wait_for_programmed(2, 2, SYNC)?;
+    let lists_before = service_lists(&node.api);
+    let syncs_before = node.agent.log().matches("sync done").count();
+    // Syncs may still happen (other stores relisted, the Service store still whole): none of
+    // them may drop a service.
+    let lost_services = |log: &str| {
+        log.lines()
+            .filter(|l| l.contains("sync done"))
+            .skip(syncs_before)
+            .any(|l| !l.contains(" services=2 ") && !l.contains(" services=3 "))
+    };
+
+    node.api.fail_lists(Kind::Service, true);
+    node.api.expire_watches();
+    node.publish(&[node.service("late", HAIRPIN_IP, Proto::Tcp, &["pod-a"])]);
+    let pod_a = &node.topology.pod("pod-a").ns;
+    let traffic = Traffic::start(pod_a, Proto::Tcp, addr(WEB_IP), Duration::from_secs(3));
+    let deadline = Instant::now() + SYNC;
+    while service_lists(&node.api) < lists_before + 2 {
+        ensure!(
+            Instant::now() < deadline,
+            "no relist: {:?}",
+            node.api.requests()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let (answers, errors) = traffic.finish()?;
+    ensure!(
+        errors.is_empty(),
+        "a live service was disturbed: {errors:?}"
+    );
+    assert_answered_by(&answers, &["pod-b"])?;
+    let log = node.agent.log();
+    ensure!(
+        !lost_services(&log),
+        "a sync dropped a live service:\n{log}"
+    );
+    assert_answered_by(&requests(pod_a, Proto::Tcp, addr(KEPT_IP), 5)?, &["pod-c"])?;
+
+    node.api.fail_lists(Kind::Service, false);
+    node.agent.wait_for_programmed(3, 3, SYNC)?;
+    assert_answered_by(
+        &requests(pod_a, Proto::Tcp, addr(HAIRPIN_IP), 5)?,
+        &["pod-a"],
+    )
+}
+
+fn service_lists(api: &FakeApiserver) -> usize {
+    api.requests()
+        .iter()
+        .filter(|r| r.starts_with("GET /api/v1/services?") && !r.contains("watch=true"))
+        .count()
+}
+
+/// One service's endpoints in three EndpointSlices; one of them goes.
+#[test]
+fn slices_split_across_objects() -> Result<()> {
+    let mut node = ApiNode::start(4)?;
+    let (service, _) = objects(&node.service("web", WEB_IP, Proto::Tcp, &[]));
+    let slices: Vec<EndpointSlice> = ["pod-b", "pod-c", "pod-d"]
+        .iter()
+        .map(|pod| {
+            let (_, mut slice) = objects(&node.service("web", WEB_IP, Proto::Tcp, &[pod]));
+            slice.metadata.name = Some(format!("web-{pod}"));
+            slice
+        })
+        .collect();
+    node.api.apply(&[service]);
+    node.api.apply(&slices);
+    node.agent.wait_for_programmed(1, 3, SYNC)?;
+    let pod_a = &node.topology.pod("pod-a").ns;
+    assert_answered_by(
+        &requests(pod_a, Proto::Tcp, addr(WEB_IP), 60)?,
+        &["pod-b", "pod-c", "pod-d"],
+    )?;
+    node.api
+        .delete::<EndpointSlice>(Some("default"), "web-pod-c");
+    node.agent.wait_for_programmed(1, 2, SYNC)?;
+    assert_answered_by(
+        &requests(pod_a, Proto::Tcp, addr(WEB_IP), 40)?,
+        &["pod-b", "pod-d"],
+    )
+}
+
+/// The slices arrive (and are synced) before their service: the service then comes with its
+/// endpoints.
+#[test]
+fn slices_before_their_service() -> Result<()> {
+    let mut node = ApiNode::start(3)?;
+    let (service, slice) = objects(&node.service("web", WEB_IP, Proto::Udp, &["pod-b", "pod-c"]));
+    node.api.apply(&[slice]);
+    std::thread::sleep(Duration::from_millis(500));
+    node.api.apply(&[service]);
+    node.agent.wait_for_programmed(1, 2, SYNC)?;
+    check_pod_to_service(&node.topology, Proto::Udp, addr(WEB_IP))
+}
+
+/// 10,000 services × 10 endpoints in the first list: all programmed, the time logged.
+#[test]
+fn ten_thousand_services_in_one_list() -> Result<()> {
+    const N: usize = 10_000;
+    let topology = Topology::new(2)?;
+    let _server = EchoServer::start(&topology.pods[1].ns, "pod-b", TARGET_PORT)?;
+    let api = FakeApiserver::start(&topology.node)?;
+    api.apply(&[node_object()]);
+    let mut services = Vec::with_capacity(N);
+    let mut slices = Vec::with_capacity(N);
+    for i in 0..N {
+        let ip = Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 100, 0, 0)) + i as u32);
+        // The first service's endpoint is a real pod, so traffic shows the maps serve it.
+        let endpoints: Vec<Ipv4Addr> = if i == 0 {
+            vec![topology.pods[1].ip]
+        } else {
+            (0..10u32)
+                .map(|e| {
+                    Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 250, 0, 0)) + (i as u32) * 10 + e)
+                })
+                .collect()
+        };
+        let manifest = ServiceManifest::new(&format!("svc-{i}"), ip, Proto::Tcp, PORT, TARGET_PORT)
+            .endpoints(endpoints);
+        let (svc, slice) = objects(&manifest);
+        services.push(svc);
+        slices.push(slice);
+    }
+    api.apply(&services);
+    api.apply(&slices);
+    let start = Instant::now();
+    let mut agent = Agent::start_api(&topology, &api, AGENT_ARGS, false)?;
+    agent.wait_for_programmed(N, (N - 1) * 10 + 1, Duration::from_secs(120))?;
+    let took = start.elapsed();
+    let log = agent.log();
+    let sync = log
+        .lines()
+        .find(|l| l.contains(&format!(" services={N} ")))
+        .unwrap_or_default();
+    let rss = rss_kib(&agent)?;
+    eprintln!(
+        "{N} services x 10 endpoints: agent start to programmed in {took:?}, agent RSS {rss} KiB; {sync}"
+    );
+    // The first service's first endpoint is a real pod: the maps serve it.
+    let answers = requests(
+        &topology.pods[0].ns,
+        Proto::Tcp,
+        addr(Ipv4Addr::new(10, 100, 0, 0)),
+        30,
+    )?;
+    ensure!(answers.iter().any(|a| a.server == "pod-b"), "{answers:?}");
+    Ok(())
+}
+
+fn rss_kib(agent: &Agent) -> Result<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{}/status", agent.pid()))?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .context("VmRSS")
+}
+
+/// GET over plain HTTP from inside `ns`: (status, body).
+fn http_get(ns: &Netns, to: SocketAddr, path: &str) -> Result<(u16, String)> {
+    let path = path.to_owned();
+    ns.run(move || -> Result<(u16, String)> {
+        let mut stream = std::net::TcpStream::connect_timeout(&to, Duration::from_secs(2))?;
+        stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+        write!(
+            stream,
+            "GET {path} HTTP/1.1\r\nHost: {to}\r\nConnection: close\r\n\r\n"
+        )?;
+        let mut response = String::new();
+        stream.read_to_string(&mut response)?;
+        let status = response
+            .split(' ')
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .context("status line")?;
+        let body = response
+            .split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_owned())
+            .unwrap_or_default();
+        Ok((status, body))
+    })?
+}
+
+/// kube-proxy's body: {"lastUpdated": "...","currentTime": "..."[, "nodeEligible": bool]}.
+fn health_json(body: &str) -> Result<serde_json::Value> {
+    let json: serde_json::Value = serde_json::from_str(body).with_context(|| body.to_owned())?;
+    ensure!(
+        json["lastUpdated"].is_string() && json["currentTime"].is_string(),
+        "{body}"
+    );
+    Ok(json)
+}
+
+#[test]
+fn healthz_livez_and_metrics() -> Result<()> {
+    let mut node = ApiNode::start(2)?;
+    node.publish(&[node.service("web", WEB_IP, Proto::Tcp, &["pod-b"])]);
+    node.agent.wait_for_programmed(1, 1, SYNC)?;
+    let ns = &node.topology.node;
+    let health: SocketAddr = (Ipv4Addr::LOCALHOST, 10256).into();
+    let (status, body) = http_get(ns, health, "/healthz")?;
+    ensure!(status == 200, "{status} {body}");
+    let json = health_json(&body)?;
+    ensure!(json["nodeEligible"] == true, "{body}");
+    ensure!(
+        json["lastUpdated"] == json["currentTime"],
+        "healthy: lastUpdated is now: {body}"
+    );
+    let (status, body) = http_get(ns, health, "/livez")?;
+    ensure!(
+        status == 200 && health_json(&body)?.get("nodeEligible").is_none(),
+        "{status} {body}"
+    );
+    ensure!(http_get(ns, health, "/nope")?.0 == 404);
+
+    let (status, text) = http_get(ns, (Ipv4Addr::LOCALHOST, 10249).into(), "/metrics")?;
+    ensure!(status == 200, "{status} {text}");
+    for line in [
+        "lb_services_programmed 1",
+        "lb_endpoints_programmed 1",
+        "lb_map_write_failures_total 0",
+        "kubeproxy_proxy_healthz_total{code=\"200\"} 1",
+    ] {
+        ensure!(text.lines().any(|l| l == line), "{line:?} not in\n{text}");
+    }
+    for name in [
+        "kubeproxy_sync_proxy_rules_duration_seconds_count",
+        "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
+        "kubeproxy_network_programming_duration_seconds_bucket",
+    ] {
+        ensure!(text.contains(name), "{name} not in\n{text}");
+    }
+
+    // A node marked for deletion by the cluster autoscaler fails /healthz, not /livez.
+    let mut tainted = node_object();
+    tainted.spec.get_or_insert_default().taints = Some(vec![k8s_openapi::api::core::v1::Taint {
+        key: "ToBeDeletedByClusterAutoscaler".into(),
+        effect: "NoSchedule".into(),
+        ..Default::default()
+    }]);
+    node.api.apply(&[tainted]);
+    let deadline = Instant::now() + SYNC;
+    loop {
+        let (status, body) = http_get(ns, health, "/healthz")?;
+        if status == 503 {
+            ensure!(health_json(&body)?["nodeEligible"] == false, "{body}");
+            break;
+        }
+        ensure!(Instant::now() < deadline, "/healthz still {status} {body}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    ensure!(http_get(ns, health, "/livez")?.0 == 200);
+    Ok(())
+}
+
+/// A change that cannot be synced (the slices never list) for longer than twice the sync period
+/// makes /healthz and /livez 503; once synced they are 200 again.
+#[test]
+fn health_fails_while_changes_wait() -> Result<()> {
+    let topology_args = ["--min-sync-period", "200ms", "--sync-period", "1s"];
+    let mut node = ApiNode::start_with(2, &topology_args, false, |api| {
+        api.fail_lists(Kind::EndpointSlice, true)
+    })?;
+    node.publish(&[node.service("web", WEB_IP, Proto::Tcp, &["pod-b"])]);
+    let ns = &node.topology.node;
+    let health: SocketAddr = (Ipv4Addr::LOCALHOST, 10256).into();
+    let deadline = Instant::now() + SYNC;
+    loop {
+        match http_get(ns, health, "/livez") {
+            Ok((503, body)) => {
+                let json = health_json(&body)?;
+                ensure!(
+                    json["lastUpdated"] == "0001-01-01 00:00:00 +0000 UTC",
+                    "{body}"
+                );
+                break;
+            }
+            other => ensure!(Instant::now() < deadline, "/livez still {other:?}"),
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    ensure!(http_get(ns, health, "/healthz")?.0 == 503);
+    node.api.fail_lists(Kind::EndpointSlice, false);
+    node.agent.wait_for_programmed(1, 1, SYNC)?;
+    let (status, body) = http_get(ns, health, "/healthz")?;
+    ensure!(status == 200, "{status} {body}");
+    Ok(())
+}
