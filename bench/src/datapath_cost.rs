@@ -181,7 +181,7 @@ impl Datapath {
             let backend = Backend {
                 addr: ipv4_be(BACKEND.ip().octets()),
                 port: port_be(BACKEND.port()),
-                _pad: 0,
+                ..Default::default()
             };
             backends.insert(
                 BackendKey {
@@ -206,7 +206,8 @@ impl Datapath {
             let frontend = Frontend {
                 service_id: id,
                 backend_count: 1,
-                flags: 0,
+                // Fields added to the ABI later keep their "off" default.
+                ..Default::default()
             };
             frontends.insert(key, frontend, 0)?;
         }

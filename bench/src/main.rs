@@ -3,6 +3,7 @@
 //! report.md, *.svg}. `--smoke` is the tiny run `cargo xtask test` does so the bench cannot rot.
 mod bpf;
 mod datapath_cost;
+mod memory;
 mod packet;
 mod plot;
 mod report;
@@ -34,6 +35,9 @@ struct Cli {
     /// Tiny counts, direct and tc only: checks the harness end to end in seconds.
     #[arg(long)]
     smoke: bool,
+    /// B2/B3 service counts instead of the plan's (e.g. `1,1000`).
+    #[arg(long, value_delimiter = ',')]
+    services: Vec<usize>,
     /// Output directory [default: target/bench/<timestamp>].
     #[arg(long)]
     out: Option<PathBuf>,
@@ -95,11 +99,14 @@ impl Plan {
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
-    let plan = if cli.smoke {
+    let mut plan = if cli.smoke {
         Plan::smoke()
     } else {
         Plan::full()
     };
+    if !cli.services.is_empty() {
+        plan.service_counts = cli.services;
+    }
     let out = match cli.out {
         Some(out) => out,
         None => Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -117,7 +124,11 @@ fn main() -> Result<()> {
     progress("B2/B3 connection and request rate, every variant");
     let mut deployments = sweep::deploy(&plan, bpffs.path(), &progress)?;
     results.points = sweep::run(&plan, &mut deployments, &progress)?;
+    progress("B6 programming from nothing, B7 agent memory");
+    results.bulk = sweep::bulk(&plan, &mut deployments, &progress)?;
     drop(deployments);
+    progress("B7 map memory");
+    results.maps = memory::maps()?;
     results.seconds = started.elapsed().as_secs_f64();
 
     results.write(&out)?;

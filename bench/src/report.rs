@@ -61,6 +61,7 @@ pub fn write(results: &Results, dir: &Path) -> Result<()> {
             ""
         }
     );
+    write_datapath(&mut md, results);
     for metric in &METRICS {
         write_metric(&mut md, results, metric);
         line_chart(
@@ -71,6 +72,8 @@ pub fn write(results: &Results, dir: &Path) -> Result<()> {
         )?;
         let _ = writeln!(md, "![{}]({})\n", metric.title, metric.file);
     }
+    write_bulk(&mut md, results);
+    write_memory(&mut md, results);
     write_errors(&mut md, results);
     fs::write(dir.join("report.md"), md)?;
     Ok(())
@@ -148,6 +151,112 @@ fn write_errors(md: &mut String, results: &Results) {
             p.services,
             p.error.as_deref().unwrap_or_default()
         );
+    }
+    md.push('\n');
+}
+
+fn write_datapath(md: &mut String, results: &Results) {
+    if results.datapath.is_empty() {
+        return;
+    }
+    let cases = ["non-service", "new connection", "established", "reply"];
+    let _ = writeln!(
+        md,
+        "## B1 datapath cost (BPF_PROG_TEST_RUN, {} runs per case)\n\n\
+         ns per packet over an empty classifier (its own cost in the last column). Targets: \
+         established ≤ 150 ns, new connection ≤ 400 ns, new connection at 50k / at 1 ≤ 1.2.\n",
+        results.datapath[0].runs
+    );
+    let _ = writeln!(
+        md,
+        "| services | {} | empty program |\n| ---: |{}---: |",
+        cases.join(" | "),
+        " ---: |".repeat(cases.len())
+    );
+    let mut counts: Vec<usize> = results.datapath.iter().map(|c| c.services).collect();
+    counts.dedup();
+    let cost = |services: usize, case: &str| {
+        results
+            .datapath
+            .iter()
+            .find(|c| c.services == services && c.case == case)
+    };
+    for &count in &counts {
+        let _ = write!(md, "| {count} |");
+        for case in cases {
+            let cell = cost(count, case).map_or("-".into(), |c| format!("{:.0}", c.net_ns));
+            let _ = write!(md, " {cell} |");
+        }
+        let empty =
+            cost(count, "empty program").map_or("-".into(), |c| format!("{:.0}", c.mean_ns));
+        let _ = writeln!(md, " {empty} |");
+    }
+    if let (Some(first), Some(last)) = (counts.first(), counts.last())
+        && let (Some(a), Some(b)) = (
+            cost(*first, "new connection"),
+            cost(*last, "new connection"),
+        )
+    {
+        let _ = writeln!(
+            md,
+            "\nNew connection at {last} / at {first} services: {:.2}.",
+            b.net_ns / a.net_ns
+        );
+    }
+    md.push('\n');
+}
+
+fn write_bulk(md: &mut String, results: &Results) {
+    if results.bulk.is_empty() {
+        return;
+    }
+    let b = &results.bulk[0];
+    let _ = writeln!(
+        md,
+        "## B6 programming {} Services × {} endpoints from nothing\n\n\
+         | variant | seconds |\n| --- | ---: |",
+        b.services, b.endpoints_per_service
+    );
+    for b in &results.bulk {
+        let _ = writeln!(md, "| {} | {:.2} |", b.variant.name(), b.seconds);
+    }
+    md.push_str(
+        "\nThe agent's time runs from the manifest file's rename to its \"sync done\" log line: \
+         its 100 ms settle time, the parse of the whole directory and the map writes.\n\n",
+    );
+}
+
+fn write_memory(md: &mut String, results: &Results) {
+    if results.maps.is_empty() {
+        return;
+    }
+    md.push_str(
+        "## B7 memory\n\nThe kernel's accounting (fdinfo `memlock`) of each map at its default \
+         size; hash maps are preallocated, so this is their cost whatever they hold. A Service \
+         port takes one frontend per ClusterIP port and NodePort, an endpoint one backend slot, \
+         a connection two conntrack entries.\n\n\
+         | map | max entries | MiB | bytes per entry |\n| --- | ---: | ---: | ---: |\n",
+    );
+    for m in &results.maps {
+        let _ = writeln!(
+            md,
+            "| {} | {} | {:.1} | {:.0} |",
+            m.map,
+            m.max_entries,
+            m.bytes as f64 / 1048576.0,
+            m.bytes_per_entry
+        );
+    }
+    for b in &results.bulk {
+        if let Some(rss) = b.agent_resident_bytes {
+            let _ = writeln!(
+                md,
+                "\nAgent resident memory with {} Services × {} endpoints: {:.0} MiB.",
+                b.services,
+                b.endpoints_per_service,
+                rss as f64 / 1048576.0
+            );
+        }
     }
     md.push('\n');
 }

@@ -7,6 +7,8 @@ use serde::Serialize;
 use crate::{
     Plan,
     datapath_cost::DatapathCost,
+    memory::MapMemory,
+    sweep::Bulk,
     traffic::{ConnectionRate, RequestRate},
     variants::Variant,
 };
@@ -24,6 +26,10 @@ pub struct Results {
     pub datapath: Vec<DatapathCost>,
     /// B2/B3.
     pub points: Vec<Point>,
+    /// B6: programming many Services at once; B7: the agent's memory then.
+    pub bulk: Vec<Bulk>,
+    /// B7.
+    pub maps: Vec<MapMemory>,
 }
 
 impl Results {
@@ -39,6 +45,8 @@ impl Results {
             seconds: 0.0,
             datapath: Vec::new(),
             points: Vec::new(),
+            bulk: Vec::new(),
+            maps: Vec::new(),
         })
     }
 

@@ -3,13 +3,14 @@
 use std::path::Path;
 
 use anyhow::Result;
+use serde::Serialize;
 
 use crate::{
-    Plan, Progress,
+    Plan, Progress, memory,
     results::Point,
     services::ServiceSet,
     traffic::{connection_rate, request_rate},
-    variants::Deployment,
+    variants::{Deployment, Variant},
 };
 
 /// Bounds of one point, whatever its duration: far above what this box can do.
@@ -61,4 +62,51 @@ fn measure(plan: &Plan, deployment: &mut Deployment, set: &ServiceSet) -> Point 
         point.error = Some(format!("{err:#}"));
     }
     point
+}
+
+/// B6 (bulk) and B7 (agent memory): every variant programs `services` × `endpoints` at once
+/// (the agent: one sync from its last state, a handful of Services).
+pub fn bulk(plan: &Plan, deployments: &mut [Deployment], progress: Progress) -> Result<Vec<Bulk>> {
+    let (services, endpoints) = plan.bulk;
+    let mut bulk = Vec::new();
+    for deployment in deployments.iter_mut() {
+        if deployment.variant == Variant::Direct {
+            continue;
+        }
+        // From nothing: back to one Service first.
+        deployment.program(&ServiceSet::new(1, 1, deployment.topology.backend().ip))?;
+        let set = ServiceSet::new(services, endpoints, deployment.topology.backend().ip);
+        let seconds = deployment.program(&set)?.as_secs_f64();
+        let agent_resident_bytes = match deployment.variant {
+            Variant::Tc => Some(memory::resident_bytes(deployment.topology.node())?),
+            _ => None,
+        };
+        let entry = Bulk {
+            variant: deployment.variant,
+            services,
+            endpoints_per_service: endpoints,
+            seconds,
+            agent_resident_bytes,
+        };
+        progress(&format!(
+            "  {:<16} {services} × {endpoints} programmed in {seconds:.2} s{}",
+            entry.variant.name(),
+            agent_resident_bytes
+                .map(|b| format!(", agent RSS {:.0} MiB", b as f64 / 1048576.0))
+                .unwrap_or_default()
+        ));
+        bulk.push(entry);
+    }
+    Ok(bulk)
+}
+
+#[derive(Debug, Serialize)]
+pub struct Bulk {
+    pub variant: Variant,
+    pub services: usize,
+    pub endpoints_per_service: usize,
+    /// iptables-restore / nft -f run time; the agent: manifest written → its sync logged
+    /// (includes its 100 ms settle time and the directory's parse).
+    pub seconds: f64,
+    pub agent_resident_bytes: Option<u64>,
 }
