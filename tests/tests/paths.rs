@@ -1,21 +1,20 @@
 //! The four Service paths through a real node namespace, with real sockets, over TCP and UDP:
 //! who answered, which source the backend saw, which peer the client saw.
 use std::{
-    collections::BTreeMap,
     net::{Ipv4Addr, SocketAddr},
-    sync::{
-        Arc,
-        atomic::{AtomicBool, Ordering},
-    },
     time::{Duration, Instant},
 };
 
 use anyhow::{Result, ensure};
 use lb_tests::{
     agent::Agent,
-    echo::{Answer, EchoServer, Proto, request, requests},
+    echo::{EchoServer, Proto, request, requests},
     manifests::{ServiceManifest, yaml},
-    topology::{CONTAINER_IP, NODE_IP, Topology},
+    paths::{
+        Traffic, assert_answered_by, check_container_to_service, check_external_to_node_port,
+        check_hairpin, check_pod_to_service, servers,
+    },
+    topology::{CONTAINER_IP, Topology},
 };
 
 const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
@@ -62,46 +61,12 @@ impl Node {
     }
 }
 
-fn servers(answers: &[Answer]) -> BTreeMap<String, usize> {
-    let mut counts = BTreeMap::new();
-    for answer in answers {
-        *counts.entry(answer.server.clone()).or_default() += 1;
-    }
-    counts
-}
-
-/// Every answer came from one of `expected` and all of them answered.
-fn assert_answered_by(answers: &[Answer], expected: &[&str]) -> Result<()> {
-    let counts = servers(answers);
-    let names: Vec<&str> = counts.keys().map(String::as_str).collect();
-    ensure!(
-        names == expected,
-        "answered by {counts:?}, expected {expected:?}"
-    );
-    Ok(())
-}
-
-fn assert_all(answers: &[Answer], what: &str, ok: impl Fn(&Answer) -> bool) -> Result<()> {
-    if let Some(bad) = answers.iter().find(|a| !ok(a)) {
-        anyhow::bail!("{what}: {bad:?}");
-    }
-    Ok(())
-}
-
 /// Path 1: Pod-A → ClusterIP → Pod-B / Pod-C, not masqueraded.
 fn pod_to_service(proto: Proto) -> Result<()> {
     let mut node = Node::start(3, &[])?;
     let service = node.service(proto, &["pod-b", "pod-c"]);
     node.agent.update_manifests(&yaml(&[service]))?;
-    let client = &node.topology.pod("pod-a");
-    let answers = requests(&client.ns, proto, vip(), 30)?;
-    assert_answered_by(&answers, &["pod-b", "pod-c"])?;
-    assert_all(&answers, "backend saw Pod-A's own address", |a| {
-        a.seen_source.ip() == client.ip
-    })?;
-    assert_all(&answers, "client saw the ClusterIP as peer", |a| {
-        a.peer == vip()
-    })
+    check_pod_to_service(&node.topology, proto, vip())
 }
 
 #[test]
@@ -119,14 +84,7 @@ fn hairpin(proto: Proto) -> Result<()> {
     let mut node = Node::start(2, &[])?;
     let service = node.service(proto, &["pod-a"]);
     node.agent.update_manifests(&yaml(&[service]))?;
-    let answers = requests(&node.topology.pod("pod-a").ns, proto, vip(), 10)?;
-    assert_answered_by(&answers, &["pod-a"])?;
-    assert_all(&answers, "backend saw the node address", |a| {
-        a.seen_source.ip() == NODE_IP
-    })?;
-    assert_all(&answers, "client saw the ClusterIP as peer", |a| {
-        a.peer == vip()
-    })
+    check_hairpin(&node.topology, proto, vip())
 }
 
 #[test]
@@ -144,14 +102,7 @@ fn container_to_service(proto: Proto) -> Result<()> {
     let mut node = Node::start(3, &[])?;
     let service = node.service(proto, &["pod-b", "pod-c"]);
     node.agent.update_manifests(&yaml(&[service]))?;
-    let answers = requests(&node.topology.container, proto, vip(), 30)?;
-    assert_answered_by(&answers, &["pod-b", "pod-c"])?;
-    assert_all(&answers, "backend saw the node address", |a| {
-        a.seen_source.ip() == NODE_IP
-    })?;
-    assert_all(&answers, "client saw the ClusterIP as peer", |a| {
-        a.peer == vip()
-    })
+    check_container_to_service(&node.topology, proto, vip())
 }
 
 #[test]
@@ -171,20 +122,7 @@ fn external_to_node_port(proto: Proto) -> Result<()> {
         .service(proto, &["pod-b", "pod-c"])
         .node_port(NODE_PORT);
     node.agent.update_manifests(&yaml(&[service]))?;
-    let node_port: SocketAddr = (NODE_IP, NODE_PORT).into();
-    let answers = requests(&node.topology.client, proto, node_port, 30)?;
-    assert_answered_by(&answers, &["pod-b", "pod-c"])?;
-    assert_all(&answers, "backend saw the node address", |a| {
-        a.seen_source.ip() == NODE_IP
-    })?;
-    assert_all(&answers, "client saw node:nodePort as peer", |a| {
-        a.peer == node_port
-    })?;
-    // The same service stays reachable on its ClusterIP from a pod, unmasqueraded.
-    let pod_a = node.topology.pod("pod-a");
-    let answer = request(&pod_a.ns, proto, vip())?;
-    ensure!(answer.seen_source.ip() == pod_a.ip, "{answer:?}");
-    Ok(())
+    check_external_to_node_port(&node.topology, proto, vip(), NODE_PORT)
 }
 
 #[test]
@@ -248,45 +186,6 @@ fn non_service_traffic_is_untouched() -> Result<()> {
     Ok(())
 }
 
-/// Requests from `ns` to `to` on a thread until stopped, at most 5000 or 30 s; the errors it saw.
-struct Traffic {
-    stop: Arc<AtomicBool>,
-    thread: std::thread::JoinHandle<Result<(Vec<Answer>, Vec<String>)>>,
-}
-
-impl Traffic {
-    fn start(ns: &lb_tests::netns::Netns, proto: Proto, to: SocketAddr) -> Self {
-        let stop = Arc::new(AtomicBool::new(false));
-        let path = format!("/run/netns/{}", ns.name());
-        let thread = std::thread::spawn({
-            let stop = stop.clone();
-            move || {
-                lb_tests::netns::enter(&path)?;
-                let deadline = Instant::now() + Duration::from_secs(30);
-                let (mut answers, mut errors) = (Vec::new(), Vec::new());
-                while !stop.load(Ordering::Relaxed)
-                    && answers.len() < 5000
-                    && Instant::now() < deadline
-                {
-                    match proto.request(to) {
-                        Ok(answer) => answers.push(answer),
-                        Err(e) => errors.push(format!("{e:#}")),
-                    }
-                }
-                Ok((answers, errors))
-            }
-        });
-        Traffic { stop, thread }
-    }
-
-    fn finish(self) -> Result<(Vec<Answer>, Vec<String>)> {
-        self.stop.store(true, Ordering::Relaxed);
-        self.thread
-            .join()
-            .map_err(|_| anyhow::anyhow!("traffic thread panicked"))?
-    }
-}
-
 /// Removing an endpoint stops new connections to it at once; the other endpoint sees no error.
 #[test]
 fn endpoint_removed_while_traffic_runs() -> Result<()> {
@@ -294,7 +193,12 @@ fn endpoint_removed_while_traffic_runs() -> Result<()> {
     let before = node.service(Proto::Tcp, &["pod-b", "pod-c"]);
     let after = node.service(Proto::Tcp, &["pod-b"]);
     node.agent.update_manifests(&yaml(&[before]))?;
-    let traffic = Traffic::start(&node.topology.pod("pod-a").ns, Proto::Tcp, vip());
+    let traffic = Traffic::start(
+        &node.topology.pod("pod-a").ns,
+        Proto::Tcp,
+        vip(),
+        Duration::from_secs(30),
+    );
     std::thread::sleep(Duration::from_millis(300));
     node.agent.update_manifests(&yaml(&[after]))?;
     let later = requests(&node.topology.pod("pod-a").ns, Proto::Tcp, vip(), 50)?;
@@ -318,7 +222,12 @@ fn service_deleted_while_traffic_runs() -> Result<()> {
         .update_manifests(&yaml(&[deleted.clone(), kept.clone()]))?;
     ensure!(request(&node.topology.pod("pod-a").ns, Proto::Udp, vip())?.server == "pod-b");
     let kept_vip: SocketAddr = (OTHER_CLUSTER_IP, PORT).into();
-    let traffic = Traffic::start(&node.topology.pod("pod-a").ns, Proto::Udp, kept_vip);
+    let traffic = Traffic::start(
+        &node.topology.pod("pod-a").ns,
+        Proto::Udp,
+        kept_vip,
+        Duration::from_secs(30),
+    );
     std::thread::sleep(Duration::from_millis(300));
     node.agent.update_manifests(&yaml(&[kept]))?;
     std::thread::sleep(Duration::from_millis(300));
