@@ -10,12 +10,13 @@
 /// Names of the maps in the eBPF object. Pinned maps carry the ABI version in their name, so an agent
 /// with another layout never reuses them.
 pub mod map_name {
-    pub const FRONTENDS: &str = "LB_FRONTEND_V1";
+    pub const FRONTENDS: &str = "LB_FRONTEND_V2";
     pub const BACKENDS: &str = "LB_BACKEND_V1";
     pub const CONNTRACK: &str = "LB_CT_V1";
     pub const CONFIG: &str = "LB_CONFIG_V1";
     pub const COUNTERS: &str = "LB_COUNTER_V2";
-    pub const ALL: [&str; 5] = [FRONTENDS, BACKENDS, CONNTRACK, CONFIG, COUNTERS];
+    pub const AFFINITY: &str = "LB_AFFINITY_V1";
+    pub const ALL: [&str; 6] = [FRONTENDS, BACKENDS, CONNTRACK, CONFIG, COUNTERS, AFFINITY];
 }
 
 /// Names of the programs in the eBPF object.
@@ -36,6 +37,8 @@ pub mod default_size {
     pub const BACKENDS: u32 = 262_144;
     /// Conntrack entries: two per connection (original and reply direction).
     pub const CONNTRACK: u32 = 262_144;
+    /// sessionAffinity entries: one per (service port, client address).
+    pub const AFFINITY: u32 = 65_536;
 }
 
 /// Masquerade source ports are taken from this range by default: above Linux's default ephemeral
@@ -94,6 +97,9 @@ pub struct Frontend {
     pub backend_count: u32,
     /// `FRONTEND_F_*`.
     pub flags: u32,
+    /// sessionAffinity ClientIP: a client's new connections go to the endpoint of its last one
+    /// while it is idle less than this many seconds. 0: no affinity.
+    pub affinity_timeout_s: u32,
 }
 
 /// The frontend is reached from outside the cluster (a NodePort): masquerade new connections
@@ -119,6 +125,30 @@ pub struct Backend {
     /// Network byte order.
     pub port: u16,
     pub _pad: u16,
+}
+
+/// Key of `AFFINITY`: a client of a service port.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct AffinityKey {
+    pub service_id: u32,
+    /// Network byte order.
+    pub client_addr: u32,
+}
+
+/// Value of `AFFINITY`: the endpoint the client's last new connection went to, and where it sat.
+/// It is used again only while slot `slot` still holds `backend`: an endpoint that is gone (or
+/// moved) gets no more affine connections.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct AffinityEntry {
+    /// `bpf_ktime_get_ns` of the client's last new connection.
+    pub last_seen_ns: u64,
+    pub backend: Backend,
+    pub slot: u32,
+    pub _pad: u32,
 }
 
 /// Key of `CONNTRACK`: the 5-tuple of a packet as it arrives, before any translation.
@@ -281,7 +311,9 @@ impl Counter {
 
 const _: () = {
     assert!(core::mem::size_of::<FrontendKey>() == 8);
-    assert!(core::mem::size_of::<Frontend>() == 12);
+    assert!(core::mem::size_of::<Frontend>() == 16);
+    assert!(core::mem::size_of::<AffinityKey>() == 8);
+    assert!(core::mem::size_of::<AffinityEntry>() == 24);
     assert!(core::mem::size_of::<BackendKey>() == 8);
     assert!(core::mem::size_of::<Backend>() == 8);
     assert!(core::mem::size_of::<ConntrackKey>() == 16);
@@ -303,6 +335,8 @@ mod user {
     unsafe impl aya::Pod for ConntrackKey {}
     unsafe impl aya::Pod for ConntrackEntry {}
     unsafe impl aya::Pod for Config {}
+    unsafe impl aya::Pod for AffinityKey {}
+    unsafe impl aya::Pod for AffinityEntry {}
 }
 
 #[cfg(test)]

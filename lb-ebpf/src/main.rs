@@ -4,6 +4,7 @@
 #![no_std]
 #![no_main]
 
+mod affinity;
 mod conntrack;
 mod forward;
 mod maps;
@@ -71,7 +72,7 @@ fn connect(
     tuple: &ConntrackKey,
     now: u64,
 ) -> Result<ConntrackKey, Counter> {
-    let backend = service::select_backend(frontend)?;
+    let backend = service::select_backend(frontend, tuple.src_addr, now)?;
     let connection = Connection::new(tuple, frontend.service_id, &backend, now);
     let masquerade = masquerade::needed(config, frontend, tuple.src_addr, &backend);
     let to = if masquerade {

@@ -9,11 +9,11 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, PerCpuArray},
 };
 use lb_common::{
-    Backend, BackendKey, Config, ConntrackEntry, ConntrackKey, Counter, Frontend, FrontendKey,
-    default_size,
+    AffinityEntry, AffinityKey, Backend, BackendKey, Config, ConntrackEntry, ConntrackKey, Counter,
+    Frontend, FrontendKey, default_size,
 };
 
-#[map(name = "LB_FRONTEND_V1")]
+#[map(name = "LB_FRONTEND_V2")]
 static FRONTENDS: HashMap<FrontendKey, Frontend> =
     HashMap::with_max_entries(default_size::FRONTENDS, 0);
 
@@ -24,6 +24,10 @@ static BACKENDS: HashMap<BackendKey, Backend> =
 #[map(name = "LB_CT_V1")]
 static CONNTRACK: LruHashMap<ConntrackKey, ConntrackEntry> =
     LruHashMap::with_max_entries(default_size::CONNTRACK, 0);
+
+#[map(name = "LB_AFFINITY_V1")]
+static AFFINITY: LruHashMap<AffinityKey, AffinityEntry> =
+    LruHashMap::with_max_entries(default_size::AFFINITY, 0);
 
 #[map(name = "LB_CONFIG_V1")]
 static CONFIG: Array<Config> = Array::with_max_entries(1, 0);
@@ -68,6 +72,18 @@ pub fn conntrack_insert(key: &ConntrackKey, entry: &ConntrackEntry, flags: u32) 
 pub fn conntrack_remove(key: &ConntrackKey) {
     // Nothing to undo when the entry is already gone (evicted by the LRU).
     let _ = CONNTRACK.remove(key);
+}
+
+pub fn affinity(key: &AffinityKey) -> Option<&'static mut AffinityEntry> {
+    // SAFETY: valid until the program returns (RCU); a racing CPU tears at worst the timestamp.
+    AFFINITY
+        .get_ptr_mut(key)
+        .map(|entry| unsafe { &mut *entry })
+}
+
+pub fn affinity_insert(key: &AffinityKey, entry: &AffinityEntry) {
+    // A failed insert only costs the next connection its affinity.
+    let _ = AFFINITY.insert(key, entry, 0);
 }
 
 pub fn now_ns() -> u64 {

@@ -1,7 +1,7 @@
 //! Frontend lookup and backend selection.
 use lb_common::{Backend, BackendKey, ConntrackKey, Counter, Frontend, FrontendKey};
 
-use crate::maps;
+use crate::{affinity, maps};
 
 /// The frontend `tuple` is addressed to: its exact port, else the catch-all of a ClusterIP.
 pub fn frontend(tuple: &ConntrackKey) -> Option<Frontend> {
@@ -14,15 +14,24 @@ pub fn frontend(tuple: &ConntrackKey) -> Option<Frontend> {
     .or_else(|| maps::frontend(&FrontendKey::any_port(tuple.dst_addr)))
 }
 
-/// A uniformly random backend, as kube-proxy's iptables `statistic --mode random` chain picks one.
-/// The modulo bias is below 2^-32 * backend_count.
-pub fn select_backend(frontend: &Frontend) -> Result<Backend, Counter> {
+/// The backend of a new connection from `client`: its affine one if the service has
+/// sessionAffinity and it is still valid, else a uniformly random one, as kube-proxy's iptables
+/// `statistic --mode random` chain picks it. The modulo bias is below 2^-32 * backend_count.
+pub fn select_backend(frontend: &Frontend, client: u32, now: u64) -> Result<Backend, Counter> {
+    let affine = frontend.affinity_timeout_s != 0;
+    if affine && let Some(backend) = affinity::lookup(frontend, client, now) {
+        return Ok(backend);
+    }
     let slot = maps::random()
         .checked_rem(frontend.backend_count)
         .ok_or(Counter::DropNoBackend)?;
-    maps::backend(&BackendKey {
+    let backend = maps::backend(&BackendKey {
         service_id: frontend.service_id,
         slot,
     })
-    .ok_or(Counter::DropNoBackend)
+    .ok_or(Counter::DropNoBackend)?;
+    if affine {
+        affinity::remember(frontend, client, slot, &backend, now);
+    }
+    Ok(backend)
 }

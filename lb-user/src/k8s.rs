@@ -3,7 +3,7 @@
 use std::net::IpAddr;
 use std::net::Ipv4Addr;
 
-use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::core::v1::{Service, ServiceSpec as ServiceSpecK8s};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
@@ -52,6 +52,8 @@ pub fn service(svc: &Service) -> Result<Option<ServiceSpec>, InvalidField> {
         return Ok(None);
     };
 
+    let affinity_timeout_s = session_affinity(spec)?;
+
     let mut ports = Vec::new();
     for (i, p) in spec.ports.iter().flatten().enumerate() {
         let field = |f: &str| format!("spec.ports[{i}].{f}");
@@ -83,8 +85,45 @@ pub fn service(svc: &Service) -> Result<Option<ServiceSpec>, InvalidField> {
         name,
         cluster_ip,
         node_ports,
+        affinity_timeout_s,
         ports,
     }))
+}
+
+/// kube-proxy's default sessionAffinityConfig.clientIP.timeoutSeconds (3 hours), and the API's
+/// maximum (a day).
+pub const DEFAULT_AFFINITY_TIMEOUT_S: u32 = 10_800;
+const MAX_AFFINITY_TIMEOUT_S: u32 = 86_400;
+
+/// The ClientIP affinity timeout, None without affinity.
+fn session_affinity(spec: &ServiceSpecK8s) -> Result<Option<u32>, InvalidField> {
+    match spec.session_affinity.as_deref().unwrap_or("None") {
+        "None" => Ok(None),
+        "ClientIP" => {
+            let timeout = spec
+                .session_affinity_config
+                .as_ref()
+                .and_then(|c| c.client_ip.as_ref())
+                .and_then(|c| c.timeout_seconds);
+            match timeout {
+                None => Ok(Some(DEFAULT_AFFINITY_TIMEOUT_S)),
+                Some(t) => u32::try_from(t)
+                    .ok()
+                    .filter(|t| (1..=MAX_AFFINITY_TIMEOUT_S).contains(t))
+                    .map(Some)
+                    .ok_or_else(|| {
+                        invalid(
+                            "spec.sessionAffinityConfig.clientIP.timeoutSeconds",
+                            format!("{t} is not in 1-{MAX_AFFINITY_TIMEOUT_S}"),
+                        )
+                    }),
+            }
+        }
+        other => Err(invalid(
+            "spec.sessionAffinity",
+            format!("unknown affinity {other:?}"),
+        )),
+    }
 }
 
 /// The EndpointSlice as a spec, or None when it is not ours to use.
@@ -278,6 +317,39 @@ mod tests {
         assert_eq!(dual.cluster_ip, Ipv4Addr::new(10, 96, 0, 11));
         assert!(dual.node_ports);
         assert_eq!(dual.ports[0].node_port, Some(30080));
+    }
+
+    #[test]
+    fn session_affinity_defaults_and_limits() {
+        let affinity = |spec: &str| {
+            service(&svc(&format!(
+                "{HEAD}spec: {{clusterIP: 10.96.0.1, ports: [{{port: 80}}], {spec}}}\n"
+            )))
+            .map(|s| s.unwrap().affinity_timeout_s)
+        };
+        assert_eq!(affinity("sessionAffinity: None"), Ok(None));
+        assert_eq!(
+            affinity("sessionAffinity: ClientIP"),
+            Ok(Some(DEFAULT_AFFINITY_TIMEOUT_S))
+        );
+        assert_eq!(
+            affinity(
+                "sessionAffinity: ClientIP, sessionAffinityConfig: {clientIP: {timeoutSeconds: 5}}"
+            ),
+            Ok(Some(5))
+        );
+        let err = affinity(
+            "sessionAffinity: ClientIP, sessionAffinityConfig: {clientIP: {timeoutSeconds: 0}}",
+        )
+        .unwrap_err();
+        assert_eq!(
+            err.field,
+            "spec.sessionAffinityConfig.clientIP.timeoutSeconds"
+        );
+        assert_eq!(
+            affinity("sessionAffinity: Sticky").unwrap_err().field,
+            "spec.sessionAffinity"
+        );
     }
 
     #[test]

@@ -77,6 +77,8 @@ pub struct ServiceSpec {
     pub cluster_ip: Ipv4Addr,
     /// type NodePort or LoadBalancer: every port is also exposed on the node.
     pub node_ports: bool,
+    /// sessionAffinity ClientIP with this timeout; None: no affinity.
+    pub affinity_timeout_s: Option<u32>,
     pub ports: Vec<PortSpec>,
 }
 
@@ -121,6 +123,8 @@ pub struct Model {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Service {
     pub cluster_ip: Ipv4Addr,
+    /// sessionAffinity ClientIP with this timeout; None: no affinity.
+    pub affinity_timeout_s: Option<u32>,
     pub ports: Vec<ServicePort>,
 }
 
@@ -222,6 +226,7 @@ impl Model {
                 spec.name,
                 Service {
                     cluster_ip: spec.cluster_ip,
+                    affinity_timeout_s: spec.affinity_timeout_s,
                     ports,
                 },
             );
@@ -296,6 +301,7 @@ mod tests {
             name: name("web"),
             cluster_ip: Ipv4Addr::new(10, 96, 0, 10),
             node_ports,
+            affinity_timeout_s: None,
             ports: vec![
                 PortSpec {
                     name: "http".into(),

@@ -120,20 +120,22 @@ impl Reconciler {
         let mut desired = MapContents::default();
         for (id, service, port) in model.ports() {
             let service_id = self.ids[&id];
-            let mut count = 0;
-            for e in port.endpoints.iter().filter(|e| e.ready) {
-                desired.backends.insert(
-                    BackendKey {
-                        service_id,
-                        slot: count,
-                    },
-                    Backend {
-                        addr: ipv4_be(e.addr.octets()),
-                        port: port_be(e.port),
-                        _pad: 0,
-                    },
-                );
-                count += 1;
+            let wanted: Vec<Backend> = port
+                .endpoints
+                .iter()
+                .filter(|e| e.ready)
+                .map(|e| Backend {
+                    addr: ipv4_be(e.addr.octets()),
+                    port: port_be(e.port),
+                    _pad: 0,
+                })
+                .collect();
+            let slots = assign_slots(&self.written_slots(service_id), &wanted);
+            let count = slots.len() as u32;
+            for (slot, backend) in (0..).zip(slots) {
+                desired
+                    .backends
+                    .insert(BackendKey { service_id, slot }, backend);
             }
             let proto = port.protocol.ipproto();
             let mut frontends = vec![(frontend_key(service.cluster_ip, port.port, proto), 0)];
@@ -148,6 +150,7 @@ impl Reconciler {
                     service_id,
                     backend_count: count,
                     flags,
+                    affinity_timeout_s: service.affinity_timeout_s.unwrap_or(0),
                 };
                 if let Some(other) = desired.frontends.get(&key) {
                     warn!(service_port = %id, addr = %Ipv4Addr::from(key.addr.to_ne_bytes()), port = u16::from_be(key.port), proto = key.proto, other_service_id = other.service_id, "frontend already taken by another service port: skipped");
@@ -162,6 +165,20 @@ impl Reconciler {
             desired.frontends.entry(key).or_default();
         }
         desired
+    }
+
+    /// The backends in the maps for `service_id`, in slot order.
+    fn written_slots(&self, service_id: u32) -> Vec<Backend> {
+        let first = BackendKey {
+            service_id,
+            slot: 0,
+        };
+        self.written
+            .backends
+            .range(first..)
+            .take_while(|(k, _)| k.service_id == service_id)
+            .map(|(_, b)| *b)
+            .collect()
     }
 
     /// Brings the maps to `model`. Order: new/changed backend slots, then frontends (whose
@@ -281,6 +298,28 @@ impl Reconciler {
     }
 }
 
+/// The slots of `wanted` (sorted, no duplicates) given the slots `previous` held: an endpoint
+/// that stays keeps its slot while the slot still exists, the others fill the holes. So an
+/// endpoint's sessionAffinity clients (which remember the slot) only move with the endpoint.
+fn assign_slots(previous: &[Backend], wanted: &[Backend]) -> Vec<Backend> {
+    let mut slots: Vec<Option<Backend>> = previous
+        .iter()
+        .take(wanted.len())
+        .map(|b| wanted.binary_search(b).is_ok().then_some(*b))
+        .collect();
+    slots.resize(wanted.len(), None);
+    let mut placed: Vec<Backend> = slots.iter().flatten().copied().collect();
+    placed.sort_unstable();
+    let mut unplaced = wanted.iter().filter(|b| placed.binary_search(b).is_err());
+    slots
+        .into_iter()
+        .map(|slot| {
+            slot.or_else(|| unplaced.next().copied())
+                .expect("as many slots as wanted backends")
+        })
+        .collect()
+}
+
 fn frontend_key(addr: Ipv4Addr, port: u16, proto: u8) -> FrontendKey {
     FrontendKey {
         addr: ipv4_be(addr.octets()),
@@ -363,6 +402,7 @@ mod tests {
                 },
                 Service {
                     cluster_ip: Ipv4Addr::new(10, 96, 0, *ip),
+                    affinity_timeout_s: None,
                     ports: vec![ServicePort {
                         name: "http".into(),
                         protocol: Protocol::Tcp,
@@ -417,6 +457,42 @@ mod tests {
     }
 
     #[test]
+    fn endpoints_that_stay_keep_their_slots() {
+        let b = |last| backend(last);
+        assert_eq!(assign_slots(&[], &[b(2), b(3)]), [b(2), b(3)]);
+        // 3 leaves: 4 moves into its hole, 2 stays.
+        assert_eq!(
+            assign_slots(&[b(2), b(3), b(4)], &[b(2), b(4)]),
+            [b(2), b(4)]
+        );
+        // 5 joins: everyone stays, 5 takes the new slot.
+        assert_eq!(
+            assign_slots(&[b(4), b(2)], &[b(2), b(4), b(5)]),
+            [b(4), b(2), b(5)]
+        );
+        // 2 leaves and 1 joins: 1 takes 2's slot.
+        assert_eq!(assign_slots(&[b(2), b(4)], &[b(1), b(4)]), [b(1), b(4)]);
+        assert!(assign_slots(&[b(2)], &[]).is_empty());
+    }
+
+    #[test]
+    fn session_affinity_timeout_goes_to_every_frontend_of_the_service() {
+        let mut m = model(&[("web", 10, Some(30080), vec![endpoint(2, true)])]);
+        for service in m.services.values_mut() {
+            service.affinity_timeout_s = Some(10800);
+        }
+        let mut r = Reconciler::new(NODE, MapContents::default());
+        let desired = r.desired(&m);
+        let ports: Vec<_> = desired
+            .frontends
+            .iter()
+            .filter(|(k, _)| k.port != 0)
+            .collect();
+        assert_eq!(ports.len(), 2);
+        assert!(ports.iter().all(|(_, f)| f.affinity_timeout_s == 10800));
+    }
+
+    #[test]
     fn first_sync_writes_backends_then_frontends() {
         let mut r = Reconciler::new(NODE, MapContents::default());
         let mut maps = FakeMaps::default();
@@ -433,6 +509,7 @@ mod tests {
             service_id: 1,
             backend_count: 2,
             flags,
+            affinity_timeout_s: 0,
         };
         assert_eq!(
             maps.ops[..2],
@@ -507,7 +584,8 @@ mod tests {
                     Frontend {
                         service_id: 1,
                         backend_count: 2,
-                        flags: 0
+                        flags: 0,
+                        affinity_timeout_s: 0,
                     }
                 ),
                 Op::RemoveBackend(BackendKey {

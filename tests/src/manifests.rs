@@ -14,8 +14,52 @@ pub struct ServiceManifest {
     pub node_port: Option<u16>,
     /// The port the endpoints listen on.
     pub target_port: u16,
-    /// (address, ready)
-    pub endpoints: Vec<(Ipv4Addr, bool)>,
+    pub endpoints: Vec<EndpointManifest>,
+    /// sessionAffinity ClientIP with this timeoutSeconds.
+    pub affinity_timeout: Option<u32>,
+    /// externalTrafficPolicy: Local.
+    pub external_local: bool,
+    /// internalTrafficPolicy: Local.
+    pub internal_local: bool,
+    pub health_check_node_port: Option<u16>,
+    pub annotations: Vec<(String, String)>,
+}
+
+/// One endpoint of the slice.
+#[derive(Debug, Clone)]
+pub struct EndpointManifest {
+    pub addr: Ipv4Addr,
+    pub ready: bool,
+    pub serving: bool,
+    pub terminating: bool,
+    pub node_name: Option<String>,
+}
+
+impl EndpointManifest {
+    pub fn ready(addr: Ipv4Addr) -> Self {
+        EndpointManifest {
+            addr,
+            ready: true,
+            serving: true,
+            terminating: false,
+            node_name: None,
+        }
+    }
+
+    /// Terminating, still serving (or not) until it is gone.
+    pub fn terminating(addr: Ipv4Addr, serving: bool) -> Self {
+        EndpointManifest {
+            ready: false,
+            serving,
+            terminating: true,
+            ..Self::ready(addr)
+        }
+    }
+
+    pub fn on_node(mut self, node: &str) -> Self {
+        self.node_name = Some(node.to_string());
+        self
+    }
 }
 
 impl ServiceManifest {
@@ -34,6 +78,11 @@ impl ServiceManifest {
             node_port: None,
             target_port,
             endpoints: Vec::new(),
+            affinity_timeout: None,
+            external_local: false,
+            internal_local: false,
+            health_check_node_port: None,
+            annotations: Vec::new(),
         }
     }
 
@@ -42,13 +91,47 @@ impl ServiceManifest {
         self
     }
 
+    /// Ready endpoints (replacing any others).
     pub fn endpoints(mut self, addrs: impl IntoIterator<Item = Ipv4Addr>) -> Self {
-        self.endpoints = addrs.into_iter().map(|a| (a, true)).collect();
+        self.endpoints = addrs.into_iter().map(EndpointManifest::ready).collect();
         self
     }
 
     pub fn not_ready_endpoint(mut self, addr: Ipv4Addr) -> Self {
-        self.endpoints.push((addr, false));
+        self.endpoints.push(EndpointManifest {
+            ready: false,
+            serving: false,
+            ..EndpointManifest::ready(addr)
+        });
+        self
+    }
+
+    pub fn endpoint(mut self, endpoint: EndpointManifest) -> Self {
+        self.endpoints.push(endpoint);
+        self
+    }
+
+    /// sessionAffinity ClientIP with `timeout` seconds.
+    pub fn session_affinity(mut self, timeout: u32) -> Self {
+        self.affinity_timeout = Some(timeout);
+        self
+    }
+
+    /// externalTrafficPolicy: Local, with this healthCheckNodePort.
+    pub fn external_local(mut self, health_check_node_port: u16) -> Self {
+        self.external_local = true;
+        self.health_check_node_port = Some(health_check_node_port);
+        self
+    }
+
+    /// internalTrafficPolicy: Local.
+    pub fn internal_local(mut self) -> Self {
+        self.internal_local = true;
+        self
+    }
+
+    pub fn annotation(mut self, key: &str, value: &str) -> Self {
+        self.annotations.push((key.to_string(), value.to_string()));
         self
     }
 
@@ -61,22 +144,50 @@ impl ServiceManifest {
             node_port,
             target_port,
             endpoints,
+            affinity_timeout,
+            external_local,
+            internal_local,
+            health_check_node_port,
+            annotations,
         } = self;
         let proto = proto.manifest_name();
         let (kind, node_port) = match node_port {
             Some(p) => ("NodePort", format!("\n      nodePort: {p}")),
             None => ("ClusterIP", String::new()),
         };
+        let mut spec = String::new();
+        if let Some(timeout) = affinity_timeout {
+            let _ = write!(
+                spec,
+                "  sessionAffinity: ClientIP\n  sessionAffinityConfig:\n    clientIP:\n      timeoutSeconds: {timeout}\n"
+            );
+        }
+        if *external_local {
+            spec.push_str("  externalTrafficPolicy: Local\n");
+        }
+        if let Some(port) = health_check_node_port {
+            let _ = writeln!(spec, "  healthCheckNodePort: {port}");
+        }
+        if *internal_local {
+            spec.push_str("  internalTrafficPolicy: Local\n");
+        }
+        let mut metadata = String::new();
+        if !annotations.is_empty() {
+            metadata.push_str("  annotations:\n");
+            for (key, value) in annotations {
+                let _ = writeln!(metadata, "    {key}: \"{value}\"");
+            }
+        }
         let mut yaml = format!(
             "apiVersion: v1
 kind: Service
 metadata:
   name: {name}
   namespace: default
-spec:
+{metadata}spec:
   type: {kind}
   clusterIP: {cluster_ip}
-  ports:
+{spec}  ports:
     - name: app
       protocol: {proto}
       port: {port}
@@ -101,11 +212,15 @@ endpoints:
             yaml.truncate(yaml.len() - "endpoints:\n".len());
             yaml.push_str("endpoints: []\n");
         }
-        for (addr, ready) in endpoints {
+        for e in endpoints {
             let _ = write!(
                 yaml,
-                "  - addresses: [\"{addr}\"]\n    conditions:\n      ready: {ready}\n"
+                "  - addresses: [\"{}\"]\n    conditions:\n      ready: {}\n      serving: {}\n      terminating: {}\n",
+                e.addr, e.ready, e.serving, e.terminating
             );
+            if let Some(node) = &e.node_name {
+                let _ = writeln!(yaml, "    nodeName: {node}");
+            }
         }
         yaml
     }

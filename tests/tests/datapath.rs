@@ -15,11 +15,11 @@ use etherparse::{
     Ipv4Header, PacketBuilder, TcpHeader, UdpHeader,
 };
 use lb_common::{
-    Backend, BackendKey, CONFIG_F_MASQUERADE_ALL, CONFIG_F_READY, CT_F_MASQUERADE, CT_F_REPLY,
-    CT_STATE_CLOSING, CT_STATE_ESTABLISHED, CT_STATE_NEW, CT_TIMEOUT_TCP_SYN_NS, Config,
-    ConntrackEntry, ConntrackKey, Counter, FRONTEND_F_MASQUERADE, Frontend, FrontendKey,
-    IPPROTO_TCP, IPPROTO_UDP, SNAT_PORT_MAX, SNAT_PORT_MIN, ipv4_be, map_name, port_be,
-    program_name,
+    AffinityEntry, AffinityKey, Backend, BackendKey, CONFIG_F_MASQUERADE_ALL, CONFIG_F_READY,
+    CT_F_MASQUERADE, CT_F_REPLY, CT_STATE_CLOSING, CT_STATE_ESTABLISHED, CT_STATE_NEW,
+    CT_TIMEOUT_TCP_SYN_NS, Config, ConntrackEntry, ConntrackKey, Counter, FRONTEND_F_MASQUERADE,
+    Frontend, FrontendKey, IPPROTO_TCP, IPPROTO_UDP, SNAT_PORT_MAX, SNAT_PORT_MIN, ipv4_be,
+    map_name, port_be, program_name,
 };
 
 const TC_ACT_OK: u32 = 0;
@@ -319,6 +319,7 @@ impl Datapath {
                 service_id,
                 backend_count: endpoints.len() as u32,
                 flags,
+                ..Default::default()
             },
         );
     }
@@ -564,6 +565,85 @@ fn backends_are_chosen_uniformly() {
     }
     assert!(hits.iter().all(|h| (800..=1200).contains(h)), "{hits:?}");
     assert_eq!(datapath.counter(Counter::NewConnection), 3000);
+}
+
+/// sessionAffinity ClientIP: a client's new connections (other source ports) stick to its first
+/// backend; other clients still spread; an expired entry, or one whose slot holds another
+/// backend now, gives a fresh choice.
+#[test]
+fn session_affinity_sticks_until_expired_or_moved() {
+    let mut datapath = Datapath::new(config());
+    datapath.service(Proto::Tcp, CLUSTER_IP, 0, SERVICE_ID, &ENDPOINTS);
+    let mut frontends: HashMap<_, FrontendKey, Frontend> = datapath.map(map_name::FRONTENDS);
+    let key = FrontendKey {
+        addr: ipv4_be(CLUSTER_IP.ip().octets()),
+        port: port_be(CLUSTER_IP.port()),
+        proto: IPPROTO_TCP,
+        _pad: 0,
+    };
+    let mut frontend = frontends.get(&key, 0).unwrap();
+    frontend.affinity_timeout_s = 10;
+    frontends.insert(key, frontend, 0).unwrap();
+
+    let connect = |datapath: &Datapath, client: Ipv4Addr, port: u16| {
+        let from = SocketAddrV4::new(client, port);
+        datapath
+            .translate(&Packet::new(Proto::Tcp, from, CLUSTER_IP))
+            .dst
+    };
+    let first = connect(&datapath, *POD.ip(), 10_000);
+    for port in 10_001..10_050 {
+        assert_eq!(connect(&datapath, *POD.ip(), port), first, "affine");
+    }
+    let others: std::collections::BTreeSet<_> = (0..60)
+        .map(|i| connect(&datapath, Ipv4Addr::new(10, 244, 5, i), 10_000))
+        .collect();
+    assert_eq!(others.len(), ENDPOINTS.len(), "other clients spread");
+
+    let affinity_key = AffinityKey {
+        service_id: SERVICE_ID,
+        client_addr: ipv4_be(POD.ip().octets()),
+    };
+    let entry = |datapath: &Datapath| {
+        let map = datapath.ebpf.map(map_name::AFFINITY).unwrap();
+        let affinity: HashMap<&MapData, AffinityKey, AffinityEntry> = map.try_into().unwrap();
+        affinity.get(&affinity_key, 0).unwrap()
+    };
+    let remembered = entry(&datapath);
+    assert_eq!(remembered.backend.addr, ipv4_be(first.ip().octets()));
+    assert!(remembered.slot < ENDPOINTS.len() as u32);
+
+    // Expired: some of 40 fresh choices differ from the first (each is 1/3 likely to match).
+    let mut changed = false;
+    for port in 20_000..20_040 {
+        let mut affinity: HashMap<_, AffinityKey, AffinityEntry> = datapath.map(map_name::AFFINITY);
+        let ancient = AffinityEntry {
+            last_seen_ns: 1,
+            ..remembered
+        };
+        affinity.insert(affinity_key, ancient, 0).unwrap();
+        changed |= connect(&datapath, *POD.ip(), port) != first;
+    }
+    assert!(changed, "an expired affinity is not used");
+
+    // Moved: the slot the entry names holds another backend now.
+    let stale = AffinityEntry {
+        backend: Backend {
+            addr: ipv4_be([10, 244, 9, 9]),
+            port: port_be(8080),
+            _pad: 0,
+        },
+        ..entry(&datapath)
+    };
+    let mut affinity: HashMap<_, AffinityKey, AffinityEntry> = datapath.map(map_name::AFFINITY);
+    affinity.insert(affinity_key, stale, 0).unwrap();
+    let fresh = connect(&datapath, *POD.ip(), 30_000);
+    assert_ne!(*fresh.ip(), Ipv4Addr::new(10, 244, 9, 9));
+    assert_eq!(
+        entry(&datapath).backend.addr,
+        ipv4_be(fresh.ip().octets()),
+        "re-remembered"
+    );
 }
 
 #[test]
@@ -821,7 +901,7 @@ fn missing_backend_slot_drops() {
     let frontend = Frontend {
         service_id: SERVICE_ID,
         backend_count: 1,
-        flags: 0,
+        ..Default::default()
     };
     datapath.frontend(Proto::Tcp, CLUSTER_IP, frontend);
     assert_eq!(datapath.run(&packet).0, TC_ACT_SHOT);

@@ -1,6 +1,7 @@
 //! kube-proxy parity, beyond the four paths: each Service field and behaviour a kube-proxy user
 //! relies on, through a real node namespace with real sockets.
 use std::{
+    collections::BTreeSet,
     io::ErrorKind,
     net::{Ipv4Addr, SocketAddr, TcpStream, UdpSocket},
     time::{Duration, Instant},
@@ -9,7 +10,7 @@ use std::{
 use anyhow::{Result, bail, ensure};
 use lb_tests::{
     agent::Agent,
-    echo::{EchoServer, Proto, TIMEOUT, request},
+    echo::{Answer, EchoServer, Proto, TIMEOUT, request, requests},
     manifests::{ServiceManifest, yaml},
     netns::Netns,
     topology::{NODE_IP, Topology},
@@ -130,4 +131,53 @@ fn no_endpoints_and_undefined_ports_are_rejected() -> Result<()> {
     assert_refused(pod_a, Proto::Udp, (CLUSTER_IP, 53).into())?;
     ensure!(request(pod_a, Proto::Tcp, vip())?.server == "pod-b");
     assert_refused(pod_a, Proto::Tcp, (CLUSTER_IP, 81).into())
+}
+
+fn distinct_servers(answers: &[Answer]) -> BTreeSet<&str> {
+    answers.iter().map(|a| a.server.as_str()).collect()
+}
+
+/// sessionAffinity ClientIP: every new connection of a client goes to one endpoint; switched off
+/// on the live service, they spread again; switched back on with a 1 s timeout, they stick, and
+/// after more than the timeout idle a client may land elsewhere.
+#[test]
+fn session_affinity_client_ip() -> Result<()> {
+    let mut node = Node::start(4, &[], &[])?;
+    let pods = ["pod-b", "pod-c", "pod-d"];
+    let affine = |n: &Node, timeout| n.service(Proto::Tcp, &pods).session_affinity(timeout);
+    node.agent
+        .update_manifests(&yaml(&[affine(&node, 10800)]))?;
+    let answers = requests(node.pod_ns("pod-a"), Proto::Tcp, vip(), 30)?;
+    ensure!(
+        distinct_servers(&answers).len() == 1,
+        "affinity: {:?}",
+        distinct_servers(&answers)
+    );
+    // Another client has its own affinity, and it is kept as well.
+    let container = requests(&node.topology.container, Proto::Tcp, vip(), 10)?;
+    ensure!(distinct_servers(&container).len() == 1);
+
+    node.agent
+        .update_manifests(&yaml(&[node.service(Proto::Tcp, &pods)]))?;
+    let answers = requests(node.pod_ns("pod-a"), Proto::Tcp, vip(), 30)?;
+    // Without affinity, 30 uniform choices over 3 all landing on one endpoint: p = 3^-29.
+    ensure!(
+        distinct_servers(&answers).len() > 1,
+        "affinity switched off"
+    );
+
+    node.agent.update_manifests(&yaml(&[affine(&node, 1)]))?;
+    let sticky = requests(node.pod_ns("pod-a"), Proto::Tcp, vip(), 20)?;
+    ensure!(distinct_servers(&sticky).len() == 1, "affinity switched on");
+    // 10 rounds of one connection each after 1.3 s idle: all on one endpoint has p = 3^-9.
+    let mut after_idle = BTreeSet::new();
+    for _ in 0..10 {
+        std::thread::sleep(Duration::from_millis(1300));
+        after_idle.insert(request(node.pod_ns("pod-a"), Proto::Tcp, vip())?.server);
+    }
+    ensure!(
+        after_idle.len() > 1,
+        "affinity outlived its timeout: {after_idle:?}"
+    );
+    Ok(())
 }

@@ -1,0 +1,44 @@
+//! sessionAffinity ClientIP, as kube-proxy's `recent` match: a client's new connection goes to
+//! the endpoint of its previous one while it has been idle less than the timeout.
+use lb_common::{AffinityEntry, AffinityKey, Backend, BackendKey, Frontend};
+
+use crate::maps;
+
+const SECOND_NS: u64 = 1_000_000_000;
+
+fn key(frontend: &Frontend, client: u32) -> AffinityKey {
+    AffinityKey {
+        service_id: frontend.service_id,
+        client_addr: client,
+    }
+}
+
+/// The client's endpoint, if it is fresh and still in the slot it was chosen from; refreshed.
+pub fn lookup(frontend: &Frontend, client: u32, now: u64) -> Option<Backend> {
+    let entry = maps::affinity(&key(frontend, client))?;
+    let timeout = u64::from(frontend.affinity_timeout_s) * SECOND_NS;
+    // Saturating: another CPU may have stored a later timestamp than our `now`.
+    if now.saturating_sub(entry.last_seen_ns) > timeout || entry.slot >= frontend.backend_count {
+        return None;
+    }
+    let current = maps::backend(&BackendKey {
+        service_id: frontend.service_id,
+        slot: entry.slot,
+    })?;
+    if current != entry.backend {
+        return None;
+    }
+    entry.last_seen_ns = now;
+    Some(current)
+}
+
+/// Remembers that the client's new connection went to `backend` in `slot`.
+pub fn remember(frontend: &Frontend, client: u32, slot: u32, backend: &Backend, now: u64) {
+    let entry = AffinityEntry {
+        last_seen_ns: now,
+        backend: *backend,
+        slot,
+        _pad: 0,
+    };
+    maps::affinity_insert(&key(frontend, client), &entry);
+}
