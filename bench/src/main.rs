@@ -124,6 +124,9 @@ fn main() -> Result<()> {
     progress("B2/B3 connection and request rate, every variant");
     let mut deployments = sweep::deploy(&plan, bpffs.path(), &progress)?;
     results.points = sweep::run(&plan, &mut deployments, &progress)?;
+    // A later phase that fails still leaves the sweep's report.
+    results.write(&out)?;
+    report::write(&results, &out)?;
     progress("B6 programming from nothing, B7 agent memory");
     results.bulk = sweep::bulk(&plan, &mut deployments, &progress)?;
     drop(deployments);

@@ -22,6 +22,9 @@ use crate::{
 
 /// How long the agent may take to apply a manifest change (50k Services are a large YAML file).
 const SYNC_TIMEOUT: Duration = Duration::from_secs(300);
+/// How long iptables-restore or nft -f may run (`timeout`'s argument): nft -f of kube-proxy's
+/// structure grows faster than linearly with the Services (≈ 400 s at 20k here).
+const LOADER_TIMEOUT_S: &str = "180";
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "kebab-case")]
@@ -125,7 +128,10 @@ impl Deployment {
                 fs::write(&file, rulesets::iptables(set, CLUSTER_CIDR))?;
                 let loader = self.variant.loader().expect("iptables has a loader");
                 let start = Instant::now();
-                node.exec(loader, &[file.to_str().expect("utf-8 path")])?;
+                node.exec(
+                    "timeout",
+                    &[LOADER_TIMEOUT_S, loader, file.to_str().expect("utf-8 path")],
+                )?;
                 Ok(start.elapsed())
             }
             Variant::Nftables => {
@@ -134,7 +140,10 @@ impl Deployment {
                 // Replace, not merge: the previous count's chains go.
                 let _ = node.exec("nft", &["delete", "table", "ip", "kube-proxy"]);
                 let start = Instant::now();
-                node.exec("nft", &["-f", file.to_str().expect("utf-8 path")])?;
+                node.exec(
+                    "timeout",
+                    &[LOADER_TIMEOUT_S, "nft", "-f", file.to_str().expect("utf-8 path")],
+                )?;
                 Ok(start.elapsed())
             }
             Variant::Tc => {
