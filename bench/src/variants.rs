@@ -142,7 +142,12 @@ impl Deployment {
                 let start = Instant::now();
                 node.exec(
                     "timeout",
-                    &[LOADER_TIMEOUT_S, "nft", "-f", file.to_str().expect("utf-8 path")],
+                    &[
+                        LOADER_TIMEOUT_S,
+                        "nft",
+                        "-f",
+                        file.to_str().expect("utf-8 path"),
+                    ],
                 )?;
                 Ok(start.elapsed())
             }
