@@ -76,7 +76,14 @@ pub fn bulk(plan: &Plan, deployments: &mut [Deployment], progress: Progress) -> 
         // From nothing: back to one Service first.
         deployment.program(&ServiceSet::new(1, 1, deployment.topology.backend().ip))?;
         let set = ServiceSet::new(services, endpoints, deployment.topology.backend().ip);
-        let seconds = deployment.program(&set)?.as_secs_f64();
+        let seconds = match deployment.program(&set) {
+            Ok(took) => took.as_secs_f64(),
+            Err(err) => {
+                // A loader past its timeout: the others are still worth having.
+                progress(&format!("  {:<16} {err:#}", deployment.variant.name()));
+                continue;
+            }
+        };
         let agent_resident_bytes = match deployment.variant {
             Variant::Tc => Some(memory::resident_bytes(deployment.topology.node())?),
             _ => None,
