@@ -10,11 +10,11 @@
 /// Names of the maps in the eBPF object. Pinned maps carry the ABI version in their name, so an agent
 /// with another layout never reuses them.
 pub mod map_name {
-    pub const FRONTENDS: &str = "LB_FRONTEND_V2";
+    pub const FRONTENDS: &str = "LB_FRONTEND_V3";
     pub const BACKENDS: &str = "LB_BACKEND_V1";
     pub const CONNTRACK: &str = "LB_CT_V1";
     pub const CONFIG: &str = "LB_CONFIG_V1";
-    pub const COUNTERS: &str = "LB_COUNTER_V2";
+    pub const COUNTERS: &str = "LB_COUNTER_V3";
     pub const AFFINITY: &str = "LB_AFFINITY_V1";
     pub const ALL: [&str; 6] = [FRONTENDS, BACKENDS, CONNTRACK, CONFIG, COUNTERS, AFFINITY];
 }
@@ -92,9 +92,13 @@ impl FrontendKey {
 pub struct Frontend {
     /// Key prefix of this service port's slots in `BACKENDS`.
     pub service_id: u32,
-    /// Slots `0..backend_count` hold the endpoints; 0 means the service has none, and new
-    /// connections are rejected (ICMP port unreachable).
+    /// Slots `0..backend_count` hold the endpoints for traffic policy Cluster; 0 means the
+    /// service has none anywhere, and new connections are rejected (ICMP port unreachable).
     pub backend_count: u32,
+    /// Slots `LOCAL_SLOT..LOCAL_SLOT + local_count` hold the endpoints on this node, for
+    /// traffic policy Local (`FRONTEND_F_LOCAL`); none there while the service has some
+    /// elsewhere: dropped.
+    pub local_count: u32,
     /// `FRONTEND_F_*`.
     pub flags: u32,
     /// sessionAffinity ClientIP: a client's new connections go to the endpoint of its last one
@@ -105,6 +109,16 @@ pub struct Frontend {
 /// The frontend is reached from outside the cluster (a NodePort): masquerade new connections
 /// (externalTrafficPolicy: Cluster).
 pub const FRONTEND_F_MASQUERADE: u32 = 1 << 0;
+/// Traffic policy Local (internalTrafficPolicy for a ClusterIP, externalTrafficPolicy for a
+/// NodePort): only endpoints on this node, the `LOCAL_SLOT` list.
+pub const FRONTEND_F_LOCAL: u32 = 1 << 1;
+/// externalTrafficPolicy: Local on a NodePort: the backend sees the client's address (no
+/// masquerade but hairpin), and sources in the cluster CIDR use the Cluster list, as kube-proxy
+/// short-circuits pod traffic to external destinations.
+pub const FRONTEND_F_PRESERVE_SOURCE: u32 = 1 << 2;
+
+/// `BackendKey::slot` bit of the Local list of a service port.
+pub const LOCAL_SLOT: u32 = 1 << 31;
 
 /// Key of `BACKENDS`: slot `slot` of service port `service_id`.
 #[repr(C)]
@@ -137,7 +151,8 @@ pub struct AffinityKey {
     pub client_addr: u32,
 }
 
-/// Value of `AFFINITY`: the endpoint the client's last new connection went to, and where it sat.
+/// Value of `AFFINITY`: the endpoint the client's last new connection went to, and the slot (of
+/// either list) it sat in.
 /// It is used again only while slot `slot` still holds `backend`: an endpoint that is gone (or
 /// moved) gets no more affine connections.
 #[repr(C)]
@@ -263,6 +278,9 @@ pub enum Counter {
     PassedUnparsed,
     /// Dropped: the frontend counts a backend slot that is not in the map.
     DropNoBackend,
+    /// Dropped: traffic policy Local and no endpoint on this node (the service has some
+    /// elsewhere).
+    DropNoLocalBackend,
     /// Dropped: a conntrack insert failed.
     DropConntrackFull,
     /// Dropped: no free masquerade port for this backend.
@@ -277,7 +295,7 @@ pub enum Counter {
 }
 
 impl Counter {
-    pub const COUNT: u32 = 11;
+    pub const COUNT: u32 = 12;
     pub const ALL: [Counter; Self::COUNT as usize] = [
         Counter::NewConnection,
         Counter::Masqueraded,
@@ -285,6 +303,7 @@ impl Counter {
         Counter::Passed,
         Counter::PassedUnparsed,
         Counter::DropNoBackend,
+        Counter::DropNoLocalBackend,
         Counter::DropConntrackFull,
         Counter::DropSnatPortsExhausted,
         Counter::DropRewriteFailed,
@@ -300,6 +319,7 @@ impl Counter {
             Counter::Passed => "passed",
             Counter::PassedUnparsed => "passed_unparsed",
             Counter::DropNoBackend => "drop_no_backend",
+            Counter::DropNoLocalBackend => "drop_no_local_backend",
             Counter::DropConntrackFull => "drop_conntrack_full",
             Counter::DropSnatPortsExhausted => "drop_snat_ports_exhausted",
             Counter::DropRewriteFailed => "drop_rewrite_failed",
@@ -311,7 +331,7 @@ impl Counter {
 
 const _: () = {
     assert!(core::mem::size_of::<FrontendKey>() == 8);
-    assert!(core::mem::size_of::<Frontend>() == 16);
+    assert!(core::mem::size_of::<Frontend>() == 20);
     assert!(core::mem::size_of::<AffinityKey>() == 8);
     assert!(core::mem::size_of::<AffinityEntry>() == 24);
     assert!(core::mem::size_of::<BackendKey>() == 8);

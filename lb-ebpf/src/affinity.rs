@@ -1,8 +1,8 @@
 //! sessionAffinity ClientIP, as kube-proxy's `recent` match: a client's new connection goes to
 //! the endpoint of its previous one while it has been idle less than the timeout.
-use lb_common::{AffinityEntry, AffinityKey, Backend, BackendKey, Frontend};
+use lb_common::{AffinityEntry, AffinityKey, Backend, Frontend};
 
-use crate::maps;
+use crate::{maps, service::Backends};
 
 const SECOND_NS: u64 = 1_000_000_000;
 
@@ -13,18 +13,16 @@ fn key(frontend: &Frontend, client: u32) -> AffinityKey {
     }
 }
 
-/// The client's endpoint, if it is fresh and still in the slot it was chosen from; refreshed.
-pub fn lookup(frontend: &Frontend, client: u32, now: u64) -> Option<Backend> {
+/// The client's endpoint, if it is fresh and still in the slot of `backends` it was chosen
+/// from; refreshed.
+pub fn lookup(frontend: &Frontend, backends: &Backends, client: u32, now: u64) -> Option<Backend> {
     let entry = maps::affinity(&key(frontend, client))?;
     let timeout = u64::from(frontend.affinity_timeout_s) * SECOND_NS;
     // Saturating: another CPU may have stored a later timestamp than our `now`.
-    if now.saturating_sub(entry.last_seen_ns) > timeout || entry.slot >= frontend.backend_count {
+    if now.saturating_sub(entry.last_seen_ns) > timeout || !backends.contains(entry.slot) {
         return None;
     }
-    let current = maps::backend(&BackendKey {
-        service_id: frontend.service_id,
-        slot: entry.slot,
-    })?;
+    let current = backends.at(entry.slot)?;
     if current != entry.backend {
         return None;
     }

@@ -21,7 +21,7 @@ use aya_ebpf::{
 };
 use lb_common::{CONFIG_F_READY, Config, ConntrackKey, Counter, Frontend};
 
-use crate::conntrack::Connection;
+use crate::{conntrack::Connection, service::Backends};
 
 #[classifier]
 pub fn lb_ingress(ctx: TcContext) -> i32 {
@@ -53,26 +53,33 @@ fn try_ingress(ctx: &TcContext) -> Result<i32, Counter> {
         }
         None => {
             let frontend = service::frontend(&packet.tuple).ok_or(Counter::Passed)?;
-            if frontend.backend_count == 0 {
+            let backends = service::backends(&config, &frontend, packet.tuple.src_addr);
+            if backends.count == 0 {
+                // kube-proxy rejects when the service has no endpoints at all, and drops when
+                // traffic policy Local finds none on this node.
+                if frontend.backend_count != 0 {
+                    return Err(Counter::DropNoLocalBackend);
+                }
                 maps::count(Counter::Rejected);
                 return reject::port_unreachable(ctx, &packet);
             }
-            connect(&config, &frontend, &packet.tuple, now)?
+            connect(&config, &frontend, &backends, &packet.tuple, now)?
         }
     };
     nat::rewrite(ctx, &packet, &to)?;
     forward::forward(ctx, &packet, &to)
 }
 
-/// A packet without a live connection to `frontend`: pick a backend and track the new
-/// connection. Returns the tuple to rewrite the packet to.
+/// A packet without a live connection to `frontend`: pick a backend of `backends` (not empty)
+/// and track the new connection. Returns the tuple to rewrite the packet to.
 fn connect(
     config: &Config,
     frontend: &Frontend,
+    backends: &Backends,
     tuple: &ConntrackKey,
     now: u64,
 ) -> Result<ConntrackKey, Counter> {
-    let backend = service::select_backend(frontend, tuple.src_addr, now)?;
+    let backend = service::select_backend(frontend, backends, tuple.src_addr, now)?;
     let connection = Connection::new(tuple, frontend.service_id, &backend, now);
     let masquerade = masquerade::needed(config, frontend, tuple.src_addr, &backend);
     let to = if masquerade {

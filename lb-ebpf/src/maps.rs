@@ -13,7 +13,7 @@ use lb_common::{
     Frontend, FrontendKey, default_size,
 };
 
-#[map(name = "LB_FRONTEND_V2")]
+#[map(name = "LB_FRONTEND_V3")]
 static FRONTENDS: HashMap<FrontendKey, Frontend> =
     HashMap::with_max_entries(default_size::FRONTENDS, 0);
 
@@ -32,7 +32,7 @@ static AFFINITY: LruHashMap<AffinityKey, AffinityEntry> =
 #[map(name = "LB_CONFIG_V1")]
 static CONFIG: Array<Config> = Array::with_max_entries(1, 0);
 
-#[map(name = "LB_COUNTER_V2")]
+#[map(name = "LB_COUNTER_V3")]
 static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(Counter::COUNT, 0);
 
 pub fn count(counter: Counter) {

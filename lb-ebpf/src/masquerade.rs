@@ -1,7 +1,7 @@
 //! When a connection is masqueraded (SNAT to the node address), and which source port it gets.
 use lb_common::{
     Backend, CONFIG_F_MASQUERADE_ALL, Config, ConntrackKey, Counter, FRONTEND_F_MASQUERADE,
-    Frontend,
+    FRONTEND_F_PRESERVE_SOURCE, Frontend,
 };
 
 use crate::{conntrack::Connection, maps};
@@ -12,12 +12,16 @@ const PORT_TRIES: u32 = 16;
 
 /// kube-proxy's KUBE-MARK-MASQ cases: --masquerade-all, a NodePort, a client outside the cluster
 /// CIDR (whose replies would not come back through this node), and hairpin (a backend talking to
-/// itself would answer its own address directly, bypassing the reverse translation).
+/// itself would answer its own address directly, bypassing the reverse translation). An
+/// externalTrafficPolicy Local NodePort keeps the client's address (its endpoints are on this
+/// node, so replies come back through it): only hairpin is masqueraded.
 pub fn needed(config: &Config, frontend: &Frontend, client: u32, backend: &Backend) -> bool {
-    config.flags & CONFIG_F_MASQUERADE_ALL != 0
-        || frontend.flags & FRONTEND_F_MASQUERADE != 0
-        || client & config.cluster_cidr_mask != config.cluster_cidr_addr
-        || client == backend.addr
+    let preserve = frontend.flags & FRONTEND_F_PRESERVE_SOURCE != 0;
+    client == backend.addr
+        || !preserve
+            && (config.flags & CONFIG_F_MASQUERADE_ALL != 0
+                || frontend.flags & FRONTEND_F_MASQUERADE != 0
+                || client & config.cluster_cidr_mask != config.cluster_cidr_addr)
 }
 
 /// Tracks the reply direction of `connection` from `node_addr` and a free source port of the

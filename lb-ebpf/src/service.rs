@@ -1,5 +1,8 @@
-//! Frontend lookup and backend selection.
-use lb_common::{Backend, BackendKey, ConntrackKey, Counter, Frontend, FrontendKey};
+//! Frontend lookup, which endpoint list a new connection uses, and backend selection.
+use lb_common::{
+    Backend, BackendKey, Config, ConntrackKey, Counter, FRONTEND_F_LOCAL,
+    FRONTEND_F_PRESERVE_SOURCE, Frontend, FrontendKey, LOCAL_SLOT,
+};
 
 use crate::{affinity, maps};
 
@@ -14,22 +17,64 @@ pub fn frontend(tuple: &ConntrackKey) -> Option<Frontend> {
     .or_else(|| maps::frontend(&FrontendKey::any_port(tuple.dst_addr)))
 }
 
-/// The backend of a new connection from `client`: its affine one if the service has
-/// sessionAffinity and it is still valid, else a uniformly random one, as kube-proxy's iptables
-/// `statistic --mode random` chain picks it. The modulo bias is below 2^-32 * backend_count.
-pub fn select_backend(frontend: &Frontend, client: u32, now: u64) -> Result<Backend, Counter> {
+/// One endpoint list of a service port: slots `base..base + count`.
+pub struct Backends {
+    pub service_id: u32,
+    pub base: u32,
+    pub count: u32,
+}
+
+impl Backends {
+    pub fn contains(&self, slot: u32) -> bool {
+        slot & LOCAL_SLOT == self.base && slot & !LOCAL_SLOT < self.count
+    }
+
+    pub fn at(&self, slot: u32) -> Option<Backend> {
+        maps::backend(&BackendKey {
+            service_id: self.service_id,
+            slot,
+        })
+    }
+}
+
+/// The list a new connection from `client` uses: Local for traffic policy Local, except pod
+/// traffic to an externalTrafficPolicy Local NodePort, which kube-proxy sends to the Cluster
+/// list.
+pub fn backends(config: &Config, frontend: &Frontend, client: u32) -> Backends {
+    let pod = client & config.cluster_cidr_mask == config.cluster_cidr_addr;
+    let local = frontend.flags & FRONTEND_F_LOCAL != 0
+        && !(pod && frontend.flags & FRONTEND_F_PRESERVE_SOURCE != 0);
+    let (base, count) = if local {
+        (LOCAL_SLOT, frontend.local_count)
+    } else {
+        (0, frontend.backend_count)
+    };
+    Backends {
+        service_id: frontend.service_id,
+        base,
+        count,
+    }
+}
+
+/// The backend of a new connection from `client` among `backends` (not empty): its affine one
+/// if the service has sessionAffinity and it is still valid, else a uniformly random one, as
+/// kube-proxy's iptables `statistic --mode random` chain picks it. The modulo bias is below
+/// 2^-32 * count.
+pub fn select_backend(
+    frontend: &Frontend,
+    backends: &Backends,
+    client: u32,
+    now: u64,
+) -> Result<Backend, Counter> {
     let affine = frontend.affinity_timeout_s != 0;
-    if affine && let Some(backend) = affinity::lookup(frontend, client, now) {
+    if affine && let Some(backend) = affinity::lookup(frontend, backends, client, now) {
         return Ok(backend);
     }
-    let slot = maps::random()
-        .checked_rem(frontend.backend_count)
-        .ok_or(Counter::DropNoBackend)?;
-    let backend = maps::backend(&BackendKey {
-        service_id: frontend.service_id,
-        slot,
-    })
-    .ok_or(Counter::DropNoBackend)?;
+    let slot = backends.base
+        | maps::random()
+            .checked_rem(backends.count)
+            .ok_or(Counter::DropNoBackend)?;
+    let backend = backends.at(slot).ok_or(Counter::DropNoBackend)?;
     if affine {
         affinity::remember(frontend, client, slot, &backend, now);
     }

@@ -20,6 +20,7 @@ use lb_user::metrics::Metrics;
 use lb_user::model::{Model, ServiceSpec, SliceSpec};
 use lb_user::nodeport::NodePortAllocator;
 use lb_user::reconcile::{Reconciler, SyncReport};
+use lb_user::service_health::{self, ServiceHealth};
 use notify::Watcher as _;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::mpsc;
@@ -102,12 +103,18 @@ pub async fn run(args: AgentArgs) -> Result<()> {
         backends = existing.backends.len(),
         "datapath loaded, maps pinned"
     );
+    let proxy_health = health.clone();
+    let service_health = ServiceHealth::new(move || {
+        let health = proxy_health.lock().expect("health lock");
+        health.healthz(Timestamp::now()).status == 200
+    });
     let mut state = State {
-        reconciler: Reconciler::new(node_ip, existing),
+        reconciler: Reconciler::new(node_ip, existing).with_node_name(node_name(&args)?),
         node_ports: NodePortAllocator::new(args.nodeport_range.clone()),
         datapath,
         metrics,
         health,
+        service_health,
     };
 
     let mut links = LinkWatcher::start()?;
@@ -315,6 +322,7 @@ struct State {
     datapath: Datapath,
     metrics: Arc<Metrics>,
     health: Arc<Mutex<Health>>,
+    service_health: ServiceHealth,
 }
 
 struct Sync {
@@ -349,6 +357,8 @@ impl State {
         let report = self
             .reconciler
             .sync(&model, &mut self.datapath.service_maps);
+        self.service_health
+            .update(service_health::wanted(&model, self.reconciler.node_name()));
         let took = start.elapsed();
         let now = Timestamp::now();
         let m = &self.metrics;

@@ -10,7 +10,8 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use tracing::debug;
 
 use crate::model::{
-    PortSpec, Protocol, ServiceName, ServiceSpec, SliceEndpoint, SlicePort, SliceSpec, TargetPort,
+    Conditions, PortSpec, Protocol, ServiceName, ServiceSpec, SliceEndpoint, SlicePort, SliceSpec,
+    TargetPort, TrafficPolicies,
 };
 
 /// The label that ties an EndpointSlice to its Service.
@@ -53,6 +54,20 @@ pub fn service(svc: &Service) -> Result<Option<ServiceSpec>, InvalidField> {
     };
 
     let affinity_timeout_s = session_affinity(spec)?;
+    let traffic = TrafficPolicies {
+        external_local: policy_local(
+            spec.external_traffic_policy.as_deref(),
+            "spec.externalTrafficPolicy",
+        )?,
+        internal_local: policy_local(
+            spec.internal_traffic_policy.as_deref(),
+            "spec.internalTrafficPolicy",
+        )?,
+        health_check_node_port: spec
+            .health_check_node_port
+            .map(|n| port_number(n, || "spec.healthCheckNodePort".into()))
+            .transpose()?,
+    };
 
     let mut ports = Vec::new();
     for (i, p) in spec.ports.iter().flatten().enumerate() {
@@ -86,8 +101,18 @@ pub fn service(svc: &Service) -> Result<Option<ServiceSpec>, InvalidField> {
         cluster_ip,
         node_ports,
         affinity_timeout_s,
+        traffic,
         ports,
     }))
+}
+
+/// A traffic policy is Local; Cluster by default.
+fn policy_local(policy: Option<&str>, field: &str) -> Result<bool, InvalidField> {
+    match policy.unwrap_or("Cluster") {
+        "Cluster" => Ok(false),
+        "Local" => Ok(true),
+        other => Err(invalid(field, format!("unknown traffic policy {other:?}"))),
+    }
 }
 
 /// kube-proxy's default sessionAffinityConfig.clientIP.timeoutSeconds (3 hours), and the API's
@@ -180,8 +205,20 @@ pub fn endpoint_slice(slice: &EndpointSlice) -> Result<Option<SliceSpec>, Invali
                 format!("{addr:?}: {err}"),
             )
         })?;
-        let ready = e.conditions.as_ref().and_then(|c| c.ready).unwrap_or(true);
-        endpoints.push(SliceEndpoint { addr, ready });
+        // kube-proxy's reading: unknown ready or serving is true, unknown terminating false.
+        let conditions = e.conditions.as_ref();
+        let ready = conditions.and_then(|c| c.ready).unwrap_or(true);
+        let serving = conditions.and_then(|c| c.serving).unwrap_or(true);
+        let terminating = conditions.and_then(|c| c.terminating).unwrap_or(false);
+        endpoints.push(SliceEndpoint {
+            addr,
+            conditions: Conditions {
+                ready,
+                serving,
+                terminating,
+            },
+            node_name: e.node_name.clone(),
+        });
     }
 
     Ok(Some(SliceSpec {
@@ -392,14 +429,51 @@ mod tests {
             vec![
                 SliceEndpoint {
                     addr: Ipv4Addr::new(10, 244, 1, 2),
-                    ready: true
+                    conditions: Conditions::READY,
+                    node_name: None,
                 },
                 SliceEndpoint {
                     addr: Ipv4Addr::new(10, 244, 1, 3),
-                    ready: false
+                    conditions: Conditions {
+                        ready: false,
+                        serving: true,
+                        terminating: false
+                    },
+                    node_name: None,
                 },
             ]
         );
+    }
+
+    #[test]
+    fn endpoint_conditions_node_and_traffic_policies() {
+        let spec = endpoint_slice(&slice(
+            "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: web-abc\n  labels: {kubernetes.io/service-name: web}\naddressType: IPv4\nendpoints:\n- addresses: [10.244.1.2]\n  nodeName: n1\n  conditions: {ready: false, serving: true, terminating: true}\n",
+        ))
+        .unwrap()
+        .unwrap();
+        let e = &spec.endpoints[0];
+        assert_eq!(e.node_name.as_deref(), Some("n1"));
+        assert!(!e.conditions.ready && e.conditions.serving && e.conditions.terminating);
+
+        let spec = service(&svc(&format!(
+            "{HEAD}spec: {{type: NodePort, clusterIP: 10.96.0.1, ports: [{{port: 80}}], externalTrafficPolicy: Local, healthCheckNodePort: 31000, internalTrafficPolicy: Local}}\n"
+        )))
+        .unwrap()
+        .unwrap();
+        assert_eq!(
+            spec.traffic,
+            TrafficPolicies {
+                external_local: true,
+                internal_local: true,
+                health_check_node_port: Some(31000)
+            }
+        );
+        let err = service(&svc(&format!(
+            "{HEAD}spec: {{clusterIP: 10.96.0.1, ports: [{{port: 80}}], internalTrafficPolicy: Nearby}}\n"
+        )))
+        .unwrap_err();
+        assert_eq!(err.field, "spec.internalTrafficPolicy");
     }
 
     #[test]

@@ -79,7 +79,17 @@ pub struct ServiceSpec {
     pub node_ports: bool,
     /// sessionAffinity ClientIP with this timeout; None: no affinity.
     pub affinity_timeout_s: Option<u32>,
+    pub traffic: TrafficPolicies,
     pub ports: Vec<PortSpec>,
+}
+
+/// externalTrafficPolicy and internalTrafficPolicy (Local: true), and the healthCheckNodePort
+/// that comes with externalTrafficPolicy Local.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TrafficPolicies {
+    pub external_local: bool,
+    pub internal_local: bool,
+    pub health_check_node_port: Option<u16>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -108,10 +118,37 @@ pub struct SlicePort {
     pub port: Option<u16>,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SliceEndpoint {
     pub addr: Ipv4Addr,
+    pub conditions: Conditions,
+    /// The node the endpoint runs on.
+    pub node_name: Option<String>,
+}
+
+/// An endpoint's conditions, as kube-proxy reads them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Conditions {
     pub ready: bool,
+    pub serving: bool,
+    pub terminating: bool,
+}
+
+impl Conditions {
+    pub const READY: Conditions = Conditions {
+        ready: true,
+        serving: true,
+        terminating: false,
+    };
+
+    /// Either report counts (the same address in two slices during a rollout).
+    fn merge(self, other: Conditions) -> Conditions {
+        Conditions {
+            ready: self.ready || other.ready,
+            serving: self.serving || other.serving,
+            terminating: self.terminating && other.terminating,
+        }
+    }
 }
 
 /// The joined desired state.
@@ -125,6 +162,7 @@ pub struct Service {
     pub cluster_ip: Ipv4Addr,
     /// sessionAffinity ClientIP with this timeout; None: no affinity.
     pub affinity_timeout_s: Option<u32>,
+    pub traffic: TrafficPolicies,
     pub ports: Vec<ServicePort>,
 }
 
@@ -140,11 +178,50 @@ pub struct ServicePort {
     pub endpoints: Vec<Endpoint>,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Endpoint {
     pub addr: Ipv4Addr,
     pub port: u16,
-    pub ready: bool,
+    pub conditions: Conditions,
+    pub node_name: Option<String>,
+}
+
+impl Endpoint {
+    pub fn ready(&self) -> bool {
+        self.conditions.ready
+    }
+
+    /// Terminating but still serving: used when no endpoint is ready (kube-proxy's
+    /// ProxyTerminatingEndpoints).
+    pub fn serving_terminating(&self) -> bool {
+        self.conditions.serving && self.conditions.terminating
+    }
+
+    pub fn on_node(&self, node_name: &str) -> bool {
+        self.node_name.as_deref() == Some(node_name)
+    }
+}
+
+impl ServicePort {
+    /// kube-proxy's CategorizeEndpoints: the endpoints traffic policy Cluster uses (ready ones,
+    /// else serving terminating ones), and those Local uses (the same rule among the endpoints on
+    /// `node_name`).
+    pub fn policy_endpoints(&self, node_name: &str) -> (Vec<&Endpoint>, Vec<&Endpoint>) {
+        let usable = |local: bool| {
+            let candidates = || {
+                self.endpoints
+                    .iter()
+                    .filter(move |e| !local || e.on_node(node_name))
+            };
+            let ready: Vec<&Endpoint> = candidates().filter(|e| e.ready()).collect();
+            if ready.is_empty() {
+                candidates().filter(|e| e.serving_terminating()).collect()
+            } else {
+                ready
+            }
+        };
+        (usable(false), usable(true))
+    }
 }
 
 impl Model {
@@ -227,6 +304,7 @@ impl Model {
                 Service {
                     cluster_ip: spec.cluster_ip,
                     affinity_timeout_s: spec.affinity_timeout_s,
+                    traffic: spec.traffic,
                     ports,
                 },
             );
@@ -254,13 +332,13 @@ impl Model {
     /// Ready endpoints over all service ports.
     pub fn ready_endpoints(&self) -> usize {
         self.ports()
-            .map(|(_, _, p)| p.endpoints.iter().filter(|e| e.ready).count())
+            .map(|(_, _, p)| p.endpoints.iter().filter(|e| e.ready()).count())
             .sum()
     }
 }
 
 fn endpoints_of(port: &PortSpec, slices: &[&SliceSpec]) -> Vec<Endpoint> {
-    let mut by_addr: BTreeMap<(Ipv4Addr, u16), bool> = BTreeMap::new();
+    let mut by_addr: BTreeMap<(Ipv4Addr, u16), (Conditions, Option<String>)> = BTreeMap::new();
     for slice in slices {
         let Some(slice_port) = slice
             .ports
@@ -274,14 +352,25 @@ fn endpoints_of(port: &PortSpec, slices: &[&SliceSpec]) -> Vec<Endpoint> {
             (None, TargetPort::Name(_)) => continue,
         };
         for e in &slice.endpoints {
-            // The same address in two slices (during a rollout) counts once; ready if either
-            // says so.
-            *by_addr.entry((e.addr, number)).or_default() |= e.ready;
+            by_addr
+                .entry((e.addr, number))
+                .and_modify(|(conditions, node)| {
+                    *conditions = conditions.merge(e.conditions);
+                    if node.is_none() {
+                        node.clone_from(&e.node_name);
+                    }
+                })
+                .or_insert_with(|| (e.conditions, e.node_name.clone()));
         }
     }
     by_addr
         .into_iter()
-        .map(|((addr, port), ready)| Endpoint { addr, port, ready })
+        .map(|((addr, port), (conditions, node_name))| Endpoint {
+            addr,
+            port,
+            conditions,
+            node_name,
+        })
         .collect()
 }
 
@@ -302,6 +391,7 @@ mod tests {
             cluster_ip: Ipv4Addr::new(10, 96, 0, 10),
             node_ports,
             affinity_timeout_s: None,
+            traffic: TrafficPolicies::default(),
             ports: vec![
                 PortSpec {
                     name: "http".into(),
@@ -324,7 +414,12 @@ mod tests {
     fn ep(last: u8, ready: bool) -> SliceEndpoint {
         SliceEndpoint {
             addr: Ipv4Addr::new(10, 244, 1, last),
-            ready,
+            conditions: Conditions {
+                ready,
+                serving: ready,
+                terminating: false,
+            },
+            node_name: None,
         }
     }
 
@@ -361,23 +456,14 @@ mod tests {
         let svc = &model.services[&name("web")];
         let http = &svc.ports[0];
         assert_eq!(
-            http.endpoints,
+            http.endpoints
+                .iter()
+                .map(|e| (e.addr, e.port, e.ready()))
+                .collect::<Vec<_>>(),
             vec![
-                Endpoint {
-                    addr: Ipv4Addr::new(10, 244, 1, 2),
-                    port: 8080,
-                    ready: true
-                },
-                Endpoint {
-                    addr: Ipv4Addr::new(10, 244, 1, 3),
-                    port: 8080,
-                    ready: false
-                },
-                Endpoint {
-                    addr: Ipv4Addr::new(10, 244, 1, 4),
-                    port: 8080,
-                    ready: true
-                },
+                (Ipv4Addr::new(10, 244, 1, 2), 8080, true),
+                (Ipv4Addr::new(10, 244, 1, 3), 8080, false),
+                (Ipv4Addr::new(10, 244, 1, 4), 8080, true),
             ]
         );
         assert!(svc.ports[1].endpoints.iter().all(|e| e.port == 5353));
@@ -438,7 +524,85 @@ mod tests {
         );
         let eps = &model.services[&name("web")].ports[0].endpoints;
         assert_eq!(eps.len(), 2);
-        assert!(eps.iter().all(|e| e.ready));
+        assert!(eps.iter().all(Endpoint::ready));
+    }
+
+    fn endpoint(last: u8, conditions: Conditions, node: &str) -> Endpoint {
+        Endpoint {
+            addr: Ipv4Addr::new(10, 244, 1, last),
+            port: 80,
+            conditions,
+            node_name: Some(node.into()),
+        }
+    }
+
+    const NOT_READY: Conditions = Conditions {
+        ready: false,
+        serving: false,
+        terminating: false,
+    };
+    const SERVING_TERMINATING: Conditions = Conditions {
+        ready: false,
+        serving: true,
+        terminating: true,
+    };
+    const TERMINATING: Conditions = Conditions {
+        ready: false,
+        serving: false,
+        terminating: true,
+    };
+
+    fn categorized(endpoints: Vec<Endpoint>) -> (Vec<u8>, Vec<u8>) {
+        let port = ServicePort {
+            name: String::new(),
+            protocol: Protocol::Tcp,
+            port: 80,
+            node_port: None,
+            target_port: TargetPort::Number(80),
+            endpoints,
+        };
+        let (cluster, local) = port.policy_endpoints("me");
+        let last = |e: &[&Endpoint]| e.iter().map(|e| e.addr.octets()[3]).collect();
+        (last(&cluster), last(&local))
+    }
+
+    /// kube-proxy's rules: ready first; serving terminating ones only when none is ready, and
+    /// for Local, "none" among this node's endpoints.
+    #[test]
+    fn endpoints_by_traffic_policy_and_termination() {
+        use Conditions as C;
+        assert_eq!(
+            categorized(vec![
+                endpoint(2, C::READY, "me"),
+                endpoint(3, C::READY, "other"),
+                endpoint(4, SERVING_TERMINATING, "me"),
+                endpoint(5, NOT_READY, "me"),
+            ]),
+            (vec![2, 3], vec![2])
+        );
+        assert_eq!(
+            categorized(vec![
+                endpoint(3, C::READY, "other"),
+                endpoint(4, SERVING_TERMINATING, "me"),
+                endpoint(6, TERMINATING, "me"),
+            ]),
+            (vec![3], vec![4])
+        );
+        assert_eq!(
+            categorized(vec![
+                endpoint(4, SERVING_TERMINATING, "me"),
+                endpoint(5, SERVING_TERMINATING, "other"),
+                endpoint(6, TERMINATING, "other"),
+            ]),
+            (vec![4, 5], vec![4])
+        );
+        assert_eq!(
+            categorized(vec![
+                endpoint(3, C::READY, "other"),
+                endpoint(6, TERMINATING, "me")
+            ]),
+            (vec![3], vec![])
+        );
     }
 
     #[test]

@@ -4,12 +4,13 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::Ipv4Addr;
 
 use lb_common::{
-    Backend, BackendKey, FRONTEND_F_MASQUERADE, Frontend, FrontendKey, ipv4_be, port_be,
+    Backend, BackendKey, FRONTEND_F_LOCAL, FRONTEND_F_MASQUERADE, FRONTEND_F_PRESERVE_SOURCE,
+    Frontend, FrontendKey, LOCAL_SLOT, ipv4_be, port_be,
 };
 use tracing::{error, warn};
 
 use crate::error_chain;
-use crate::model::{Model, ServicePortId};
+use crate::model::{Endpoint, Model, ServicePortId};
 
 /// The two service maps, as the reconciler writes them: the aya maps, or a fake in tests.
 pub trait MapWriter {
@@ -54,6 +55,8 @@ impl SyncReport {
 
 pub struct Reconciler {
     node_addr: Ipv4Addr,
+    /// This node's name: endpoints with this nodeName are local (traffic policy Local).
+    node_name: String,
     /// Service id of every service port of the last sync.
     ids: BTreeMap<ServicePortId, u32>,
     /// Never reused while the agent runs: a freed id may still sit in conntrack entries.
@@ -79,12 +82,23 @@ impl Reconciler {
             .unwrap_or(0);
         Self {
             node_addr,
+            node_name: String::new(),
             ids: BTreeMap::new(),
             next_id: max_id + 1,
             adopt_ids: true,
             written: existing,
             failed_total: 0,
         }
+    }
+
+    /// This node's name, which makes endpoints local; without it none is.
+    pub fn with_node_name(mut self, node_name: String) -> Self {
+        self.node_name = node_name;
+        self
+    }
+
+    pub fn node_name(&self) -> &str {
+        &self.node_name
     }
 
     /// The map contents for `model`; gives new service ports their ids.
@@ -120,35 +134,39 @@ impl Reconciler {
         let mut desired = MapContents::default();
         for (id, service, port) in model.ports() {
             let service_id = self.ids[&id];
-            let wanted: Vec<Backend> = port
-                .endpoints
-                .iter()
-                .filter(|e| e.ready)
-                .map(|e| Backend {
-                    addr: ipv4_be(e.addr.octets()),
-                    port: port_be(e.port),
-                    _pad: 0,
-                })
-                .collect();
-            let slots = assign_slots(&self.written_slots(service_id), &wanted);
-            let count = slots.len() as u32;
-            for (slot, backend) in (0..).zip(slots) {
-                desired
-                    .backends
-                    .insert(BackendKey { service_id, slot }, backend);
-            }
+            let traffic = &service.traffic;
+            let external_local = traffic.external_local && port.node_port.is_some();
+            let (cluster, local) = port.policy_endpoints(&self.node_name);
+            let backend_count = self.list(service_id, 0, &cluster, &mut desired);
+            // The Local list is only written for a port whose traffic uses it.
+            let local_count = if traffic.internal_local || external_local {
+                self.list(service_id, LOCAL_SLOT, &local, &mut desired)
+            } else {
+                0
+            };
             let proto = port.protocol.ipproto();
-            let mut frontends = vec![(frontend_key(service.cluster_ip, port.port, proto), 0)];
+            let cluster_ip_flags = if traffic.internal_local {
+                FRONTEND_F_LOCAL
+            } else {
+                0
+            };
+            let mut frontends = vec![(
+                frontend_key(service.cluster_ip, port.port, proto),
+                cluster_ip_flags,
+            )];
             if let Some(node_port) = port.node_port {
-                frontends.push((
-                    frontend_key(self.node_addr, node_port, proto),
-                    FRONTEND_F_MASQUERADE,
-                ));
+                let flags = if external_local {
+                    FRONTEND_F_LOCAL | FRONTEND_F_PRESERVE_SOURCE
+                } else {
+                    FRONTEND_F_MASQUERADE
+                };
+                frontends.push((frontend_key(self.node_addr, node_port, proto), flags));
             }
             for (key, flags) in frontends {
                 let value = Frontend {
                     service_id,
-                    backend_count: count,
+                    backend_count,
+                    local_count,
                     flags,
                     affinity_timeout_s: service.affinity_timeout_s.unwrap_or(0),
                 };
@@ -167,18 +185,44 @@ impl Reconciler {
         desired
     }
 
-    /// The backends in the maps for `service_id`, in slot order.
-    fn written_slots(&self, service_id: u32) -> Vec<Backend> {
+    /// Puts the list of `service_id` at slots `base..` (0 or `LOCAL_SLOT`) into `desired`,
+    /// keeping every endpoint that stays in the slot it has in the maps; returns its length.
+    fn list(
+        &self,
+        service_id: u32,
+        base: u32,
+        endpoints: &[&Endpoint],
+        desired: &mut MapContents,
+    ) -> u32 {
+        let mut wanted: Vec<Backend> = endpoints
+            .iter()
+            .map(|e| Backend {
+                addr: ipv4_be(e.addr.octets()),
+                port: port_be(e.port),
+                _pad: 0,
+            })
+            .collect();
+        wanted.sort_unstable();
+        wanted.dedup();
         let first = BackendKey {
             service_id,
-            slot: 0,
+            slot: base,
         };
-        self.written
+        let previous: Vec<Backend> = self
+            .written
             .backends
             .range(first..)
-            .take_while(|(k, _)| k.service_id == service_id)
+            .take_while(|(k, _)| k.service_id == service_id && k.slot & LOCAL_SLOT == base)
             .map(|(_, b)| *b)
-            .collect()
+            .collect();
+        let slots = assign_slots(&previous, &wanted);
+        let count = slots.len() as u32;
+        for (slot, backend) in (base..).zip(slots) {
+            desired
+                .backends
+                .insert(BackendKey { service_id, slot }, backend);
+        }
+        count
     }
 
     /// Brings the maps to `model`. Order: new/changed backend slots, then frontends (whose
@@ -259,10 +303,14 @@ impl Reconciler {
             .backends
             .keys()
             .filter(|k| {
-                self.written
-                    .frontends
-                    .values()
-                    .any(|f| f.service_id == k.service_id && k.slot < f.backend_count)
+                self.written.frontends.values().any(|f| {
+                    let count = if k.slot & LOCAL_SLOT == 0 {
+                        f.backend_count
+                    } else {
+                        f.local_count
+                    };
+                    f.service_id == k.service_id && k.slot & !LOCAL_SLOT < count
+                })
             })
             .copied()
             .collect();
@@ -332,7 +380,7 @@ fn frontend_key(addr: Ipv4Addr, port: u16, proto: u8) -> FrontendKey {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{Endpoint, Protocol, Service, ServiceName, ServicePort, TargetPort};
+    use crate::model::{Conditions, Protocol, Service, ServiceName, ServicePort, TargetPort};
 
     #[derive(Debug, Clone, Copy, PartialEq, Eq)]
     enum Op {
@@ -388,7 +436,12 @@ mod tests {
         Endpoint {
             addr: Ipv4Addr::new(10, 244, 1, last),
             port: 8080,
-            ready,
+            conditions: Conditions {
+                ready,
+                serving: ready,
+                terminating: false,
+            },
+            node_name: None,
         }
     }
 
@@ -403,6 +456,7 @@ mod tests {
                 Service {
                     cluster_ip: Ipv4Addr::new(10, 96, 0, *ip),
                     affinity_timeout_s: None,
+                    traffic: Default::default(),
                     ports: vec![ServicePort {
                         name: "http".into(),
                         protocol: Protocol::Tcp,
@@ -493,6 +547,67 @@ mod tests {
     }
 
     #[test]
+    fn traffic_policy_local_gets_a_list_of_this_nodes_endpoints() {
+        let on = |last, node: &str| Endpoint {
+            node_name: Some(node.into()),
+            ..endpoint(last, true)
+        };
+        let mut m = model(&[(
+            "web",
+            10,
+            Some(30080),
+            vec![on(2, "me"), on(3, "other"), on(4, "other")],
+        )]);
+        let mut r = Reconciler::new(NODE, MapContents::default()).with_node_name("me".into());
+        let plain = r.desired(&m);
+        assert!(plain.backends.keys().all(|k| k.slot & LOCAL_SLOT == 0));
+        assert_eq!(
+            plain.frontends[&fk(NODE, 30080)].flags,
+            FRONTEND_F_MASQUERADE
+        );
+
+        for service in m.services.values_mut() {
+            service.traffic.external_local = true;
+        }
+        let local = r.desired(&m);
+        let node_port = local.frontends[&fk(NODE, 30080)];
+        assert_eq!(
+            node_port.flags,
+            FRONTEND_F_LOCAL | FRONTEND_F_PRESERVE_SOURCE
+        );
+        assert_eq!((node_port.backend_count, node_port.local_count), (3, 1));
+        let local_slot = BackendKey {
+            service_id: 1,
+            slot: LOCAL_SLOT,
+        };
+        assert_eq!(local.backends[&local_slot], backend(2));
+        let cluster_ip = local.frontends[&fk(Ipv4Addr::new(10, 96, 0, 10), 80)];
+        assert_eq!(cluster_ip.flags, 0, "eTP does not change the ClusterIP");
+
+        for service in m.services.values_mut() {
+            service.traffic = crate::model::TrafficPolicies {
+                internal_local: true,
+                ..Default::default()
+            };
+        }
+        let internal = r.desired(&m);
+        let cluster_ip = internal.frontends[&fk(Ipv4Addr::new(10, 96, 0, 10), 80)];
+        assert_eq!(cluster_ip.flags, FRONTEND_F_LOCAL);
+        assert_eq!(cluster_ip.local_count, 1);
+        assert_eq!(
+            internal.frontends[&fk(NODE, 30080)].flags,
+            FRONTEND_F_MASQUERADE
+        );
+
+        // Local slots are kept while a frontend that could not be updated still counts them.
+        let mut maps = FakeMaps::default();
+        r.sync(&m, &mut maps);
+        let report = r.sync(&model(&[("web", 10, Some(30080), vec![])]), &mut maps);
+        assert_eq!(report.failed, 0);
+        assert!(maps.contents.backends.is_empty());
+    }
+
+    #[test]
     fn first_sync_writes_backends_then_frontends() {
         let mut r = Reconciler::new(NODE, MapContents::default());
         let mut maps = FakeMaps::default();
@@ -508,6 +623,7 @@ mod tests {
         let fe = |flags| Frontend {
             service_id: 1,
             backend_count: 2,
+            local_count: 0,
             flags,
             affinity_timeout_s: 0,
         };
@@ -584,6 +700,7 @@ mod tests {
                     Frontend {
                         service_id: 1,
                         backend_count: 2,
+                        local_count: 0,
                         flags: 0,
                         affinity_timeout_s: 0,
                     }

@@ -17,9 +17,10 @@ use etherparse::{
 use lb_common::{
     AffinityEntry, AffinityKey, Backend, BackendKey, CONFIG_F_MASQUERADE_ALL, CONFIG_F_READY,
     CT_F_MASQUERADE, CT_F_REPLY, CT_STATE_CLOSING, CT_STATE_ESTABLISHED, CT_STATE_NEW,
-    CT_TIMEOUT_TCP_SYN_NS, Config, ConntrackEntry, ConntrackKey, Counter, FRONTEND_F_MASQUERADE,
-    Frontend, FrontendKey, IPPROTO_TCP, IPPROTO_UDP, SNAT_PORT_MAX, SNAT_PORT_MIN, ipv4_be,
-    map_name, port_be, program_name,
+    CT_TIMEOUT_TCP_SYN_NS, Config, ConntrackEntry, ConntrackKey, Counter, FRONTEND_F_LOCAL,
+    FRONTEND_F_MASQUERADE, FRONTEND_F_PRESERVE_SOURCE, Frontend, FrontendKey, IPPROTO_TCP,
+    IPPROTO_UDP, LOCAL_SLOT, SNAT_PORT_MAX, SNAT_PORT_MIN, ipv4_be, map_name, port_be,
+    program_name,
 };
 
 const TC_ACT_OK: u32 = 0;
@@ -644,6 +645,92 @@ fn session_affinity_sticks_until_expired_or_moved() {
         ipv4_be(fresh.ip().octets()),
         "re-remembered"
     );
+}
+
+/// Traffic policy Local: all three endpoints in the Cluster list, ENDPOINTS[0] alone in the
+/// Local list of `frontend` with `flags`.
+fn local_policy(frontend: SocketAddrV4, flags: u32, local: &[SocketAddrV4]) -> Datapath {
+    let mut datapath = Datapath::new(config());
+    datapath.service(Proto::Tcp, frontend, flags, SERVICE_ID, &ENDPOINTS);
+    let mut backends: HashMap<_, BackendKey, Backend> = datapath.map(map_name::BACKENDS);
+    for (i, endpoint) in (0..).zip(local) {
+        let backend = Backend {
+            addr: ipv4_be(endpoint.ip().octets()),
+            port: port_be(endpoint.port()),
+            _pad: 0,
+        };
+        let key = BackendKey {
+            service_id: SERVICE_ID,
+            slot: LOCAL_SLOT | i,
+        };
+        backends.insert(key, backend, 0).unwrap();
+    }
+    datapath.frontend(
+        Proto::Tcp,
+        frontend,
+        Frontend {
+            service_id: SERVICE_ID,
+            backend_count: ENDPOINTS.len() as u32,
+            local_count: local.len() as u32,
+            flags,
+            ..Default::default()
+        },
+    );
+    datapath
+}
+
+/// externalTrafficPolicy Local: an external client reaches only the local endpoint and keeps its
+/// address; pods are sent over the Cluster list (kube-proxy's short-circuit); without a local
+/// endpoint external traffic is dropped, not rejected.
+#[test]
+fn external_traffic_policy_local() {
+    let flags = FRONTEND_F_LOCAL | FRONTEND_F_PRESERVE_SOURCE;
+    let datapath = local_policy(NODE_PORT, flags, &[ENDPOINTS[0]]);
+    for port in 50_000..50_020 {
+        let client = SocketAddrV4::new(*EXTERNAL_CLIENT.ip(), port);
+        let out = datapath.translate(&Packet::new(Proto::Tcp, client, NODE_PORT));
+        assert_eq!(
+            (out.src, out.dst),
+            (client, ENDPOINTS[0]),
+            "client address kept"
+        );
+        let back = datapath.translate(&Packet::new(Proto::Tcp, ENDPOINTS[0], client));
+        assert_eq!((back.src, back.dst), (NODE_PORT, client));
+    }
+    assert_eq!(datapath.counter(Counter::Masqueraded), 0);
+    let from_pods: std::collections::BTreeSet<_> = (40_000..40_030)
+        .map(|port| {
+            let pod = SocketAddrV4::new(*POD.ip(), port);
+            let out = datapath.translate(&Packet::new(Proto::Tcp, pod, NODE_PORT));
+            assert_eq!(out.src, pod);
+            out.dst
+        })
+        .collect();
+    assert!(
+        from_pods.len() > 1,
+        "pods use the Cluster list: {from_pods:?}"
+    );
+
+    let none_here = local_policy(NODE_PORT, flags, &[]);
+    let packet = Packet::new(Proto::Tcp, EXTERNAL_CLIENT, NODE_PORT).build();
+    assert_eq!(none_here.run(&packet).0, TC_ACT_SHOT);
+    assert_eq!(none_here.counter(Counter::DropNoLocalBackend), 1);
+    assert_eq!(none_here.counter(Counter::Rejected), 0);
+}
+
+/// internalTrafficPolicy Local: pods reach only the local endpoint; none here: dropped.
+#[test]
+fn internal_traffic_policy_local() {
+    let datapath = local_policy(CLUSTER_IP, FRONTEND_F_LOCAL, &[ENDPOINTS[1]]);
+    for port in 40_000..40_020 {
+        let pod = SocketAddrV4::new(*POD.ip(), port);
+        let out = datapath.translate(&Packet::new(Proto::Tcp, pod, CLUSTER_IP));
+        assert_eq!((out.src, out.dst), (pod, ENDPOINTS[1]));
+    }
+    let none_here = local_policy(CLUSTER_IP, FRONTEND_F_LOCAL, &[]);
+    let packet = Packet::new(Proto::Tcp, POD, CLUSTER_IP).build();
+    assert_eq!(none_here.run(&packet).0, TC_ACT_SHOT);
+    assert_eq!(none_here.counter(Counter::DropNoLocalBackend), 1);
 }
 
 #[test]

@@ -2,18 +2,18 @@
 //! relies on, through a real node namespace with real sockets.
 use std::{
     collections::BTreeSet,
-    io::ErrorKind,
+    io::{ErrorKind, Read as _, Write as _},
     net::{Ipv4Addr, SocketAddr, TcpStream, UdpSocket},
     time::{Duration, Instant},
 };
 
-use anyhow::{Result, bail, ensure};
+use anyhow::{Context as _, Result, bail, ensure};
 use lb_tests::{
     agent::Agent,
     echo::{Answer, EchoServer, Proto, TIMEOUT, request, requests},
-    manifests::{ServiceManifest, yaml},
+    manifests::{EndpointManifest, ServiceManifest, yaml},
     netns::Netns,
-    topology::{NODE_IP, Topology},
+    topology::{CLIENT_IP, NODE_IP, Topology},
 };
 
 const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
@@ -22,6 +22,11 @@ const NODE_PORT: u16 = 30080;
 const TARGET_PORT: u16 = 8080;
 /// A rejected connection fails well before any timeout.
 const FAST: Duration = Duration::from_millis(500);
+const NODE_NAME: &str = "node-1";
+const OTHER_NODE: &str = "node-2";
+const HEALTH_PORT: u16 = 31000;
+/// The agent knows which node it is on.
+const AGENT_ARGS: &[&str] = &["--hostname-override", NODE_NAME];
 
 fn vip() -> SocketAddr {
     (CLUSTER_IP, PORT).into()
@@ -179,5 +184,143 @@ fn session_affinity_client_ip() -> Result<()> {
         after_idle.len() > 1,
         "affinity outlived its timeout: {after_idle:?}"
     );
+    Ok(())
+}
+
+/// An endpoint of `pod` that EndpointSlices place on `node`.
+fn on(n: &Node, pod: &str, node: &str) -> EndpointManifest {
+    EndpointManifest::ready(n.ip(pod)).on_node(node)
+}
+
+/// GET / on the healthCheckNodePort from the external client: status and body.
+fn health_check(n: &Node) -> Result<(u16, String)> {
+    let to = SocketAddr::from((NODE_IP, HEALTH_PORT));
+    n.topology.client.run(move || -> Result<(u16, String)> {
+        let mut stream = TcpStream::connect_timeout(&to, TIMEOUT)?;
+        stream.set_read_timeout(Some(TIMEOUT))?;
+        stream.write_all(b"GET / HTTP/1.1\r\nHost: lb\r\nConnection: close\r\n\r\n")?;
+        let mut text = String::new();
+        stream.read_to_string(&mut text)?;
+        let status = text
+            .split(' ')
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .with_context(|| format!("no status in {text:?}"))?;
+        let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_string());
+        Ok((status, body.unwrap_or_default()))
+    })?
+}
+
+/// Polls the health check until it reports `status` (the agent updates it after its sync).
+fn wait_health(n: &Node, status: u16) -> Result<String> {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        match health_check(n) {
+            Ok((got, body)) if got == status => return Ok(body),
+            other if Instant::now() > deadline => bail!("health check: {other:?}, want {status}"),
+            _ => std::thread::sleep(Duration::from_millis(50)),
+        }
+    }
+}
+
+/// externalTrafficPolicy Local: external clients reach only this node's endpoint, unmasqueraded;
+/// pods still use every endpoint; healthCheckNodePort answers kube-proxy's JSON (200 with local
+/// endpoints, 503 without); with no local endpoint, external traffic is dropped.
+#[test]
+fn external_traffic_policy_local() -> Result<()> {
+    let mut node = Node::start(3, &[], AGENT_ARGS)?;
+    let service = |n: &Node, b_node: &str| {
+        ServiceManifest::new("web", CLUSTER_IP, Proto::Tcp, PORT, TARGET_PORT)
+            .node_port(NODE_PORT)
+            .external_local(HEALTH_PORT)
+            .endpoint(on(n, "pod-b", b_node))
+            .endpoint(on(n, "pod-c", OTHER_NODE))
+    };
+    node.agent
+        .update_manifests(&yaml(&[service(&node, NODE_NAME)]))?;
+    let node_port: SocketAddr = (NODE_IP, NODE_PORT).into();
+    let answers = requests(&node.topology.client, Proto::Tcp, node_port, 20)?;
+    ensure!(
+        answers
+            .iter()
+            .all(|a| a.server == "pod-b" && a.seen_source.ip() == CLIENT_IP && a.peer == node_port),
+        "local endpoint only, client address kept: {answers:?}"
+    );
+    let from_pod = requests(node.pod_ns("pod-a"), Proto::Tcp, node_port, 30)?;
+    ensure!(
+        distinct_servers(&from_pod).len() == 2,
+        "pods use every endpoint: {:?}",
+        distinct_servers(&from_pod)
+    );
+    let body = wait_health(&node, 200)?;
+    let json: serde_json::Value = serde_json::from_str(&body)?;
+    ensure!(
+        json["service"]["namespace"] == "default"
+            && json["service"]["name"] == "web"
+            && json["localEndpoints"] == 1
+            && json["serviceProxyHealthy"] == true,
+        "{body}"
+    );
+
+    node.agent
+        .update_manifests(&yaml(&[service(&node, OTHER_NODE)]))?;
+    let body = wait_health(&node, 503)?;
+    ensure!(body.contains("\"localEndpoints\": 0"), "{body}");
+    let (kind, _) = refusal(&node.topology.client, Proto::Tcp, node_port)?;
+    ensure!(
+        kind != ErrorKind::ConnectionRefused,
+        "dropped, not rejected: {kind:?}"
+    );
+    Ok(())
+}
+
+/// internalTrafficPolicy Local: pods reach only the endpoints on their node.
+#[test]
+fn internal_traffic_policy_local() -> Result<()> {
+    let mut node = Node::start(3, &[], AGENT_ARGS)?;
+    let service = ServiceManifest::new("web", CLUSTER_IP, Proto::Udp, PORT, TARGET_PORT)
+        .internal_local()
+        .endpoint(on(&node, "pod-b", NODE_NAME))
+        .endpoint(on(&node, "pod-c", OTHER_NODE));
+    node.agent.update_manifests(&yaml(&[service]))?;
+    let answers = requests(node.pod_ns("pod-a"), Proto::Udp, vip(), 20)?;
+    ensure!(
+        distinct_servers(&answers) == BTreeSet::from(["pod-b"]),
+        "{:?}",
+        distinct_servers(&answers)
+    );
+    Ok(())
+}
+
+/// Terminating endpoints: while none is ready, serving terminating ones get the traffic (not
+/// the terminating ones that stopped serving); a ready one takes over at once. The same holds
+/// for the Local list of externalTrafficPolicy Local, whose health check reports 0 ready local
+/// endpoints meanwhile, so load balancers drain the node.
+#[test]
+fn terminating_endpoints_are_a_fallback() -> Result<()> {
+    let mut node = Node::start(4, &[], AGENT_ARGS)?;
+    let (b, c, d) = (node.ip("pod-b"), node.ip("pod-c"), node.ip("pod-d"));
+    let terminating = ServiceManifest::new("web", CLUSTER_IP, Proto::Tcp, PORT, TARGET_PORT)
+        .endpoint(EndpointManifest::terminating(b, true))
+        .endpoint(EndpointManifest::terminating(c, false));
+    node.agent
+        .update_manifests(&yaml(std::slice::from_ref(&terminating)))?;
+    let answers = requests(node.pod_ns("pod-a"), Proto::Tcp, vip(), 20)?;
+    ensure!(distinct_servers(&answers) == BTreeSet::from(["pod-b"]));
+    node.agent
+        .update_manifests(&yaml(&[terminating.endpoint(EndpointManifest::ready(d))]))?;
+    let answers = requests(node.pod_ns("pod-a"), Proto::Tcp, vip(), 20)?;
+    ensure!(distinct_servers(&answers) == BTreeSet::from(["pod-d"]));
+
+    let local = ServiceManifest::new("web", CLUSTER_IP, Proto::Tcp, PORT, TARGET_PORT)
+        .node_port(NODE_PORT)
+        .external_local(HEALTH_PORT)
+        .endpoint(EndpointManifest::terminating(b, true).on_node(NODE_NAME))
+        .endpoint(on(&node, "pod-c", OTHER_NODE));
+    node.agent.update_manifests(&yaml(&[local]))?;
+    let node_port: SocketAddr = (NODE_IP, NODE_PORT).into();
+    let answers = requests(&node.topology.client, Proto::Tcp, node_port, 10)?;
+    ensure!(distinct_servers(&answers) == BTreeSet::from(["pod-b"]));
+    wait_health(&node, 503)?;
     Ok(())
 }
