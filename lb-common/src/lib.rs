@@ -10,13 +10,22 @@
 /// Names of the maps in the eBPF object. Pinned maps carry the ABI version in their name, so an agent
 /// with another layout never reuses them.
 pub mod map_name {
-    pub const FRONTENDS: &str = "LB_FRONTEND_V3";
+    pub const FRONTENDS: &str = "LB_FRONTEND_V4";
     pub const BACKENDS: &str = "LB_BACKEND_V1";
     pub const CONNTRACK: &str = "LB_CT_V1";
     pub const CONFIG: &str = "LB_CONFIG_V1";
     pub const COUNTERS: &str = "LB_COUNTER_V3";
     pub const AFFINITY: &str = "LB_AFFINITY_V1";
-    pub const ALL: [&str; 6] = [FRONTENDS, BACKENDS, CONNTRACK, CONFIG, COUNTERS, AFFINITY];
+    pub const ROUND_ROBIN: &str = "LB_RR_V1";
+    pub const ALL: [&str; 7] = [
+        FRONTENDS,
+        BACKENDS,
+        CONNTRACK,
+        CONFIG,
+        COUNTERS,
+        AFFINITY,
+        ROUND_ROBIN,
+    ];
 }
 
 /// Names of the programs in the eBPF object.
@@ -39,6 +48,8 @@ pub mod default_size {
     pub const CONNTRACK: u32 = 262_144;
     /// sessionAffinity entries: one per (service port, client address).
     pub const AFFINITY: u32 = 65_536;
+    /// Round-robin counters: one per service port scheduled `rr`.
+    pub const ROUND_ROBIN: u32 = 65_536;
 }
 
 /// Masquerade source ports are taken from this range by default: above Linux's default ephemeral
@@ -104,6 +115,42 @@ pub struct Frontend {
     /// sessionAffinity ClientIP: a client's new connections go to the endpoint of its last one
     /// while it is idle less than this many seconds. 0: no affinity.
     pub affinity_timeout_s: u32,
+    /// `SCHED_*`: how a new connection picks its slot.
+    pub scheduler: u32,
+}
+
+/// A uniformly random slot (kube-proxy's iptables `statistic --mode random`).
+pub const SCHED_RANDOM: u32 = 0;
+/// The next slot of a per-service-port counter (IPVS `rr`).
+pub const SCHED_ROUND_ROBIN: u32 = 1;
+/// [`source_hash`] of the client address (IPVS `sh`).
+pub const SCHED_SOURCE_HASH: u32 = 2;
+/// [`flow_hash`] of the 5-tuple; the agent fills the lists with a Maglev lookup table, so this
+/// is consistent hashing (IPVS `mh`, per flow).
+pub const SCHED_FLOW_HASH: u32 = 3;
+
+/// murmur3's finaliser: every input bit reaches every output bit.
+pub const fn mix32(mut h: u32) -> u32 {
+    h ^= h >> 16;
+    h = h.wrapping_mul(0x85eb_ca6b);
+    h ^= h >> 13;
+    h = h.wrapping_mul(0xc2b2_ae35);
+    h ^= h >> 16;
+    h
+}
+
+/// The `sh` hash of a client address (network byte order).
+pub const fn source_hash(addr: u32) -> u32 {
+    mix32(addr ^ 0x9e37_79b9)
+}
+
+/// The Maglev hash of a connection's 5-tuple as it arrives.
+pub const fn flow_hash(tuple: &ConntrackKey) -> u32 {
+    let ports = ((tuple.src_port as u32) << 16) | tuple.dst_port as u32;
+    let h = mix32(tuple.src_addr ^ 0x9e37_79b9);
+    let h = mix32(h ^ tuple.dst_addr);
+    let h = mix32(h ^ ports);
+    mix32(h ^ tuple.proto as u32)
 }
 
 /// The frontend is reached from outside the cluster (a NodePort): masquerade new connections
@@ -331,7 +378,7 @@ impl Counter {
 
 const _: () = {
     assert!(core::mem::size_of::<FrontendKey>() == 8);
-    assert!(core::mem::size_of::<Frontend>() == 20);
+    assert!(core::mem::size_of::<Frontend>() == 24);
     assert!(core::mem::size_of::<AffinityKey>() == 8);
     assert!(core::mem::size_of::<AffinityEntry>() == 24);
     assert!(core::mem::size_of::<BackendKey>() == 8);

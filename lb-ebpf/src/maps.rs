@@ -4,6 +4,7 @@
 //! The maps are not pinned in the object: the agent gives each one its pin path at load
 //! (`EbpfLoader::map_pin_path`), and packet tests load private, unpinned copies.
 use aya_ebpf::{
+    bindings::BPF_NOEXIST,
     helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns},
     macros::map,
     maps::{Array, HashMap, LruHashMap, PerCpuArray},
@@ -13,7 +14,7 @@ use lb_common::{
     Frontend, FrontendKey, default_size,
 };
 
-#[map(name = "LB_FRONTEND_V3")]
+#[map(name = "LB_FRONTEND_V4")]
 static FRONTENDS: HashMap<FrontendKey, Frontend> =
     HashMap::with_max_entries(default_size::FRONTENDS, 0);
 
@@ -28,6 +29,10 @@ static CONNTRACK: LruHashMap<ConntrackKey, ConntrackEntry> =
 #[map(name = "LB_AFFINITY_V1")]
 static AFFINITY: LruHashMap<AffinityKey, AffinityEntry> =
     LruHashMap::with_max_entries(default_size::AFFINITY, 0);
+
+#[map(name = "LB_RR_V1")]
+static ROUND_ROBIN: LruHashMap<u32, u32> =
+    LruHashMap::with_max_entries(default_size::ROUND_ROBIN, 0);
 
 #[map(name = "LB_CONFIG_V1")]
 static CONFIG: Array<Config> = Array::with_max_entries(1, 0);
@@ -84,6 +89,27 @@ pub fn affinity(key: &AffinityKey) -> Option<&'static mut AffinityEntry> {
 pub fn affinity_insert(key: &AffinityKey, entry: &AffinityEntry) {
     // A failed insert only costs the next connection its affinity.
     let _ = AFFINITY.insert(key, entry, 0);
+}
+
+/// The next value of the round-robin counter of `service_id`, shared by all CPUs.
+pub fn round_robin(service_id: u32) -> u32 {
+    let counter = ROUND_ROBIN.get_ptr_mut(&service_id).or_else(|| {
+        // BPF_NOEXIST: another CPU may have created it meanwhile; either way it exists now.
+        let _ = ROUND_ROBIN.insert(&service_id, &0, u64::from(BPF_NOEXIST));
+        ROUND_ROBIN.get_ptr_mut(&service_id)
+    });
+    match counter {
+        // SAFETY: a valid u32 in the map until the program returns (RCU). Not atomic (the
+        // BPF target has no atomic read-modify-write in Rust): CPUs racing on one service port
+        // may pick the same slot, which only blurs the rotation for that instant.
+        Some(counter) => unsafe {
+            let value = *counter;
+            *counter = value.wrapping_add(1);
+            value
+        },
+        // The map is full of live counters: fall back to a random pick.
+        None => random(),
+    }
 }
 
 pub fn now_ns() -> u64 {

@@ -1,7 +1,8 @@
 //! Frontend lookup, which endpoint list a new connection uses, and backend selection.
 use lb_common::{
     Backend, BackendKey, Config, ConntrackKey, Counter, FRONTEND_F_LOCAL,
-    FRONTEND_F_PRESERVE_SOURCE, Frontend, FrontendKey, LOCAL_SLOT,
+    FRONTEND_F_PRESERVE_SOURCE, Frontend, FrontendKey, LOCAL_SLOT, SCHED_FLOW_HASH,
+    SCHED_ROUND_ROBIN, SCHED_SOURCE_HASH, flow_hash, source_hash,
 };
 
 use crate::{affinity, maps};
@@ -56,22 +57,28 @@ pub fn backends(config: &Config, frontend: &Frontend, client: u32) -> Backends {
     }
 }
 
-/// The backend of a new connection from `client` among `backends` (not empty): its affine one
-/// if the service has sessionAffinity and it is still valid, else a uniformly random one, as
-/// kube-proxy's iptables `statistic --mode random` chain picks it. The modulo bias is below
-/// 2^-32 * count.
+/// The backend of a new connection `tuple` among `backends` (not empty): its affine one if the
+/// service has sessionAffinity and it is still valid, else the slot the scheduler picks.
 pub fn select_backend(
     frontend: &Frontend,
     backends: &Backends,
-    client: u32,
+    tuple: &ConntrackKey,
     now: u64,
 ) -> Result<Backend, Counter> {
+    let client = tuple.src_addr;
     let affine = frontend.affinity_timeout_s != 0;
     if affine && let Some(backend) = affinity::lookup(frontend, backends, client, now) {
         return Ok(backend);
     }
+    let pick = match frontend.scheduler {
+        SCHED_ROUND_ROBIN => maps::round_robin(frontend.service_id),
+        SCHED_SOURCE_HASH => source_hash(client),
+        SCHED_FLOW_HASH => flow_hash(tuple),
+        // Random, as kube-proxy's iptables chains; the modulo bias is below 2^-32 * count.
+        _ => maps::random(),
+    };
     let slot = backends.base
-        | maps::random()
+        | pick
             .checked_rem(backends.count)
             .ok_or(Counter::DropNoBackend)?;
     let backend = backends.at(slot).ok_or(Counter::DropNoBackend)?;

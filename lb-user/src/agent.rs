@@ -109,7 +109,9 @@ pub async fn run(args: AgentArgs) -> Result<()> {
         health.healthz(Timestamp::now()).status == 200
     });
     let mut state = State {
-        reconciler: Reconciler::new(node_ip, existing).with_node_name(node_name(&args)?),
+        reconciler: Reconciler::new(node_ip, existing)
+            .with_node_name(node_name(&args)?)
+            .with_default_scheduler(args.scheduler),
         node_ports: NodePortAllocator::new(args.nodeport_range.clone()),
         datapath,
         metrics,

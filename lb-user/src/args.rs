@@ -7,6 +7,7 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand};
 use ipnet::Ipv4Net;
 use lb_common::default_size;
+use lb_user::model::Scheduler;
 
 pub const DEFAULT_BPFFS: &str = "/sys/fs/bpf/lb";
 
@@ -63,6 +64,10 @@ pub struct AgentArgs {
     /// Masquerade every new service connection, not only those from outside the cluster CIDR.
     #[arg(long)]
     pub masquerade_all: bool,
+    /// How new connections pick an endpoint, for services without the
+    /// lb.kubernetes.io/scheduler annotation.
+    #[arg(long, value_enum, default_value_t = Scheduler::Random)]
+    pub scheduler: Scheduler,
     /// Node addresses NodePorts are served on (CIDRs); accepted, not applied yet: NodePorts are
     /// served on the node IP.
     #[arg(long, value_name = "CIDR[,CIDR...]", value_delimiter = ',')]

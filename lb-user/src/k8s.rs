@@ -10,9 +10,12 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use tracing::debug;
 
 use crate::model::{
-    Conditions, PortSpec, Protocol, ServiceName, ServiceSpec, SliceEndpoint, SlicePort, SliceSpec,
-    TargetPort, TrafficPolicies,
+    Conditions, PortSpec, Protocol, Scheduler, ServiceName, ServiceSpec, SliceEndpoint, SlicePort,
+    SliceSpec, TargetPort, TrafficPolicies,
 };
+
+/// The Service annotation that chooses its scheduler: `random`, `rr`, `sh` or `maglev`.
+pub const SCHEDULER_ANNOTATION: &str = "lb.kubernetes.io/scheduler";
 
 /// The label that ties an EndpointSlice to its Service.
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
@@ -54,6 +57,20 @@ pub fn service(svc: &Service) -> Result<Option<ServiceSpec>, InvalidField> {
     };
 
     let affinity_timeout_s = session_affinity(spec)?;
+    let scheduler = svc
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(SCHEDULER_ANNOTATION))
+        .map(|name| {
+            Scheduler::parse(name).ok_or_else(|| {
+                invalid(
+                    format!("metadata.annotations[{SCHEDULER_ANNOTATION}]"),
+                    format!("unknown scheduler {name:?} (random, rr, sh, maglev)"),
+                )
+            })
+        })
+        .transpose()?;
     let traffic = TrafficPolicies {
         external_local: policy_local(
             spec.external_traffic_policy.as_deref(),
@@ -102,6 +119,7 @@ pub fn service(svc: &Service) -> Result<Option<ServiceSpec>, InvalidField> {
         node_ports,
         affinity_timeout_s,
         traffic,
+        scheduler,
         ports,
     }))
 }
@@ -387,6 +405,26 @@ mod tests {
             affinity("sessionAffinity: Sticky").unwrap_err().field,
             "spec.sessionAffinity"
         );
+    }
+
+    #[test]
+    fn scheduler_annotation() {
+        let with = |annotation: &str| {
+            service(&svc(&format!(
+                "apiVersion: v1\nkind: Service\nmetadata: {{name: web, annotations: {{{annotation}}}}}\nspec: {{clusterIP: 10.96.0.1, ports: [{{port: 80}}]}}\n"
+            )))
+            .map(|s| s.unwrap().scheduler)
+        };
+        assert_eq!(with("a: b"), Ok(None));
+        assert_eq!(
+            with("lb.kubernetes.io/scheduler: maglev"),
+            Ok(Some(Scheduler::Maglev))
+        );
+        assert_eq!(
+            with("lb.kubernetes.io/scheduler: rr"),
+            Ok(Some(Scheduler::Rr))
+        );
+        assert!(with("lb.kubernetes.io/scheduler: wlc").is_err());
     }
 
     #[test]

@@ -6,6 +6,7 @@ pub mod datapath;
 pub mod health;
 pub mod k8s;
 pub mod links;
+pub mod maglev;
 pub mod manifests;
 pub mod metrics;
 pub mod model;

@@ -80,7 +80,47 @@ pub struct ServiceSpec {
     /// sessionAffinity ClientIP with this timeout; None: no affinity.
     pub affinity_timeout_s: Option<u32>,
     pub traffic: TrafficPolicies,
+    /// From the annotation; None: the agent's default.
+    pub scheduler: Option<Scheduler>,
     pub ports: Vec<PortSpec>,
+}
+
+/// How a service port's new connections pick an endpoint (IPVS's scheduler model); the
+/// annotation [`crate::k8s::SCHEDULER_ANNOTATION`] chooses it per service, `--scheduler`
+/// otherwise.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Scheduler {
+    /// Uniformly random: kube-proxy's iptables semantics.
+    #[default]
+    Random,
+    /// Round robin.
+    Rr,
+    /// Source hash: a client address always gets the same endpoint while the set is unchanged.
+    Sh,
+    /// Maglev consistent hashing of the 5-tuple: removing one of N endpoints moves about 1/N
+    /// of the flows.
+    Maglev,
+}
+
+impl Scheduler {
+    pub fn parse(name: &str) -> Option<Scheduler> {
+        match name {
+            "random" => Some(Scheduler::Random),
+            "rr" => Some(Scheduler::Rr),
+            "sh" => Some(Scheduler::Sh),
+            "maglev" => Some(Scheduler::Maglev),
+            _ => None,
+        }
+    }
+
+    pub const fn datapath(self) -> u32 {
+        match self {
+            Scheduler::Random => lb_common::SCHED_RANDOM,
+            Scheduler::Rr => lb_common::SCHED_ROUND_ROBIN,
+            Scheduler::Sh => lb_common::SCHED_SOURCE_HASH,
+            Scheduler::Maglev => lb_common::SCHED_FLOW_HASH,
+        }
+    }
 }
 
 /// externalTrafficPolicy and internalTrafficPolicy (Local: true), and the healthCheckNodePort
@@ -163,6 +203,8 @@ pub struct Service {
     /// sessionAffinity ClientIP with this timeout; None: no affinity.
     pub affinity_timeout_s: Option<u32>,
     pub traffic: TrafficPolicies,
+    /// From the annotation; None: the agent's default.
+    pub scheduler: Option<Scheduler>,
     pub ports: Vec<ServicePort>,
 }
 
@@ -305,6 +347,7 @@ impl Model {
                     cluster_ip: spec.cluster_ip,
                     affinity_timeout_s: spec.affinity_timeout_s,
                     traffic: spec.traffic,
+                    scheduler: spec.scheduler,
                     ports,
                 },
             );
@@ -392,6 +435,7 @@ mod tests {
             node_ports,
             affinity_timeout_s: None,
             traffic: TrafficPolicies::default(),
+            scheduler: None,
             ports: vec![
                 PortSpec {
                     name: "http".into(),

@@ -10,7 +10,8 @@ use lb_common::{
 use tracing::{error, warn};
 
 use crate::error_chain;
-use crate::model::{Endpoint, Model, ServicePortId};
+use crate::maglev;
+use crate::model::{Endpoint, Model, Scheduler, ServicePortId};
 
 /// The two service maps, as the reconciler writes them: the aya maps, or a fake in tests.
 pub trait MapWriter {
@@ -57,6 +58,8 @@ pub struct Reconciler {
     node_addr: Ipv4Addr,
     /// This node's name: endpoints with this nodeName are local (traffic policy Local).
     node_name: String,
+    /// The scheduler of services without the annotation.
+    default_scheduler: Scheduler,
     /// Service id of every service port of the last sync.
     ids: BTreeMap<ServicePortId, u32>,
     /// Never reused while the agent runs: a freed id may still sit in conntrack entries.
@@ -83,6 +86,7 @@ impl Reconciler {
         Self {
             node_addr,
             node_name: String::new(),
+            default_scheduler: Scheduler::default(),
             ids: BTreeMap::new(),
             next_id: max_id + 1,
             adopt_ids: true,
@@ -94,6 +98,12 @@ impl Reconciler {
     /// This node's name, which makes endpoints local; without it none is.
     pub fn with_node_name(mut self, node_name: String) -> Self {
         self.node_name = node_name;
+        self
+    }
+
+    /// The scheduler of services that do not choose one.
+    pub fn with_default_scheduler(mut self, scheduler: Scheduler) -> Self {
+        self.default_scheduler = scheduler;
         self
     }
 
@@ -136,11 +146,13 @@ impl Reconciler {
             let service_id = self.ids[&id];
             let traffic = &service.traffic;
             let external_local = traffic.external_local && port.node_port.is_some();
+            let scheduler = service.scheduler.unwrap_or(self.default_scheduler);
+            let maglev = scheduler == Scheduler::Maglev;
             let (cluster, local) = port.policy_endpoints(&self.node_name);
-            let backend_count = self.list(service_id, 0, &cluster, &mut desired);
+            let backend_count = self.list(service_id, 0, &cluster, maglev, &mut desired);
             // The Local list is only written for a port whose traffic uses it.
             let local_count = if traffic.internal_local || external_local {
-                self.list(service_id, LOCAL_SLOT, &local, &mut desired)
+                self.list(service_id, LOCAL_SLOT, &local, maglev, &mut desired)
             } else {
                 0
             };
@@ -169,6 +181,7 @@ impl Reconciler {
                     local_count,
                     flags,
                     affinity_timeout_s: service.affinity_timeout_s.unwrap_or(0),
+                    scheduler: scheduler.datapath(),
                 };
                 if let Some(other) = desired.frontends.get(&key) {
                     warn!(service_port = %id, addr = %Ipv4Addr::from(key.addr.to_ne_bytes()), port = u16::from_be(key.port), proto = key.proto, other_service_id = other.service_id, "frontend already taken by another service port: skipped");
@@ -185,13 +198,15 @@ impl Reconciler {
         desired
     }
 
-    /// Puts the list of `service_id` at slots `base..` (0 or `LOCAL_SLOT`) into `desired`,
-    /// keeping every endpoint that stays in the slot it has in the maps; returns its length.
+    /// Puts the list of `service_id` at slots `base..` (0 or `LOCAL_SLOT`) into `desired`: the
+    /// Maglev table of the endpoints, or the endpoints with every one that stays in the slot it
+    /// has in the maps; returns its length.
     fn list(
         &self,
         service_id: u32,
         base: u32,
         endpoints: &[&Endpoint],
+        maglev: bool,
         desired: &mut MapContents,
     ) -> u32 {
         let mut wanted: Vec<Backend> = endpoints
@@ -215,7 +230,11 @@ impl Reconciler {
             .take_while(|(k, _)| k.service_id == service_id && k.slot & LOCAL_SLOT == base)
             .map(|(_, b)| *b)
             .collect();
-        let slots = assign_slots(&previous, &wanted);
+        let slots = if maglev {
+            maglev::table(&wanted, maglev::table_size(wanted.len(), previous.len()))
+        } else {
+            assign_slots(&previous, &wanted)
+        };
         let count = slots.len() as u32;
         for (slot, backend) in (base..).zip(slots) {
             desired
@@ -457,6 +476,7 @@ mod tests {
                     cluster_ip: Ipv4Addr::new(10, 96, 0, *ip),
                     affinity_timeout_s: None,
                     traffic: Default::default(),
+                    scheduler: None,
                     ports: vec![ServicePort {
                         name: "http".into(),
                         protocol: Protocol::Tcp,
@@ -608,6 +628,35 @@ mod tests {
     }
 
     #[test]
+    fn schedulers_from_annotation_or_default_and_maglev_tables() {
+        let mut m = model(&[
+            ("a", 10, None, vec![endpoint(2, true), endpoint(3, true)]),
+            ("b", 11, None, vec![endpoint(4, true)]),
+        ]);
+        m.services.values_mut().next().expect("a").scheduler = Some(Scheduler::Maglev);
+        let mut r =
+            Reconciler::new(NODE, MapContents::default()).with_default_scheduler(Scheduler::Rr);
+        let desired = r.desired(&m);
+        let a = desired.frontends[&fk(Ipv4Addr::new(10, 96, 0, 10), 80)];
+        let b = desired.frontends[&fk(Ipv4Addr::new(10, 96, 0, 11), 80)];
+        assert_eq!(a.scheduler, lb_common::SCHED_FLOW_HASH);
+        assert_eq!(a.backend_count, 211, "the smallest prime >= 200");
+        let table: Vec<Backend> = (0..a.backend_count)
+            .map(|slot| {
+                desired.backends[&BackendKey {
+                    service_id: a.service_id,
+                    slot,
+                }]
+            })
+            .collect();
+        assert_eq!(table, maglev::table(&[backend(2), backend(3)], 211));
+        assert_eq!(
+            (b.scheduler, b.backend_count),
+            (lb_common::SCHED_ROUND_ROBIN, 1)
+        );
+    }
+
+    #[test]
     fn first_sync_writes_backends_then_frontends() {
         let mut r = Reconciler::new(NODE, MapContents::default());
         let mut maps = FakeMaps::default();
@@ -626,6 +675,7 @@ mod tests {
             local_count: 0,
             flags,
             affinity_timeout_s: 0,
+            scheduler: 0,
         };
         assert_eq!(
             maps.ops[..2],
@@ -703,6 +753,7 @@ mod tests {
                         local_count: 0,
                         flags: 0,
                         affinity_timeout_s: 0,
+                        scheduler: 0,
                     }
                 ),
                 Op::RemoveBackend(BackendKey {

@@ -216,6 +216,7 @@ mod tests {
             cluster_ip: Ipv4Addr::new(10, 96, 0, 1),
             affinity_timeout_s: None,
             traffic,
+            scheduler: None,
             ports: vec![ServicePort {
                 name: String::new(),
                 protocol: Protocol::Tcp,

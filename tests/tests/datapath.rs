@@ -19,8 +19,8 @@ use lb_common::{
     CT_F_MASQUERADE, CT_F_REPLY, CT_STATE_CLOSING, CT_STATE_ESTABLISHED, CT_STATE_NEW,
     CT_TIMEOUT_TCP_SYN_NS, Config, ConntrackEntry, ConntrackKey, Counter, FRONTEND_F_LOCAL,
     FRONTEND_F_MASQUERADE, FRONTEND_F_PRESERVE_SOURCE, Frontend, FrontendKey, IPPROTO_TCP,
-    IPPROTO_UDP, LOCAL_SLOT, SNAT_PORT_MAX, SNAT_PORT_MIN, ipv4_be, map_name, port_be,
-    program_name,
+    IPPROTO_UDP, LOCAL_SLOT, SCHED_FLOW_HASH, SCHED_ROUND_ROBIN, SCHED_SOURCE_HASH, SNAT_PORT_MAX,
+    SNAT_PORT_MIN, flow_hash, ipv4_be, map_name, port_be, program_name, source_hash,
 };
 
 const TC_ACT_OK: u32 = 0;
@@ -731,6 +731,76 @@ fn internal_traffic_policy_local() {
     let packet = Packet::new(Proto::Tcp, POD, CLUSTER_IP).build();
     assert_eq!(none_here.run(&packet).0, TC_ACT_SHOT);
     assert_eq!(none_here.counter(Counter::DropNoLocalBackend), 1);
+}
+
+/// Sets the scheduler of the TCP ClusterIP frontend.
+fn schedule(datapath: &mut Datapath, scheduler: u32) {
+    let mut frontends: HashMap<_, FrontendKey, Frontend> = datapath.map(map_name::FRONTENDS);
+    let key = FrontendKey {
+        addr: ipv4_be(CLUSTER_IP.ip().octets()),
+        port: port_be(CLUSTER_IP.port()),
+        proto: IPPROTO_TCP,
+        _pad: 0,
+    };
+    let frontend = frontends.get(&key, 0).unwrap();
+    frontends
+        .insert(
+            key,
+            Frontend {
+                scheduler,
+                ..frontend
+            },
+            0,
+        )
+        .unwrap();
+}
+
+/// rr: consecutive new connections take the slots in turn. sh: one client address, one
+/// backend. Flow hash: the slot is `flow_hash(tuple) % count`, the agent's Maglev table.
+#[test]
+fn schedulers_pick_slots() {
+    let mut datapath = Datapath::with_cluster_ip(&ENDPOINTS);
+    schedule(&mut datapath, SCHED_ROUND_ROBIN);
+    let picks: Vec<_> = (10_000..10_030)
+        .map(|port| {
+            let client = SocketAddrV4::new(*POD.ip(), port);
+            datapath
+                .translate(&Packet::new(Proto::Tcp, client, CLUSTER_IP))
+                .dst
+        })
+        .collect();
+    for (i, pick) in picks.iter().enumerate() {
+        assert_eq!(*pick, picks[i % ENDPOINTS.len()], "round robin: {picks:?}");
+    }
+    assert_eq!(
+        picks[..3]
+            .iter()
+            .collect::<std::collections::BTreeSet<_>>()
+            .len(),
+        3
+    );
+
+    schedule(&mut datapath, SCHED_SOURCE_HASH);
+    for client in 1..20u8 {
+        let addr = Ipv4Addr::new(10, 244, 6, client);
+        let slot = source_hash(ipv4_be(addr.octets())) % ENDPOINTS.len() as u32;
+        for port in [20_000, 20_001, 20_002] {
+            let out = datapath.translate(&Packet::new(
+                Proto::Tcp,
+                SocketAddrV4::new(addr, port),
+                CLUSTER_IP,
+            ));
+            assert_eq!(out.dst, ENDPOINTS[slot as usize], "source hash");
+        }
+    }
+
+    schedule(&mut datapath, SCHED_FLOW_HASH);
+    for port in 30_000..30_050 {
+        let client = SocketAddrV4::new(*POD.ip(), port);
+        let slot = flow_hash(&ct_key(Proto::Tcp, client, CLUSTER_IP)) % ENDPOINTS.len() as u32;
+        let out = datapath.translate(&Packet::new(Proto::Tcp, client, CLUSTER_IP));
+        assert_eq!(out.dst, ENDPOINTS[slot as usize], "flow hash");
+    }
 }
 
 #[test]

@@ -324,3 +324,35 @@ fn terminating_endpoints_are_a_fallback() -> Result<()> {
     wait_health(&node, 503)?;
     Ok(())
 }
+
+/// Schedulers by annotation: rr takes the endpoints in turn (30 connections, 10 each), sh keeps
+/// a client on one endpoint, maglev spreads flows.
+#[test]
+fn schedulers_by_annotation() -> Result<()> {
+    let mut node = Node::start(4, &[], &[])?;
+    let pods = ["pod-b", "pod-c", "pod-d"];
+    let scheduled = |n: &Node, name| {
+        n.service(Proto::Tcp, &pods)
+            .annotation("lb.kubernetes.io/scheduler", name)
+    };
+    node.agent
+        .update_manifests(&yaml(&[scheduled(&node, "rr")]))?;
+    let answers = requests(node.pod_ns("pod-a"), Proto::Tcp, vip(), 30)?;
+    for pod in pods {
+        let n = answers.iter().filter(|a| a.server == pod).count();
+        ensure!(n == 10, "round robin gave {pod} {n} of 30");
+    }
+    node.agent
+        .update_manifests(&yaml(&[scheduled(&node, "sh")]))?;
+    let answers = requests(node.pod_ns("pod-a"), Proto::Tcp, vip(), 20)?;
+    ensure!(distinct_servers(&answers).len() == 1, "source hash");
+    node.agent
+        .update_manifests(&yaml(&[scheduled(&node, "maglev")]))?;
+    let answers = requests(node.pod_ns("pod-a"), Proto::Tcp, vip(), 60)?;
+    ensure!(
+        distinct_servers(&answers).len() == 3,
+        "maglev spreads flows: {:?}",
+        distinct_servers(&answers)
+    );
+    Ok(())
+}
