@@ -23,7 +23,7 @@ use lb_common::{
 use serde::Serialize;
 
 use crate::{
-    Plan, Progress, bpf,
+    Plan, Progress, bpf, interrupt,
     packet::{Frame, TCP_ACK, TCP_SYN},
     services::{SERVICE_PORT, TCP_TARGET_PORT, cluster_ip},
     traffic::{SERVER_CPU, pin},
@@ -63,6 +63,7 @@ fn measure_pinned(runs: u32, counts: &[usize], progress: Progress) -> Result<Vec
         .context("load the empty classifier (run as root)")?;
     let mut costs = Vec::new();
     for &services in counts {
+        interrupt::check()?;
         let datapath = Datapath::load(services, runs)?;
         let ip = cluster_ip(services - 1);
         let frontend = SocketAddrV4::new(ip, SERVICE_PORT);

@@ -3,6 +3,7 @@
 //! report.md, *.svg}. `--smoke` is the tiny run `cargo xtask test` does so the bench cannot rot.
 mod bpf;
 mod datapath_cost;
+mod interrupt;
 mod memory;
 mod packet;
 mod plot;
@@ -114,6 +115,7 @@ fn main() -> Result<()> {
             .join(results::timestamp()?),
     };
     std::fs::create_dir_all(&out).with_context(|| format!("create {}", out.display()))?;
+    interrupt::install()?;
     let bpffs = private_bpffs()?;
 
     let started = Instant::now();
@@ -124,12 +126,14 @@ fn main() -> Result<()> {
     progress("B2/B3 connection and request rate, every variant");
     let mut deployments = sweep::deploy(&plan, bpffs.path(), &progress)?;
     results.points = sweep::run(&plan, &mut deployments, &progress)?;
+    interrupt::check()?;
     // A later phase that fails still leaves the sweep's report.
     results.write(&out)?;
     report::write(&results, &out)?;
     progress("B6 programming from nothing, B7 agent memory");
     results.bulk = sweep::bulk(&plan, &mut deployments, &progress)?;
     drop(deployments);
+    interrupt::check()?;
     progress("B7 map memory");
     results.maps = memory::maps()?;
     results.seconds = started.elapsed().as_secs_f64();

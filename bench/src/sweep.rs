@@ -6,7 +6,7 @@ use anyhow::Result;
 use serde::Serialize;
 
 use crate::{
-    Plan, Progress, memory,
+    Plan, Progress, interrupt, memory,
     results::Point,
     services::ServiceSet,
     traffic::{connection_rate, request_rate},
@@ -25,7 +25,8 @@ pub fn deploy(plan: &Plan, bpffs: &Path, progress: Progress) -> Result<Vec<Deplo
             progress(&format!("  {}: not installed, skipped", variant.name()));
             continue;
         }
-        deployments.push(Deployment::new(variant, bpffs)?);
+        interrupt::check()?;
+        deployments.push(Deployment::new(variant, bpffs, &[])?);
     }
     Ok(deployments)
 }
@@ -34,6 +35,7 @@ pub fn run(plan: &Plan, deployments: &mut [Deployment], progress: Progress) -> R
     let mut points = Vec::new();
     for &count in &plan.service_counts {
         for deployment in deployments.iter_mut() {
+            interrupt::check()?;
             let set = ServiceSet::new(count, 1, deployment.topology.backend().ip);
             let point = measure(plan, deployment, &set);
             progress(&point.summary());
@@ -73,6 +75,7 @@ pub fn bulk(plan: &Plan, deployments: &mut [Deployment], progress: Progress) -> 
         if deployment.variant == Variant::Direct {
             continue;
         }
+        interrupt::check()?;
         // From nothing: back to one Service first.
         deployment.program(&ServiceSet::new(1, 1, deployment.topology.backend().ip))?;
         let set = ServiceSet::new(services, endpoints, deployment.topology.backend().ip);

@@ -14,7 +14,7 @@ use lb_tests::{agent::Agent, topology::CLUSTER_CIDR};
 use serde::Serialize;
 
 use crate::{
-    rulesets,
+    interrupt, rulesets,
     services::{SERVICE_PORT, ServiceSet, TCP_TARGET_PORT},
     topology::BenchTopology,
     traffic::Server,
@@ -25,6 +25,8 @@ const SYNC_TIMEOUT: Duration = Duration::from_secs(300);
 /// How long iptables-restore or nft -f may run (`timeout`'s argument): nft -f of kube-proxy's
 /// structure grows faster than linearly with the Services (≈ 400 s at 20k here).
 const LOADER_TIMEOUT_S: &str = "180";
+/// How often a wait for the agent looks at the interrupt flag.
+const SYNC_POLL: Duration = Duration::from_millis(200);
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "kebab-case")]
@@ -83,6 +85,8 @@ pub struct Deployment {
     pub variant: Variant,
     /// Set for `tc`.
     agent: Option<Agent>,
+    /// The agent's flags beyond the topology's and --bpffs.
+    agent_args: Vec<String>,
     /// Where rule files and the agent's pins go.
     dir: tempfile::TempDir,
     bpffs: PathBuf,
@@ -92,8 +96,8 @@ pub struct Deployment {
 
 impl Deployment {
     /// `bpffs`: a directory on a bpffs the agent pins its maps in (one per deployment), so the
-    /// bench can read them.
-    pub fn new(variant: Variant, bpffs: &Path) -> Result<Self> {
+    /// bench can read them. `agent_args`: more flags for the agent (`tc` only).
+    pub fn new(variant: Variant, bpffs: &Path, agent_args: &[&str]) -> Result<Self> {
         let topology = BenchTopology::new()?;
         let servers = [
             Server::start(&topology.backend().ns, b'a')?,
@@ -102,6 +106,7 @@ impl Deployment {
         Ok(Deployment {
             variant,
             agent: None,
+            agent_args: agent_args.iter().map(|a| a.to_string()).collect(),
             dir: tempfile::Builder::new().prefix("lbbench").tempdir()?,
             bpffs: bpffs.join(topology.node().name()),
             _servers: servers,
@@ -156,9 +161,10 @@ impl Deployment {
                 match &mut self.agent {
                     None => {
                         let start = Instant::now();
-                        let bpffs = self.bpffs.to_str().expect("utf-8 path");
+                        let mut args = vec!["--bpffs", self.bpffs.to_str().expect("utf-8 path")];
+                        args.extend(self.agent_args.iter().map(String::as_str));
                         self.agent = Some(
-                            Agent::start(&self.topology.inner, &yaml, &["--bpffs", bpffs])
+                            Agent::start(&self.topology.inner, &yaml, &args)
                                 .context("start the agent")?,
                         );
                         Ok(start.elapsed())
@@ -166,13 +172,28 @@ impl Deployment {
                     Some(agent) => {
                         let start = Instant::now();
                         replace_manifests(agent, &yaml)?;
-                        agent.wait_for_sync(SYNC_TIMEOUT)?;
+                        wait_for_sync(agent, SYNC_TIMEOUT)?;
                         Ok(start.elapsed())
                     }
                 }
             }
         }
     }
+}
+
+/// The agent's next sync, like `Agent::wait_for_sync`, but a signal ends the wait at once rather
+/// than after a 50k-Service sync.
+pub fn wait_for_sync(agent: &mut Agent, timeout: Duration) -> Result<()> {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        interrupt::check()?;
+        match agent.wait_for_sync(SYNC_POLL) {
+            Ok(()) => return Ok(()),
+            Err(err) if err.to_string().starts_with("agent exited") => return Err(err),
+            Err(_) => {}
+        }
+    }
+    agent.wait_for_sync(Duration::ZERO)
 }
 
 /// Replaces the agent's services.yaml atomically (a rename), without waiting for the sync.
