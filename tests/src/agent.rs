@@ -15,7 +15,7 @@ use nix::{
 };
 
 use crate::fake_apiserver::FakeApiserver;
-use crate::topology::{CLUSTER_CIDR, EXTERNAL_INTERFACE, NODE_IP, POD_INTERFACES, Topology};
+use crate::topology::{AgentNode, CLUSTER_CIDR, Topology};
 
 /// The Node name the agent runs as against a fake apiserver.
 pub const NODE_NAME: &str = "node-1";
@@ -41,13 +41,18 @@ pub struct Agent {
 impl Agent {
     /// Starts the agent on `manifests` (written as services.yaml) and waits for its first sync.
     pub fn start(topology: &Topology, manifests: &str, extra_args: &[&str]) -> Result<Self> {
+        Self::start_on(topology.agent_node(), manifests, extra_args)
+    }
+
+    /// [`Agent::start`] on any node (e.g. one of a multi-node cluster).
+    pub fn start_on(node: AgentNode<'_>, manifests: &str, extra_args: &[&str]) -> Result<Self> {
         let dir = tempfile::Builder::new().prefix("lbt-agent").tempdir()?;
         let manifest_dir = dir.path().join("manifests");
         fs::create_dir(&manifest_dir)?;
         fs::write(manifest_dir.join("services.yaml"), manifests)?;
         let mut args: Vec<OsString> = vec!["--manifests".into(), manifest_dir.into()];
-        args.extend(["--node-ip".into(), NODE_IP.to_string().into()]);
-        Self::spawn(topology, dir, args, extra_args, true)
+        args.extend(["--node-ip".into(), node.ip.to_string().into()]);
+        Self::spawn(node, dir, args, extra_args, true)
     }
 
     /// Starts the agent on the apiserver `api` (in the node namespace) as node [`NODE_NAME`],
@@ -67,25 +72,25 @@ impl Agent {
             "--hostname-override".into(),
             NODE_NAME.into(),
         ];
-        Self::spawn(topology, dir, args, extra_args, wait)
+        Self::spawn(topology.agent_node(), dir, args, extra_args, wait)
     }
 
     fn spawn(
-        topology: &Topology,
+        node: AgentNode<'_>,
         dir: tempfile::TempDir,
         source_args: Vec<OsString>,
         extra_args: &[&str],
         wait: bool,
     ) -> Result<Self> {
         let log = fs::File::create(dir.path().join("agent.log"))?;
-        let child = topology
-            .node
+        let child = node
+            .ns
             .command(lb_binary())
             .arg("agent")
             .args(source_args)
             .args(["--cluster-cidr", CLUSTER_CIDR])
-            .args(["--external-interface", EXTERNAL_INTERFACE])
-            .args(["--pod-interfaces", POD_INTERFACES])
+            .args(["--external-interface", node.external_interface])
+            .args(["--pod-interfaces", node.pod_interfaces])
             .args(extra_args)
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())

@@ -4,6 +4,7 @@ pub mod agent;
 pub mod echo;
 pub mod fake_apiserver;
 pub mod manifests;
+pub mod multinode;
 pub mod netns;
 pub mod paths;
 pub mod topology;

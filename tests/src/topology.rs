@@ -46,15 +46,7 @@ impl Topology {
     pub fn new(pods: usize) -> Result<Self> {
         let prefix = unique_prefix();
         let node = Netns::new(format!("{prefix}node"))?;
-        for (key, value) in [
-            ("net.ipv4.ip_forward", "1"),
-            ("net.ipv4.conf.all.send_redirects", "0"),
-            ("net.ipv4.conf.default.send_redirects", "0"),
-            ("net.ipv4.conf.all.rp_filter", "0"),
-            ("net.ipv4.conf.default.rp_filter", "0"),
-        ] {
-            node.sysctl(key, value)?;
-        }
+        node_sysctls(&node)?;
 
         let client = Netns::new(format!("{prefix}client"))?;
         node.ip(&[
@@ -130,52 +122,20 @@ impl Topology {
     pub fn add_pod(&mut self) -> Result<&Pod> {
         let index = self.pods.len();
         assert!(index < 26, "pods are named a..z");
-        let letter = (b'a' + index as u8) as char;
-        let name = format!("pod-{letter}");
         let ip = Ipv4Addr::new(10, 244, 1, 2 + index as u8);
-        let host_interface = format!("lbp{letter}");
-        let ns = Netns::new(format!("{}{name}", self.prefix))?;
-        let node = &self.node;
-        node.ip(&[
-            "link",
-            "add",
-            &host_interface,
-            "type",
-            "veth",
-            "peer",
-            "name",
-            "eth0",
-            "netns",
-            ns.name(),
-        ])?;
-        node.ip(&[
-            "addr",
-            "add",
-            &format!("{POD_GATEWAY}/32"),
-            "dev",
-            &host_interface,
-        ])?;
-        node.ip(&["link", "set", &host_interface, "up"])?;
-        node.ip(&["route", "add", &format!("{ip}/32"), "dev", &host_interface])?;
-        ns.ip(&["addr", "add", &format!("{ip}/32"), "dev", "eth0"])?;
-        ns.ip(&["link", "set", "eth0", "up"])?;
-        ns.ip(&[
-            "route",
-            "add",
-            &POD_GATEWAY.to_string(),
-            "dev",
-            "eth0",
-            "scope",
-            "link",
-        ])?;
-        ns.ip(&["route", "add", "default", "via", &POD_GATEWAY.to_string()])?;
-        self.pods.push(Pod {
-            name,
-            ip,
-            host_interface,
-            ns,
-        });
+        let pod = add_pod(&self.node, &self.prefix, index, ip, POD_GATEWAY)?;
+        self.pods.push(pod);
         Ok(self.pods.last().expect("just pushed"))
+    }
+
+    /// The node as the agent sees it.
+    pub fn agent_node(&self) -> AgentNode<'_> {
+        AgentNode {
+            ns: &self.node,
+            ip: NODE_IP,
+            external_interface: EXTERNAL_INTERFACE,
+            pod_interfaces: POD_INTERFACES,
+        }
     }
 
     pub fn pod(&self, name: &str) -> &Pod {
@@ -184,4 +144,84 @@ impl Topology {
             .find(|p| p.name == name)
             .unwrap_or_else(|| panic!("no pod {name}"))
     }
+}
+
+/// What the agent needs to know of the node it runs on.
+#[derive(Clone, Copy, Debug)]
+pub struct AgentNode<'a> {
+    pub ns: &'a Netns,
+    /// --node-ip.
+    pub ip: Ipv4Addr,
+    pub external_interface: &'a str,
+    /// --pod-interfaces.
+    pub pod_interfaces: &'a str,
+}
+
+/// Pod number `index` of a node (`pod-a`, ... on veth `lbpa`, ...) at `ip`, its gateway
+/// `gateway` (an address the node holds on every pod veth).
+pub(crate) fn add_pod(
+    node: &Netns,
+    prefix: &str,
+    index: usize,
+    ip: Ipv4Addr,
+    gateway: Ipv4Addr,
+) -> Result<Pod> {
+    let letter = (b'a' + index as u8) as char;
+    let name = format!("pod-{letter}");
+    let host_interface = format!("lbp{letter}");
+    let ns = Netns::new(format!("{prefix}{name}"))?;
+    node.ip(&[
+        "link",
+        "add",
+        &host_interface,
+        "type",
+        "veth",
+        "peer",
+        "name",
+        "eth0",
+        "netns",
+        ns.name(),
+    ])?;
+    node.ip(&[
+        "addr",
+        "add",
+        &format!("{gateway}/32"),
+        "dev",
+        &host_interface,
+    ])?;
+    node.ip(&["link", "set", &host_interface, "up"])?;
+    node.ip(&["route", "add", &format!("{ip}/32"), "dev", &host_interface])?;
+    ns.ip(&["addr", "add", &format!("{ip}/32"), "dev", "eth0"])?;
+    ns.ip(&["link", "set", "eth0", "up"])?;
+    ns.ip(&[
+        "route",
+        "add",
+        &gateway.to_string(),
+        "dev",
+        "eth0",
+        "scope",
+        "link",
+    ])?;
+    ns.ip(&["route", "add", "default", "via", &gateway.to_string()])?;
+    Ok(Pod {
+        name,
+        ip,
+        host_interface,
+        ns,
+    })
+}
+
+/// The sysctls of a node: a router that never sends redirects (the datapath forwards traffic
+/// back out the interface it came in on) and accepts asymmetric paths.
+pub(crate) fn node_sysctls(node: &Netns) -> Result<()> {
+    for (key, value) in [
+        ("net.ipv4.ip_forward", "1"),
+        ("net.ipv4.conf.all.send_redirects", "0"),
+        ("net.ipv4.conf.default.send_redirects", "0"),
+        ("net.ipv4.conf.all.rp_filter", "0"),
+        ("net.ipv4.conf.default.rp_filter", "0"),
+    ] {
+        node.sysctl(key, value)?;
+    }
+    Ok(())
 }
