@@ -1,5 +1,6 @@
 //! `lb agent`: load and pin the datapath, attach it to the node's interfaces, and keep its maps in
 //! sync with the apiserver (or a manifest directory) until SIGTERM/SIGINT.
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -13,6 +14,7 @@ use lb_user::apiserver::{self, ApiSource, Next};
 use lb_user::bpffs;
 use lb_user::coalesce::Coalescer;
 use lb_user::datapath::{Datapath, MapSizes};
+use lb_user::error_chain;
 use lb_user::health::{self, Health, Routes};
 use lb_user::links::{Attachments, InterfaceFilter, LinkEvent, LinkWatcher};
 use lb_user::manifests;
@@ -21,6 +23,7 @@ use lb_user::model::{Model, ServiceSpec, SliceSpec};
 use lb_user::nodeport::NodePortAllocator;
 use lb_user::reconcile::{Reconciler, SyncReport};
 use lb_user::service_health::{self, ServiceHealth};
+use lb_user::udp_flush::{self, UdpEndpoint};
 use notify::Watcher as _;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::mpsc;
@@ -356,9 +359,11 @@ impl State {
             return;
         };
         let model = Model::join(desired.services, &desired.slices, &mut self.node_ports);
+        let udp_before = udp_flush::udp_endpoints(self.reconciler.written());
         let report = self
             .reconciler
             .sync(&model, &mut self.datapath.service_maps);
+        self.flush_udp(&udp_before);
         self.service_health
             .update(service_health::wanted(&model, self.reconciler.node_name()));
         let took = start.elapsed();
@@ -384,6 +389,24 @@ impl State {
             failed_total: self.reconciler.failed_total,
             took,
         });
+    }
+
+    /// kube-proxy's UDP conntrack flush: the connections to UDP endpoints that this sync
+    /// removed from the maps (`before`: those the maps held before it) are forgotten, so their
+    /// clients' next datagrams pick a live endpoint.
+    fn flush_udp(&mut self, before: &BTreeSet<UdpEndpoint>) {
+        let after = udp_flush::udp_endpoints(self.reconciler.written());
+        let removed: BTreeSet<UdpEndpoint> = before.difference(&after).copied().collect();
+        if removed.is_empty() {
+            return;
+        }
+        match self.datapath.flush_udp(&removed) {
+            Ok(entries) => info!(
+                endpoints = removed.len(),
+                entries, "UDP conntrack of removed endpoints flushed"
+            ),
+            Err(err) => warn!(error = %error_chain(&err), "UDP conntrack flush"),
+        }
     }
 }
 

@@ -1,4 +1,5 @@
 //! Loading the embedded eBPF object with pinned maps, and the agent's handles on its maps.
+use std::collections::BTreeSet;
 use std::os::raw::c_int;
 use std::path::Path;
 
@@ -6,11 +7,13 @@ use aya::maps::{Array, HashMap, MapData, MapError, PerCpuArray};
 use aya::programs::{ProgramError, SchedClassifier};
 use aya::{Ebpf, EbpfError, EbpfLoader};
 use lb_common::{
-    Backend, BackendKey, Config, Counter, Frontend, FrontendKey, map_name, program_name,
+    Backend, BackendKey, Config, ConntrackEntry, ConntrackKey, Counter, Frontend, FrontendKey,
+    map_name, program_name,
 };
 use tracing::warn;
 
 use crate::reconcile::{MapContents, MapWriter};
+use crate::udp_flush::{self, UdpEndpoint};
 
 /// The compiled lb-ebpf object, built by build.rs.
 pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lb"));
@@ -48,6 +51,7 @@ pub struct Datapath {
     ebpf: Ebpf,
     pub service_maps: ServiceMaps,
     config: Array<MapData, Config>,
+    conntrack: HashMap<MapData, ConntrackKey, ConntrackEntry>,
 }
 
 impl Datapath {
@@ -88,10 +92,12 @@ impl Datapath {
             backends: take_map(&mut ebpf, map_name::BACKENDS)?,
         };
         let config = take_map(&mut ebpf, map_name::CONFIG)?;
+        let conntrack = take_map(&mut ebpf, map_name::CONNTRACK)?;
         let mut datapath = Datapath {
             ebpf,
             service_maps,
             config,
+            conntrack,
         };
         datapath
             .ingress()?
@@ -110,6 +116,22 @@ impl Datapath {
             .ok_or(DatapathError::MissingProgram(name))?
             .try_into()
             .map_err(|source| DatapathError::Program { name, source })
+    }
+
+    /// Deletes the conntrack entries (both directions) of connections to `removed` UDP
+    /// endpoints; returns how many. Entries the datapath drops meanwhile are no failure.
+    pub fn flush_udp(&mut self, removed: &BTreeSet<UdpEndpoint>) -> Result<usize, DatapathError> {
+        let err = |source| DatapathError::Map {
+            name: map_name::CONNTRACK,
+            source,
+        };
+        // Collected first: deleting while iterating would restart the walk.
+        let entries: Vec<_> = self.conntrack.iter().filter_map(Result::ok).collect();
+        let stale: Vec<ConntrackKey> = udp_flush::stale_entries(entries, removed).collect();
+        for key in &stale {
+            ignore_missing(self.conntrack.remove(key)).map_err(err)?;
+        }
+        Ok(stale.len())
     }
 
     pub fn write_config(&mut self, config: &Config) -> Result<(), DatapathError> {

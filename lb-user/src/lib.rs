@@ -14,6 +14,7 @@ pub mod nodeport;
 pub mod pins;
 pub mod reconcile;
 pub mod service_health;
+pub mod udp_flush;
 
 /// `error: cause: cause`: aya's errors keep the OS error in their source, not their message.
 pub fn error_chain(err: &dyn std::error::Error) -> String {

@@ -111,6 +111,11 @@ impl Reconciler {
         &self.node_name
     }
 
+    /// What the maps hold, as far as the reconciler knows.
+    pub fn written(&self) -> &MapContents {
+        &self.written
+    }
+
     /// The map contents for `model`; gives new service ports their ids.
     pub fn desired(&mut self, model: &Model) -> MapContents {
         let mut ids = BTreeMap::new();

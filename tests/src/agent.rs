@@ -181,6 +181,19 @@ impl Agent {
         }
     }
 
+    /// Waits until the agent has logged a line containing `needle` (e.g. the attachment of an
+    /// interface, which follows the first sync).
+    pub fn wait_for_log(&self, needle: &str, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        while !self.log().contains(needle) {
+            if Instant::now() > deadline {
+                bail!("no {needle:?} within {timeout:?}:\n{}", self.log());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(())
+    }
+
     /// Sends SIGTERM and waits for the agent to exit.
     pub fn stop(&mut self) -> Result<std::process::ExitStatus> {
         if let Some(status) = self.child.try_wait()? {

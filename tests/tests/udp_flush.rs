@@ -1,0 +1,106 @@
+//! kube-proxy's UDP conntrack flush: a UDP client that keeps its source port (a DNS resolver)
+//! moves to a live endpoint as soon as its endpoint is removed, instead of staying on the
+//! old connection's entries until they time out.
+use std::{
+    net::{Ipv4Addr, SocketAddr, UdpSocket},
+    time::Duration,
+};
+
+use anyhow::{Context as _, Result, ensure};
+use lb_tests::{
+    agent::Agent,
+    echo::{EchoServer, TIMEOUT},
+    manifests::{ServiceManifest, yaml},
+    netns::Netns,
+    topology::{NODE_IP, Topology},
+};
+
+const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 53);
+const PORT: u16 = 53;
+const NODE_PORT: u16 = 30053;
+const TARGET_PORT: u16 = 8053;
+
+/// An unconnected socket in `ns`: every request leaves from the same source port.
+fn client_socket(ns: &Netns) -> Result<UdpSocket> {
+    ns.run(|| -> Result<UdpSocket> {
+        let socket = UdpSocket::bind("0.0.0.0:0")?;
+        socket.set_read_timeout(Some(TIMEOUT))?;
+        Ok(socket)
+    })?
+}
+
+/// The name of the server that answers one datagram from `socket` to `to`.
+fn ask(socket: &UdpSocket, to: SocketAddr) -> Result<String> {
+    socket.send_to(b"hello\n", to)?;
+    let mut buf = [0u8; 512];
+    let (len, peer) = socket
+        .recv_from(&mut buf)
+        .with_context(|| format!("no answer from {to}"))?;
+    ensure!(peer == to, "answer from {peer}, asked {to}");
+    let text = std::str::from_utf8(&buf[..len])?;
+    Ok(text.split(' ').next().unwrap_or_default().to_string())
+}
+
+/// The endpoint pod-b is removed (and keeps running, so a stale entry would still get an
+/// answer from it): the next datagram from the same socket reaches pod-c. Both a pod client
+/// through the ClusterIP (not masqueraded) and an external one through the NodePort
+/// (masqueraded: its SNAT port goes too).
+#[test]
+fn removed_udp_endpoint_loses_its_conntrack() -> Result<()> {
+    let topology = Topology::new(3)?;
+    let servers =
+        ["pod-b", "pod-c"].map(|name| EchoServer::start(&topology.pod(name).ns, name, TARGET_PORT));
+    let _servers = servers.into_iter().collect::<Result<Vec<_>>>()?;
+    let service = |pods: &[&str]| {
+        let service = ServiceManifest::new(
+            "dns",
+            CLUSTER_IP,
+            lb_tests::echo::Proto::Udp,
+            PORT,
+            TARGET_PORT,
+        )
+        .node_port(NODE_PORT)
+        .endpoints(pods.iter().map(|p| topology.pod(p).ip));
+        yaml(&[service])
+    };
+    let mut agent = Agent::start(&topology, &service(&["pod-b"]), &[])?;
+    // The first sync comes before the attachments; a datagram sent in between would not be
+    // translated (nor tracked).
+    for pod in &topology.pods {
+        let attached = format!("interface=\"{}\"", pod.host_interface);
+        agent.wait_for_log(&attached, Duration::from_secs(10))?;
+    }
+    agent.wait_for_log("interface=\"ext0\"", Duration::from_secs(10))?;
+    let clients = [
+        (
+            client_socket(&topology.pod("pod-a").ns)?,
+            SocketAddr::from((CLUSTER_IP, PORT)),
+        ),
+        (
+            client_socket(&topology.client)?,
+            SocketAddr::from((NODE_IP, NODE_PORT)),
+        ),
+    ];
+    for (socket, to) in &clients {
+        for _ in 0..3 {
+            let server = ask(socket, *to).with_context(|| agent.log())?;
+            ensure!(server == "pod-b", "{to}: answered by {server}");
+        }
+    }
+    agent.update_manifests(&service(&["pod-c"]))?;
+    for (socket, to) in &clients {
+        for _ in 0..3 {
+            let server =
+                ask(socket, *to).with_context(|| format!("after the update: {}", agent.log()))?;
+            ensure!(server == "pod-c", "{to}: still answered by {server}");
+        }
+    }
+    ensure!(
+        agent
+            .log()
+            .contains("UDP conntrack of removed endpoints flushed"),
+        "{}",
+        agent.log()
+    );
+    Ok(())
+}
