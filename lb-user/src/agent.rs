@@ -20,6 +20,7 @@ use lb_user::links::{Attachments, InterfaceFilter, LinkEvent, LinkWatcher};
 use lb_user::manifests;
 use lb_user::metrics::Metrics;
 use lb_user::model::{Model, ServiceSpec, SliceSpec};
+use lb_user::node_addresses;
 use lb_user::nodeport::NodePortAllocator;
 use lb_user::reconcile::{Reconciler, SyncReport};
 use lb_user::service_health::{self, ServiceHealth};
@@ -50,9 +51,6 @@ pub async fn run(args: AgentArgs) -> Result<()> {
         health::serve(addr, Routes::Metrics(metrics.clone()))
             .await
             .with_context(|| format!("--metrics-bind-address {addr}"))?;
-    }
-    if !args.nodeport_addresses.is_empty() {
-        warn!("--nodeport-addresses is not applied yet: NodePorts are served on the node IP");
     }
 
     let mut source = match &args.manifests {
@@ -111,8 +109,16 @@ pub async fn run(args: AgentArgs) -> Result<()> {
         let health = proxy_health.lock().expect("health lock");
         health.healthz(Timestamp::now()).status == 200
     });
+    let mut links = LinkWatcher::start()?;
+    let node_port_addrs = node_addresses::node_port_addresses(
+        &links.ipv4_addresses().await?,
+        node_ip,
+        &args.nodeport_addresses,
+    );
+    info!(addresses = ?node_port_addrs, "NodePorts served on");
     let mut state = State {
         reconciler: Reconciler::new(node_ip, existing)
+            .with_node_port_addresses(node_port_addrs)
             .with_node_name(node_name(&args)?)
             .with_default_scheduler(args.scheduler),
         node_ports: NodePortAllocator::new(args.nodeport_range.clone()),
@@ -122,7 +128,6 @@ pub async fn run(args: AgentArgs) -> Result<()> {
         service_health,
     };
 
-    let mut links = LinkWatcher::start()?;
     let mut sigterm = signal(SignalKind::terminate())?;
     let mut sigint = signal(SignalKind::interrupt())?;
 

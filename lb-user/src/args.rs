@@ -68,8 +68,8 @@ pub struct AgentArgs {
     /// lb.kubernetes.io/scheduler annotation.
     #[arg(long, value_enum, default_value_t = Scheduler::Random)]
     pub scheduler: Scheduler,
-    /// Node addresses NodePorts are served on (CIDRs); accepted, not applied yet: NodePorts are
-    /// served on the node IP.
+    /// NodePorts answer only on the node's addresses in these CIDRs (read at start); default:
+    /// every address but loopback.
     #[arg(long, value_name = "CIDR[,CIDR...]", value_delimiter = ',')]
     pub nodeport_addresses: Vec<Ipv4Net>,
     /// Where /healthz and /livez are served (IP:PORT, or IP for port 10256); "" disables.

@@ -10,6 +10,7 @@ pub mod maglev;
 pub mod manifests;
 pub mod metrics;
 pub mod model;
+pub mod node_addresses;
 pub mod nodeport;
 pub mod pins;
 pub mod reconcile;

@@ -3,6 +3,7 @@
 //! `lb_ingress` attached at tc ingress.
 use std::collections::BTreeMap;
 use std::io;
+use std::net::{IpAddr, Ipv4Addr};
 
 use aya::programs::tc::{self, SchedClassifierLinkId, TcAttachType};
 use aya::programs::{ProgramError, SchedClassifier};
@@ -11,6 +12,7 @@ use futures::channel::mpsc::UnboundedReceiver;
 use futures::{StreamExt as _, TryStreamExt as _};
 use rtnetlink::packet_core::{NetlinkMessage, NetlinkPayload};
 use rtnetlink::packet_route::RouteNetlinkMessage;
+use rtnetlink::packet_route::address::{AddressAttribute, AddressMessage};
 use rtnetlink::packet_route::link::{LinkAttribute, LinkMessage};
 use rtnetlink::{Handle, MulticastGroup};
 use tracing::{debug, info, warn};
@@ -93,6 +95,20 @@ impl LinkWatcher {
     pub async fn list(&self) -> Result<Vec<(u32, String)>, LinkError> {
         let links: Vec<LinkMessage> = self.handle.link().get().execute().try_collect().await?;
         Ok(links.iter().filter_map(index_and_name).collect())
+    }
+
+    /// The IPv4 addresses of the namespace's interfaces.
+    pub async fn ipv4_addresses(&self) -> Result<Vec<Ipv4Addr>, LinkError> {
+        let messages: Vec<AddressMessage> =
+            self.handle.address().get().execute().try_collect().await?;
+        Ok(messages
+            .iter()
+            .flat_map(|m| &m.attributes)
+            .filter_map(|a| match a {
+                AddressAttribute::Local(IpAddr::V4(ip)) => Some(*ip),
+                _ => None,
+            })
+            .collect())
     }
 
     /// The next event; None when the netlink connection is gone.

@@ -55,7 +55,8 @@ impl SyncReport {
 }
 
 pub struct Reconciler {
-    node_addr: Ipv4Addr,
+    /// The node addresses NodePorts are served on.
+    node_port_addrs: Vec<Ipv4Addr>,
     /// This node's name: endpoints with this nodeName are local (traffic policy Local).
     node_name: String,
     /// The scheduler of services without the annotation.
@@ -84,7 +85,7 @@ impl Reconciler {
             .max()
             .unwrap_or(0);
         Self {
-            node_addr,
+            node_port_addrs: vec![node_addr],
             node_name: String::new(),
             default_scheduler: Scheduler::default(),
             ids: BTreeMap::new(),
@@ -109,6 +110,12 @@ impl Reconciler {
 
     pub fn node_name(&self) -> &str {
         &self.node_name
+    }
+
+    /// Serves NodePorts on `addrs` instead of the node address alone.
+    pub fn with_node_port_addresses(mut self, addrs: Vec<Ipv4Addr>) -> Self {
+        self.node_port_addrs = addrs;
+        self
     }
 
     /// What the maps hold, as far as the reconciler knows.
@@ -177,7 +184,9 @@ impl Reconciler {
                 } else {
                     FRONTEND_F_MASQUERADE
                 };
-                frontends.push((frontend_key(self.node_addr, node_port, proto), flags));
+                for addr in &self.node_port_addrs {
+                    frontends.push((frontend_key(*addr, node_port, proto), flags));
+                }
             }
             for (key, flags) in frontends {
                 let value = Frontend {
@@ -515,6 +524,23 @@ mod tests {
             .iter()
             .find(|(k, _)| k.port != 0)
             .map(|(_, f)| f)
+    }
+
+    #[test]
+    fn node_ports_are_served_on_every_node_port_address() {
+        let addrs = vec![Ipv4Addr::new(198, 51, 100, 1), Ipv4Addr::new(192, 0, 2, 1)];
+        let mut r =
+            Reconciler::new(NODE, MapContents::default()).with_node_port_addresses(addrs.clone());
+        let model = model(&[("a", 10, Some(30080), vec![endpoint(2, true)])]);
+        let desired = r.desired(&model);
+        for addr in addrs {
+            assert!(desired.frontends.contains_key(&fk(addr, 30080)), "{addr}");
+        }
+        assert_eq!(
+            desired.frontends.len(),
+            4,
+            "ClusterIP port, catch-all, two NodePorts"
+        );
     }
 
     #[test]
