@@ -146,6 +146,10 @@ pub async fn run(args: AgentArgs) -> Result<()> {
     if attachments.is_empty() {
         warn!("no interface matches --external-interface or --pod-interfaces yet");
     }
+    info!(
+        interfaces = attachments.len(),
+        "attached to the existing interfaces"
+    );
     let mut links_open = true;
 
     loop {

@@ -22,6 +22,8 @@ pub const NODE_NAME: &str = "node-1";
 
 /// Logged by the agent when a sync has been applied to the maps.
 pub const SYNC_DONE: &str = "sync done";
+/// Logged by the agent once it is attached to the interfaces present at start.
+pub const ATTACHED: &str = "attached to the existing interfaces";
 const START_TIMEOUT: Duration = Duration::from_secs(30);
 const SYNC_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -105,6 +107,9 @@ impl Agent {
         };
         if wait {
             agent.wait_for_sync(START_TIMEOUT)?;
+            // The first sync comes before the attachments; a packet sent in between would pass
+            // untranslated.
+            agent.wait_for_log(ATTACHED, START_TIMEOUT)?;
         }
         Ok(agent)
     }

@@ -6,5 +6,6 @@ pub mod fake_apiserver;
 pub mod manifests;
 pub mod multinode;
 pub mod netns;
+pub mod node;
 pub mod paths;
 pub mod topology;

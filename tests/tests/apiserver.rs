@@ -16,6 +16,7 @@ use lb_tests::{
     fake_apiserver::{FakeApiserver, Kind},
     manifests::ServiceManifest,
     netns::Netns,
+    node::{TARGET_PORT, serve_pods},
     paths::{
         Traffic, assert_answered_by, check_container_to_service, check_external_to_node_port,
         check_hairpin, check_pod_to_service,
@@ -28,7 +29,6 @@ const HAIRPIN_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 11);
 const KEPT_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 12);
 const PORT: u16 = 80;
 const NODE_PORT: u16 = 30080;
-const TARGET_PORT: u16 = 8080;
 const SYNC: Duration = Duration::from_secs(20);
 /// Short, so tests do not wait on it; still coalesces the bursts the tests make.
 const AGENT_ARGS: &[&str] = &["--min-sync-period", "200ms"];
@@ -81,11 +81,7 @@ impl ApiNode {
         prepare: impl FnOnce(&FakeApiserver),
     ) -> Result<Self> {
         let topology = Topology::new(pods)?;
-        let servers = topology
-            .pods
-            .iter()
-            .map(|pod| EchoServer::start(&pod.ns, &pod.name, TARGET_PORT))
-            .collect::<Result<Vec<_>>>()?;
+        let servers = serve_pods(&topology, TARGET_PORT)?;
         let api = FakeApiserver::start(&topology.node)?;
         api.apply(&[node_object()]);
         prepare(&api);

@@ -4,7 +4,6 @@
 use std::{
     io::{self, ErrorKind},
     net::{Ipv4Addr, SocketAddr},
-    time::Duration,
 };
 
 use anyhow::{Result, bail, ensure};
@@ -52,13 +51,6 @@ impl Setup {
                 )
             })
             .collect::<Result<Vec<_>>>()?;
-        // The first sync comes before the attachments: wait for the last one of each node.
-        for (agent, node) in agents.iter().zip(&cluster.nodes) {
-            for pod in &node.pods {
-                let attached = format!("interface=\"{}\"", pod.host_interface);
-                agent.wait_for_log(&attached, Duration::from_secs(10))?;
-            }
-        }
         Ok(Setup {
             _agents: agents,
             _servers: servers,

@@ -3,23 +3,20 @@
 use std::{
     collections::BTreeSet,
     io::{ErrorKind, Read as _, Write as _},
-    net::{Ipv4Addr, SocketAddr, TcpStream, UdpSocket},
+    net::{SocketAddr, TcpStream, UdpSocket},
     time::{Duration, Instant},
 };
 
 use anyhow::{Context as _, Result, bail, ensure};
 use lb_tests::{
-    agent::Agent,
-    echo::{Answer, EchoServer, Proto, TIMEOUT, request, requests},
+    echo::{Answer, Proto, TIMEOUT, request, requests},
     manifests::{EndpointManifest, ServiceManifest, yaml},
     netns::Netns,
-    topology::{CLIENT_IP, NODE_IP, Topology},
+    node::{CLUSTER_IP, Node, PORT, TARGET_PORT, vip},
+    topology::{CLIENT_IP, NODE_IP},
 };
 
-const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
-const PORT: u16 = 80;
 const NODE_PORT: u16 = 30080;
-const TARGET_PORT: u16 = 8080;
 /// A rejected connection fails well before any timeout.
 const FAST: Duration = Duration::from_millis(500);
 const NODE_NAME: &str = "node-1";
@@ -27,48 +24,6 @@ const OTHER_NODE: &str = "node-2";
 const HEALTH_PORT: u16 = 31000;
 /// The agent knows which node it is on.
 const AGENT_ARGS: &[&str] = &["--hostname-override", NODE_NAME];
-
-fn vip() -> SocketAddr {
-    (CLUSTER_IP, PORT).into()
-}
-
-/// A topology with `pods` pods serving on TARGET_PORT and the agent running on `services`.
-/// Fields drop in order: the agent stops before the servers and namespaces go.
-struct Node {
-    agent: Agent,
-    _servers: Vec<EchoServer>,
-    topology: Topology,
-}
-
-impl Node {
-    fn start(pods: usize, services: &[ServiceManifest], agent_args: &[&str]) -> Result<Self> {
-        let topology = Topology::new(pods)?;
-        let servers = topology
-            .pods
-            .iter()
-            .map(|pod| EchoServer::start(&pod.ns, &pod.name, TARGET_PORT))
-            .collect::<Result<Vec<_>>>()?;
-        let agent = Agent::start(&topology, &yaml(services), agent_args)?;
-        Ok(Node {
-            agent,
-            _servers: servers,
-            topology,
-        })
-    }
-
-    fn ip(&self, pod: &str) -> Ipv4Addr {
-        self.topology.pod(pod).ip
-    }
-
-    fn pod_ns(&self, pod: &str) -> &Netns {
-        &self.topology.pod(pod).ns
-    }
-
-    fn service(&self, proto: Proto, endpoints: &[&str]) -> ServiceManifest {
-        ServiceManifest::new("web", CLUSTER_IP, proto, PORT, TARGET_PORT)
-            .endpoints(endpoints.iter().map(|p| self.ip(p)))
-    }
-}
 
 /// How a connection attempt from `ns` to `to` failed, and how long it took; an error if it
 /// succeeded. UDP uses a connected socket, which is told about ICMP errors.

@@ -7,63 +7,22 @@ use std::{
 
 use anyhow::{Result, ensure};
 use lb_tests::{
-    agent::Agent,
     echo::{EchoServer, Proto, request, requests},
     manifests::{ServiceManifest, yaml},
+    node::{Node, PORT, TARGET_PORT, vip},
     paths::{
         Traffic, assert_answered_by, check_container_to_service, check_external_to_node_port,
         check_hairpin, check_pod_to_service, servers,
     },
-    topology::{CONTAINER_IP, Topology},
+    topology::CONTAINER_IP,
 };
 
-const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
 const OTHER_CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 11);
-const PORT: u16 = 80;
 const NODE_PORT: u16 = 30080;
-const TARGET_PORT: u16 = 8080;
-
-fn vip() -> SocketAddr {
-    (CLUSTER_IP, PORT).into()
-}
-
-/// A topology with `pods` pods, each serving on TARGET_PORT, and the agent running on `services`.
-/// Fields drop in order: the agent stops before the servers and namespaces go.
-struct Node {
-    agent: Agent,
-    _servers: Vec<EchoServer>,
-    topology: Topology,
-}
-
-impl Node {
-    fn start(pods: usize, services: &[ServiceManifest]) -> Result<Self> {
-        let topology = Topology::new(pods)?;
-        let servers = topology
-            .pods
-            .iter()
-            .map(|pod| EchoServer::start(&pod.ns, &pod.name, TARGET_PORT))
-            .collect::<Result<Vec<_>>>()?;
-        let agent = Agent::start(&topology, &yaml(services), &[])?;
-        Ok(Node {
-            agent,
-            _servers: servers,
-            topology,
-        })
-    }
-
-    fn ip(&self, pod: &str) -> Ipv4Addr {
-        self.topology.pod(pod).ip
-    }
-
-    fn service(&self, proto: Proto, endpoints: &[&str]) -> ServiceManifest {
-        ServiceManifest::new("web", CLUSTER_IP, proto, PORT, TARGET_PORT)
-            .endpoints(endpoints.iter().map(|p| self.ip(p)))
-    }
-}
 
 /// Path 1: Pod-A → ClusterIP → Pod-B / Pod-C, not masqueraded.
 fn pod_to_service(proto: Proto) -> Result<()> {
-    let mut node = Node::start(3, &[])?;
+    let mut node = Node::start(3, &[], &[])?;
     let service = node.service(proto, &["pod-b", "pod-c"]);
     node.agent.update_manifests(&yaml(&[service]))?;
     check_pod_to_service(&node.topology, proto, vip())
@@ -81,7 +40,7 @@ fn pod_to_service_udp() -> Result<()> {
 
 /// Path 2: Pod-A → ClusterIP → Pod-A, masqueraded to the node address.
 fn hairpin(proto: Proto) -> Result<()> {
-    let mut node = Node::start(2, &[])?;
+    let mut node = Node::start(2, &[], &[])?;
     let service = node.service(proto, &["pod-a"]);
     node.agent.update_manifests(&yaml(&[service]))?;
     check_hairpin(&node.topology, proto, vip())
@@ -99,7 +58,7 @@ fn hairpin_udp() -> Result<()> {
 
 /// Path 3: a container on the docker bridge (outside the cluster CIDR) → ClusterIP, masqueraded.
 fn container_to_service(proto: Proto) -> Result<()> {
-    let mut node = Node::start(3, &[])?;
+    let mut node = Node::start(3, &[], &[])?;
     let service = node.service(proto, &["pod-b", "pod-c"]);
     node.agent.update_manifests(&yaml(&[service]))?;
     check_container_to_service(&node.topology, proto, vip())
@@ -117,7 +76,7 @@ fn container_to_service_udp() -> Result<()> {
 
 /// Path 4: an external client → node address:nodePort, masqueraded (externalTrafficPolicy Cluster).
 fn external_to_node_port(proto: Proto) -> Result<()> {
-    let mut node = Node::start(3, &[])?;
+    let mut node = Node::start(3, &[], &[])?;
     let service = node
         .service(proto, &["pod-b", "pod-c"])
         .node_port(NODE_PORT);
@@ -138,7 +97,7 @@ fn external_to_node_port_udp() -> Result<()> {
 /// Uniform random selection: 300 connections over three endpoints.
 #[test]
 fn connections_spread_over_endpoints() -> Result<()> {
-    let mut node = Node::start(4, &[])?;
+    let mut node = Node::start(4, &[], &[])?;
     let service = node.service(Proto::Tcp, &["pod-b", "pod-c", "pod-d"]);
     node.agent.update_manifests(&yaml(&[service]))?;
     let answers = requests(&node.topology.pod("pod-a").ns, Proto::Tcp, vip(), 300)?;
@@ -155,7 +114,7 @@ fn connections_spread_over_endpoints() -> Result<()> {
 /// Endpoints that are not ready get no traffic.
 #[test]
 fn not_ready_endpoints_are_not_used() -> Result<()> {
-    let mut node = Node::start(3, &[])?;
+    let mut node = Node::start(3, &[], &[])?;
     let service = node
         .service(Proto::Tcp, &["pod-b"])
         .not_ready_endpoint(node.ip("pod-c"));
@@ -167,7 +126,7 @@ fn not_ready_endpoints_are_not_used() -> Result<()> {
 /// Traffic that is not service traffic passes untouched (no masquerade, no rewrite).
 #[test]
 fn non_service_traffic_is_untouched() -> Result<()> {
-    let mut node = Node::start(2, &[])?;
+    let mut node = Node::start(2, &[], &[])?;
     let service = node.service(Proto::Udp, &["pod-b"]);
     node.agent.update_manifests(&yaml(&[service]))?;
     let pod_b: SocketAddr = (node.ip("pod-b"), TARGET_PORT).into();
@@ -189,7 +148,7 @@ fn non_service_traffic_is_untouched() -> Result<()> {
 /// Removing an endpoint stops new connections to it at once; the other endpoint sees no error.
 #[test]
 fn endpoint_removed_while_traffic_runs() -> Result<()> {
-    let mut node = Node::start(3, &[])?;
+    let mut node = Node::start(3, &[], &[])?;
     let before = node.service(Proto::Tcp, &["pod-b", "pod-c"]);
     let after = node.service(Proto::Tcp, &["pod-b"]);
     node.agent.update_manifests(&yaml(&[before]))?;
@@ -214,7 +173,7 @@ fn endpoint_removed_while_traffic_runs() -> Result<()> {
 /// Deleting one service leaves another untouched; the deleted one stops answering.
 #[test]
 fn service_deleted_while_traffic_runs() -> Result<()> {
-    let mut node = Node::start(3, &[])?;
+    let mut node = Node::start(3, &[], &[])?;
     let kept = ServiceManifest::new("kept", OTHER_CLUSTER_IP, Proto::Udp, PORT, TARGET_PORT)
         .endpoints([node.ip("pod-c")]);
     let deleted = node.service(Proto::Udp, &["pod-b"]);
@@ -248,7 +207,7 @@ fn service_deleted_while_traffic_runs() -> Result<()> {
 /// A pod created after the agent started is attached: as a backend its replies are translated.
 #[test]
 fn pods_created_after_start_are_attached() -> Result<()> {
-    let mut node = Node::start(1, &[])?;
+    let mut node = Node::start(1, &[], &[])?;
     let pod_b = node.topology.add_pod()?;
     let _server = EchoServer::start(&pod_b.ns, &pod_b.name, TARGET_PORT)?;
     let service = node.service(Proto::Udp, &["pod-b"]);
@@ -274,7 +233,7 @@ fn pods_created_after_start_are_attached() -> Result<()> {
 /// A broken manifest is reported and the last good state stays in the maps.
 #[test]
 fn broken_manifest_keeps_last_good_state() -> Result<()> {
-    let mut node = Node::start(2, &[])?;
+    let mut node = Node::start(2, &[], &[])?;
     let service = node.service(Proto::Tcp, &["pod-b"]);
     node.agent
         .update_manifests(&yaml(std::slice::from_ref(&service)))?;
@@ -301,7 +260,7 @@ fn broken_manifest_keeps_last_good_state() -> Result<()> {
 /// SIGTERM detaches the programs: the service is gone, pod traffic still flows.
 #[test]
 fn sigterm_detaches() -> Result<()> {
-    let mut node = Node::start(2, &[])?;
+    let mut node = Node::start(2, &[], &[])?;
     let service = node.service(Proto::Udp, &["pod-b"]);
     node.agent.update_manifests(&yaml(&[service]))?;
     let pod_a = node.topology.pod("pod-a");

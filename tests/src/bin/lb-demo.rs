@@ -10,8 +10,9 @@ use std::{
 use anyhow::{Context as _, Result};
 use lb_tests::{
     agent::Agent,
-    echo::{Answer, EchoServer, Proto, requests},
+    echo::{Answer, Proto, requests},
     netns::Netns,
+    node::{TARGET_PORT, serve_pods},
     topology::{NODE_IP, Topology},
 };
 
@@ -20,7 +21,6 @@ const WEB: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
 const HAIRPIN: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 20);
 const PORT: u16 = 80;
 const NODE_PORT: u16 = 30080;
-const TARGET_PORT: u16 = 8080;
 const REQUESTS: usize = 20;
 
 struct DemoPath {
@@ -42,11 +42,7 @@ enum Source {
 
 fn main() -> Result<()> {
     let topology = Topology::new(4).context("build the topology (run as root)")?;
-    let servers = topology
-        .pods
-        .iter()
-        .map(|pod| EchoServer::start(&pod.ns, &pod.name, TARGET_PORT))
-        .collect::<Result<Vec<_>>>()?;
+    let servers = serve_pods(&topology, TARGET_PORT)?;
     let manifests =
         read_manifests(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/manifests"))?;
     let agent = Agent::start(&topology, &manifests, &[])?;
