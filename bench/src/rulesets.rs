@@ -66,7 +66,7 @@ pub fn iptables(set: &ServiceSet, cluster_cidr: &str) -> String {
     for port in &ports {
         let (name, proto, ip, svc) = (
             &port.name,
-            port.proto.lower(),
+            port.proto.rule_name(),
             port.cluster_ip,
             svc_chain(port),
         );
@@ -157,7 +157,7 @@ pub fn nftables(set: &ServiceSet, cluster_cidr: &str) -> String {
          add rule ip kube-proxy nat-postrouting jump masquerading\n"
     );
     for port in &ports {
-        let (proto, ip, dport) = (port.proto.lower(), port.cluster_ip, port.port);
+        let (proto, ip, dport) = (port.proto.rule_name(), port.cluster_ip, port.port);
         let svc = nft_chain("service", port, None);
         let _ = write!(
             out,
@@ -202,7 +202,7 @@ pub fn nftables(set: &ServiceSet, cluster_cidr: &str) -> String {
 /// after the prefix; 16 hex digits of a hash here, which is as long and as unique.
 fn chain_hash(port: &ServicePort, endpoint: Option<usize>) -> String {
     let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    let text = format!("{}/{}{endpoint:?}", port.name, port.proto.lower());
+    let text = format!("{}/{}{endpoint:?}", port.name, port.proto.rule_name());
     for byte in text.bytes() {
         hash = (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
     }
@@ -227,8 +227,8 @@ fn nft_chain(kind: &str, port: &ServicePort, endpoint: Option<usize>) -> String 
     let hash = &chain_hash(port, endpoint)[..8];
     let name = port.name.replace(['/', ':'], "-");
     match endpoint {
-        Some(i) => format!("{kind}-{hash}-{name}-{}-{i}", port.proto.lower()),
-        None => format!("{kind}-{hash}-{name}-{}", port.proto.lower()),
+        Some(i) => format!("{kind}-{hash}-{name}-{}-{i}", port.proto.rule_name()),
+        None => format!("{kind}-{hash}-{name}-{}", port.proto.rule_name()),
     }
 }
 

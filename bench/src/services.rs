@@ -16,27 +16,7 @@ const FIRST_CLUSTER_IP: u32 = u32::from_be_bytes([10, 96, 0, 10]);
 const FILLER_ENDPOINT_BASE: u32 = u32::from_be_bytes([10, 244, 2, 1]);
 pub const MAX_SERVICES: usize = 60_000;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Proto {
-    Tcp,
-    Udp,
-}
-
-impl Proto {
-    pub fn lower(self) -> &'static str {
-        match self {
-            Proto::Tcp => "tcp",
-            Proto::Udp => "udp",
-        }
-    }
-
-    pub fn upper(self) -> &'static str {
-        match self {
-            Proto::Tcp => "TCP",
-            Proto::Udp => "UDP",
-        }
-    }
-}
+pub use lb_tests::echo::Proto;
 
 /// One service port as kube-proxy sees it.
 #[derive(Clone, Debug)]
@@ -196,7 +176,7 @@ fn write_service(
             yaml,
             "    - name: {port_name}\n      protocol: {}\n      port: {SERVICE_PORT}\n      \
              targetPort: {port_name}\n",
-            proto.upper()
+            proto.manifest_name()
         );
         if let Some(node_port) = node_port {
             let _ = writeln!(yaml, "      nodePort: {node_port}");
@@ -220,7 +200,7 @@ fn write_slice(
         let _ = write!(
             yaml,
             "  - name: {port_name}\n    protocol: {}\n    port: {port}\n",
-            proto.upper()
+            proto.manifest_name()
         );
     }
     yaml.push_str("endpoints:\n");

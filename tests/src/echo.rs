@@ -151,6 +151,21 @@ impl Proto {
             Proto::Udp => "UDP",
         }
     }
+
+    /// As iptables and nft spell it.
+    pub fn rule_name(self) -> &'static str {
+        match self {
+            Proto::Tcp => "tcp",
+            Proto::Udp => "udp",
+        }
+    }
+}
+
+/// The I/O error kind at the root of a failed request, if it was one.
+pub fn error_kind(err: &anyhow::Error) -> Option<ErrorKind> {
+    err.root_cause()
+        .downcast_ref::<std::io::Error>()
+        .map(std::io::Error::kind)
 }
 
 /// `count` requests from `ns`, at most `count` × the timeout in all.

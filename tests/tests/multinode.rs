@@ -2,14 +2,14 @@
 //! served by a pod on the other, and its replies, which come back through the first node's
 //! external interface.
 use std::{
-    io::{self, ErrorKind},
+    io::ErrorKind,
     net::{Ipv4Addr, SocketAddr},
 };
 
 use anyhow::{Result, bail, ensure};
 use lb_tests::{
     agent::Agent,
-    echo::{EchoServer, Proto, request, requests},
+    echo::{EchoServer, Proto, error_kind, request, requests},
     manifests::{EndpointManifest, ServiceManifest, yaml},
     multinode::{CLIENT_IP, Cluster},
 };
@@ -157,10 +157,7 @@ fn external_traffic_policy_local_across_nodes() -> Result<()> {
         match request(client, proto, to) {
             Ok(answer) => bail!("{proto:?} via node-1 answered: {answer:?}"),
             Err(err) => {
-                let kind = err
-                    .root_cause()
-                    .downcast_ref::<io::Error>()
-                    .map(io::Error::kind);
+                let kind = error_kind(&err);
                 ensure!(
                     matches!(kind, Some(ErrorKind::TimedOut | ErrorKind::WouldBlock)),
                     "{proto:?} via node-1: {err:#}, expected no answer"

@@ -1,13 +1,13 @@
 //! --nodeport-addresses: NodePorts answer only on the node addresses in those CIDRs.
 use std::{
-    io::{self, ErrorKind},
+    io::ErrorKind,
     net::{Ipv4Addr, SocketAddr},
 };
 
 use anyhow::{Result, bail, ensure};
 use lb_tests::{
     agent::Agent,
-    echo::{EchoServer, Proto, request},
+    echo::{EchoServer, Proto, error_kind, request},
     manifests::{ServiceManifest, yaml},
     topology::{EXTERNAL_INTERFACE, NODE_IP, Topology},
 };
@@ -44,10 +44,7 @@ fn node_ports_answer_only_on_listed_addresses() -> Result<()> {
     match request(&topology.client, Proto::Tcp, to) {
         Ok(answer) => bail!("{to} answered: {answer:?}"),
         Err(err) => {
-            let kind = err
-                .root_cause()
-                .downcast_ref::<io::Error>()
-                .map(io::Error::kind);
+            let kind = error_kind(&err);
             ensure!(
                 kind == Some(ErrorKind::ConnectionRefused),
                 "{to}: {err:#}, expected the node's own refusal"
