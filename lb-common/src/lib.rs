@@ -14,10 +14,11 @@ pub mod map_name {
     pub const BACKENDS: &str = "LB_BACKEND_V1";
     pub const CONNTRACK: &str = "LB_CT_V1";
     pub const CONFIG: &str = "LB_CONFIG_V1";
-    pub const COUNTERS: &str = "LB_COUNTER_V3";
+    pub const COUNTERS: &str = "LB_COUNTER_V4";
     pub const AFFINITY: &str = "LB_AFFINITY_V1";
     pub const ROUND_ROBIN: &str = "LB_RR_V1";
-    pub const ALL: [&str; 7] = [
+    pub const SOURCE_RANGES: &str = "LB_SOURCE_RANGE_V1";
+    pub const ALL: [&str; 8] = [
         FRONTENDS,
         BACKENDS,
         CONNTRACK,
@@ -25,6 +26,7 @@ pub mod map_name {
         COUNTERS,
         AFFINITY,
         ROUND_ROBIN,
+        SOURCE_RANGES,
     ];
 }
 
@@ -50,6 +52,8 @@ pub mod default_size {
     pub const AFFINITY: u32 = 65_536;
     /// Round-robin counters: one per service port scheduled `rr`.
     pub const ROUND_ROBIN: u32 = 65_536;
+    /// Allowed source prefixes: one per (service port, loadBalancerSourceRanges entry).
+    pub const SOURCE_RANGES: u32 = 65_536;
 }
 
 /// Masquerade source ports are taken from this range by default: above Linux's default ephemeral
@@ -164,6 +168,10 @@ pub const FRONTEND_F_LOCAL: u32 = 1 << 1;
 /// short-circuits pod traffic to external destinations.
 pub const FRONTEND_F_PRESERVE_SOURCE: u32 = 1 << 2;
 
+/// A LoadBalancer ingress IP of a service with loadBalancerSourceRanges: a new connection is
+/// served only from a source in a `SOURCE_RANGES` prefix of its service port, else dropped.
+pub const FRONTEND_F_SOURCE_RANGES: u32 = 1 << 3;
+
 /// `BackendKey::slot` bit of the Local list of a service port.
 pub const LOCAL_SLOT: u32 = 1 << 31;
 
@@ -186,6 +194,26 @@ pub struct Backend {
     /// Network byte order.
     pub port: u16,
     pub _pad: u16,
+}
+
+/// The data of a `SOURCE_RANGES` key. The map is an LPM trie, whose key is the kernel's prefix
+/// length (in bits of this struct, from its start) followed by this: a prefix of
+/// `SourceRangeKey::SERVICE_ID_BITS + n` allows the sources whose first `n` address bits match
+/// `addr` to reach the `FRONTEND_F_SOURCE_RANGES` frontends of `service_id`. A packet is looked up
+/// with the full length, `SourceRangeKey::FULL_PREFIX`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct SourceRangeKey {
+    /// Always matched whole; any byte order works, as lookups and entries use the same.
+    pub service_id: u32,
+    /// Network byte order (the trie matches bytes in order, so the prefix is the address's).
+    pub addr: u32,
+}
+
+impl SourceRangeKey {
+    pub const SERVICE_ID_BITS: u32 = 32;
+    pub const FULL_PREFIX: u32 = Self::SERVICE_ID_BITS + 32;
 }
 
 /// Key of `AFFINITY`: a client of a service port.
@@ -339,10 +367,13 @@ pub enum Counter {
     /// A new connection to a service without endpoints, or to a port a ClusterIP does not
     /// define: answered with ICMP port unreachable.
     Rejected,
+    /// Dropped: a new connection to a LoadBalancer IP from a source outside the service's
+    /// loadBalancerSourceRanges.
+    DropSourceRange,
 }
 
 impl Counter {
-    pub const COUNT: u32 = 12;
+    pub const COUNT: u32 = 13;
     pub const ALL: [Counter; Self::COUNT as usize] = [
         Counter::NewConnection,
         Counter::Masqueraded,
@@ -356,6 +387,7 @@ impl Counter {
         Counter::DropRewriteFailed,
         Counter::FibFallback,
         Counter::Rejected,
+        Counter::DropSourceRange,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -372,6 +404,7 @@ impl Counter {
             Counter::DropRewriteFailed => "drop_rewrite_failed",
             Counter::FibFallback => "fib_fallback",
             Counter::Rejected => "rejected",
+            Counter::DropSourceRange => "drop_source_range",
         }
     }
 }
@@ -386,6 +419,7 @@ const _: () = {
     assert!(core::mem::size_of::<ConntrackKey>() == 16);
     assert!(core::mem::size_of::<ConntrackEntry>() == 32);
     assert!(core::mem::size_of::<Config>() == 20);
+    assert!(core::mem::size_of::<SourceRangeKey>() * 8 == SourceRangeKey::FULL_PREFIX as usize);
     assert!(Counter::ALL[Counter::COUNT as usize - 1] as u32 == Counter::COUNT - 1);
 };
 
@@ -404,6 +438,7 @@ mod user {
     unsafe impl aya::Pod for Config {}
     unsafe impl aya::Pod for AffinityKey {}
     unsafe impl aya::Pod for AffinityEntry {}
+    unsafe impl aya::Pod for SourceRangeKey {}
 }
 
 #[cfg(test)]

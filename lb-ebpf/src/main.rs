@@ -52,7 +52,7 @@ fn try_ingress(ctx: &TcContext) -> Result<i32, Counter> {
             to
         }
         None => {
-            let frontend = service::frontend(&packet.tuple).ok_or(Counter::Passed)?;
+            let frontend = service::frontend(&packet.tuple)?;
             let backends = service::backends(&config, &frontend, packet.tuple.src_addr);
             if backends.count == 0 {
                 // kube-proxy rejects when the service has no endpoints at all, and drops when

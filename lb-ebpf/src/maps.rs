@@ -7,11 +7,11 @@ use aya_ebpf::{
     bindings::BPF_NOEXIST,
     helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns},
     macros::map,
-    maps::{Array, HashMap, LruHashMap, PerCpuArray},
+    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, lpm_trie::Key},
 };
 use lb_common::{
     AffinityEntry, AffinityKey, Backend, BackendKey, Config, ConntrackEntry, ConntrackKey, Counter,
-    Frontend, FrontendKey, default_size,
+    Frontend, FrontendKey, SourceRangeKey, default_size,
 };
 
 #[map(name = "LB_FRONTEND_V4")]
@@ -37,8 +37,13 @@ static ROUND_ROBIN: LruHashMap<u32, u32> =
 #[map(name = "LB_CONFIG_V1")]
 static CONFIG: Array<Config> = Array::with_max_entries(1, 0);
 
-#[map(name = "LB_COUNTER_V3")]
+#[map(name = "LB_COUNTER_V4")]
 static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(Counter::COUNT, 0);
+
+/// The value is unused: a key's presence allows its prefix.
+#[map(name = "LB_SOURCE_RANGE_V1")]
+static SOURCE_RANGES: LpmTrie<SourceRangeKey, u8> =
+    LpmTrie::with_max_entries(default_size::SOURCE_RANGES, 0);
 
 pub fn count(counter: Counter) {
     if let Some(slot) = COUNTERS.get_ptr_mut(counter as u32) {
@@ -59,6 +64,16 @@ pub fn frontend(key: &FrontendKey) -> Option<Frontend> {
 pub fn backend(key: &BackendKey) -> Option<Backend> {
     // SAFETY: the value is copied out at once; the agent replaces backends whole.
     unsafe { BACKENDS.get(key).copied() }
+}
+
+/// Some loadBalancerSourceRanges prefix of `service_id` holds `addr` (network byte order).
+pub fn source_range_contains(service_id: u32, addr: u32) -> bool {
+    SOURCE_RANGES
+        .get(Key::new(
+            SourceRangeKey::FULL_PREFIX,
+            SourceRangeKey { service_id, addr },
+        ))
+        .is_some()
 }
 
 pub fn conntrack(key: &ConntrackKey) -> Option<&'static mut ConntrackEntry> {

@@ -1,21 +1,31 @@
 //! Frontend lookup, which endpoint list a new connection uses, and backend selection.
 use lb_common::{
     Backend, BackendKey, Config, ConntrackKey, Counter, FRONTEND_F_LOCAL,
-    FRONTEND_F_PRESERVE_SOURCE, Frontend, FrontendKey, LOCAL_SLOT, SCHED_FLOW_HASH,
-    SCHED_ROUND_ROBIN, SCHED_SOURCE_HASH, flow_hash, source_hash,
+    FRONTEND_F_PRESERVE_SOURCE, FRONTEND_F_SOURCE_RANGES, Frontend, FrontendKey, LOCAL_SLOT,
+    SCHED_FLOW_HASH, SCHED_ROUND_ROBIN, SCHED_SOURCE_HASH, flow_hash, source_hash,
 };
 
 use crate::{affinity, maps};
 
-/// The frontend `tuple` is addressed to: its exact port, else the catch-all of a ClusterIP.
-pub fn frontend(tuple: &ConntrackKey) -> Option<Frontend> {
-    maps::frontend(&FrontendKey {
+/// The frontend a new connection `tuple` is addressed to: its exact port, else the catch-all of
+/// a ClusterIP. `Err(Passed)` when there is none; `Err(DropSourceRange)` when it is a
+/// LoadBalancer IP whose loadBalancerSourceRanges do not hold the source (kube-proxy's firewall
+/// chain drops those).
+pub fn frontend(tuple: &ConntrackKey) -> Result<Frontend, Counter> {
+    let frontend = maps::frontend(&FrontendKey {
         addr: tuple.dst_addr,
         port: tuple.dst_port,
         proto: tuple.proto,
         _pad: 0,
     })
     .or_else(|| maps::frontend(&FrontendKey::any_port(tuple.dst_addr)))
+    .ok_or(Counter::Passed)?;
+    if frontend.flags & FRONTEND_F_SOURCE_RANGES != 0
+        && !maps::source_range_contains(frontend.service_id, tuple.src_addr)
+    {
+        return Err(Counter::DropSourceRange);
+    }
+    Ok(frontend)
 }
 
 /// One endpoint list of a service port: slots `base..base + count`.

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use futures::StreamExt as _;
 use jiff::Timestamp;
-use k8s_openapi::api::core::v1::{Node, NodeStatus, Service};
+use k8s_openapi::api::core::v1::{Node, NodeStatus, Service, ServiceStatus};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::watcher::{self, Event};
@@ -385,7 +385,11 @@ fn trigger_time<K: kube::Resource>(object: &K) -> Option<Timestamp> {
 fn trim_service(svc: &mut Service) {
     svc.metadata.managed_fields = None;
     svc.metadata.annotations = None;
-    svc.status = None;
+    // The load balancer ingress IPs are served; the conditions are not read.
+    svc.status = svc.status.take().map(|status| ServiceStatus {
+        load_balancer: status.load_balancer,
+        conditions: None,
+    });
 }
 
 fn trim_slice(slice: &mut EndpointSlice) {

@@ -1,18 +1,20 @@
 //! Loading the embedded eBPF object with pinned maps, and the agent's handles on its maps.
 use std::collections::BTreeSet;
+use std::net::Ipv4Addr;
 use std::os::raw::c_int;
 use std::path::Path;
 
+use aya::maps::lpm_trie::{Key, LpmTrie};
 use aya::maps::{Array, HashMap, MapData, MapError, PerCpuArray};
 use aya::programs::{ProgramError, SchedClassifier};
 use aya::{Ebpf, EbpfError, EbpfLoader};
 use lb_common::{
     Backend, BackendKey, Config, ConntrackEntry, ConntrackKey, Counter, Frontend, FrontendKey,
-    map_name, program_name,
+    SourceRangeKey, ipv4_be, map_name, program_name,
 };
 use tracing::warn;
 
-use crate::reconcile::{MapContents, MapWriter};
+use crate::reconcile::{MapContents, MapWriter, SourceRange};
 use crate::udp_flush::{self, UdpEndpoint};
 
 /// The compiled lb-ebpf object, built by build.rs.
@@ -90,6 +92,7 @@ impl Datapath {
         let service_maps = ServiceMaps {
             frontends: take_map(&mut ebpf, map_name::FRONTENDS)?,
             backends: take_map(&mut ebpf, map_name::BACKENDS)?,
+            source_ranges: take_map(&mut ebpf, map_name::SOURCE_RANGES)?,
         };
         let config = take_map(&mut ebpf, map_name::CONFIG)?;
         let conntrack = take_map(&mut ebpf, map_name::CONNTRACK)?;
@@ -152,10 +155,39 @@ where
     T::try_from(map).map_err(|source| DatapathError::Map { name, source })
 }
 
-/// FRONTENDS and BACKENDS, written by the reconciler.
+/// FRONTENDS, BACKENDS and SOURCE_RANGES, written by the reconciler.
 pub struct ServiceMaps {
     frontends: HashMap<MapData, FrontendKey, Frontend>,
     backends: HashMap<MapData, BackendKey, Backend>,
+    /// The value is unused: a key's presence allows its prefix.
+    source_ranges: LpmTrie<MapData, SourceRangeKey, u8>,
+}
+
+fn source_range_key(range: SourceRange) -> Key<SourceRangeKey> {
+    Key::new(
+        SourceRangeKey::SERVICE_ID_BITS + u32::from(range.net.prefix_len()),
+        SourceRangeKey {
+            service_id: range.service_id,
+            addr: ipv4_be(range.net.addr().octets()),
+        },
+    )
+}
+
+/// None for a key the reconciler does not write (a prefix shorter than the service id).
+fn source_range(key: &Key<SourceRangeKey>) -> Option<SourceRange> {
+    let prefix_len = key
+        .prefix_len()
+        .checked_sub(SourceRangeKey::SERVICE_ID_BITS)?;
+    let data = key.data();
+    let net = ipnet::Ipv4Net::new(
+        Ipv4Addr::from(data.addr.to_ne_bytes()),
+        u8::try_from(prefix_len).ok()?,
+    )
+    .ok()?;
+    Some(SourceRange {
+        service_id: data.service_id,
+        net,
+    })
 }
 
 impl ServiceMaps {
@@ -177,9 +209,18 @@ impl ServiceMaps {
                 name: map_name::BACKENDS,
                 source,
             })?;
+        let keys: Vec<Key<SourceRangeKey>> = self
+            .source_ranges
+            .keys()
+            .collect::<Result<_, _>>()
+            .map_err(|source| DatapathError::Map {
+                name: map_name::SOURCE_RANGES,
+                source,
+            })?;
         Ok(MapContents {
             frontends,
             backends,
+            source_ranges: keys.iter().filter_map(source_range).collect(),
         })
     }
 }
@@ -210,6 +251,14 @@ impl MapWriter for ServiceMaps {
 
     fn remove_frontend(&mut self, key: FrontendKey) -> Result<(), MapError> {
         ignore_missing(self.frontends.remove(&key))
+    }
+
+    fn insert_source_range(&mut self, range: SourceRange) -> Result<(), MapError> {
+        self.source_ranges.insert(&source_range_key(range), 1, 0)
+    }
+
+    fn remove_source_range(&mut self, range: SourceRange) -> Result<(), MapError> {
+        ignore_missing(self.source_ranges.remove(&source_range_key(range)))
     }
 }
 

@@ -3,15 +3,16 @@
 use std::net::IpAddr;
 use std::net::Ipv4Addr;
 
-use k8s_openapi::api::core::v1::{Service, ServiceSpec as ServiceSpecK8s};
+use ipnet::IpNet;
+use k8s_openapi::api::core::v1::{Service, ServiceSpec as ServiceSpecK8s, ServiceStatus};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use tracing::debug;
 
 use crate::model::{
-    Conditions, PortSpec, Protocol, Scheduler, ServiceName, ServiceSpec, SliceEndpoint, SlicePort,
-    SliceSpec, TargetPort, TrafficPolicies,
+    Conditions, ExternalAddresses, PortSpec, Protocol, Scheduler, ServiceName, ServiceSpec,
+    SliceEndpoint, SlicePort, SliceSpec, TargetPort, TrafficPolicies,
 };
 
 /// The Service annotation that chooses its scheduler: `random`, `rr`, `sh` or `maglev`.
@@ -42,9 +43,10 @@ pub fn service(svc: &Service) -> Result<Option<ServiceSpec>, InvalidField> {
         debug!(service = %name, "ignored: no spec");
         return Ok(None);
     };
-    let node_ports = match spec.type_.as_deref().unwrap_or("ClusterIP") {
-        "ClusterIP" => false,
-        "NodePort" | "LoadBalancer" => true,
+    let (node_ports, load_balancer) = match spec.type_.as_deref().unwrap_or("ClusterIP") {
+        "ClusterIP" => (false, false),
+        "NodePort" => (true, false),
+        "LoadBalancer" => (true, true),
         "ExternalName" => {
             debug!(service = %name, "ignored: type ExternalName");
             return Ok(None);
@@ -57,6 +59,7 @@ pub fn service(svc: &Service) -> Result<Option<ServiceSpec>, InvalidField> {
     };
 
     let affinity_timeout_s = session_affinity(spec)?;
+    let external = external_addresses(&name, spec, load_balancer, svc.status.as_ref())?;
     let scheduler = svc
         .metadata
         .annotations
@@ -120,8 +123,87 @@ pub fn service(svc: &Service) -> Result<Option<ServiceSpec>, InvalidField> {
         affinity_timeout_s,
         traffic,
         scheduler,
+        external,
         ports,
     }))
+}
+
+/// kube-proxy's ipMode for an ingress IP whose load balancer proxies the traffic itself.
+const IP_MODE_PROXY: &str = "Proxy";
+
+/// spec.externalIPs, and for type LoadBalancer the ingress IPs in `status` and
+/// spec.loadBalancerSourceRanges. IPv6 entries are skipped (IPv4 only for now), as kube-proxy
+/// keeps only its own family's ranges: ranges that are all IPv6 leave the IPv4 ingress IPs open.
+fn external_addresses(
+    name: &ServiceName,
+    spec: &ServiceSpecK8s,
+    load_balancer: bool,
+    status: Option<&ServiceStatus>,
+) -> Result<ExternalAddresses, InvalidField> {
+    let mut external = ExternalAddresses::default();
+    for (i, ip) in spec.external_ips.iter().flatten().enumerate() {
+        if let Some(v4) = ipv4(ip, || format!("spec.externalIPs[{i}]"))? {
+            external.external_ips.push(v4);
+        }
+    }
+    if !load_balancer {
+        return Ok(external);
+    }
+    let ingress = status
+        .and_then(|status| status.load_balancer.as_ref())
+        .and_then(|lb| lb.ingress.as_ref());
+    for (i, entry) in ingress.into_iter().flatten().enumerate() {
+        let Some(ip) = &entry.ip else {
+            continue;
+        };
+        match entry.ip_mode.as_deref().unwrap_or("VIP") {
+            "VIP" => {}
+            IP_MODE_PROXY => {
+                debug!(service = %name, ip, "ingress IP with ipMode Proxy: left to its load balancer");
+                continue;
+            }
+            other => {
+                return Err(invalid(
+                    format!("status.loadBalancer.ingress[{i}].ipMode"),
+                    format!("unknown ipMode {other:?} (VIP, Proxy)"),
+                ));
+            }
+        }
+        if let Some(v4) = ipv4(ip, || format!("status.loadBalancer.ingress[{i}].ip"))? {
+            external.load_balancer_ips.push(v4);
+        }
+    }
+    for (i, range) in spec
+        .load_balancer_source_ranges
+        .iter()
+        .flatten()
+        .enumerate()
+    {
+        // The API allows spaces around a range, and kube-proxy trims them.
+        let range = range.trim();
+        match range.parse::<IpNet>() {
+            Ok(IpNet::V4(net)) => external.source_ranges.push(net.trunc()),
+            Ok(IpNet::V6(_)) => {}
+            Err(err) => {
+                return Err(invalid(
+                    format!("spec.loadBalancerSourceRanges[{i}]"),
+                    format!("{range:?}: {err}"),
+                ));
+            }
+        }
+    }
+    external.source_ranges.sort_unstable();
+    external.source_ranges.dedup();
+    Ok(external)
+}
+
+/// An IPv4 address; None for an IPv6 one.
+fn ipv4(ip: &str, field: impl FnOnce() -> String) -> Result<Option<Ipv4Addr>, InvalidField> {
+    match ip.parse::<IpAddr>() {
+        Ok(IpAddr::V4(v4)) => Ok(Some(v4)),
+        Ok(IpAddr::V6(_)) => Ok(None),
+        Err(err) => Err(invalid(field(), format!("{ip:?}: {err}"))),
+    }
 }
 
 /// A traffic policy is Local; Cluster by default.
@@ -372,6 +454,76 @@ mod tests {
         assert_eq!(dual.cluster_ip, Ipv4Addr::new(10, 96, 0, 11));
         assert!(dual.node_ports);
         assert_eq!(dual.ports[0].node_port, Some(30080));
+    }
+
+    #[test]
+    fn external_ips_load_balancer_ingress_and_source_ranges() {
+        let external = |type_: &str, extra: &str| {
+            service(&svc(&format!(
+                "{HEAD}spec:
+  type: {type_}
+  clusterIP: 10.96.0.1
+  ports: [{{port: 80}}]
+  externalIPs: [203.0.113.10, 'fd00::10']
+  loadBalancerSourceRanges: [' 198.51.100.7/24 ', 'fd00::/64', 198.51.100.0/24, 192.0.2.1/32]
+status:
+  loadBalancer:
+    ingress:
+      - ip: 203.0.113.20
+      - ip: 203.0.113.30
+        ipMode: Proxy
+      - ip: 203.0.113.40
+        ipMode: VIP
+      - hostname: lb.example.com
+{extra}"
+            )))
+            .map(|s| s.unwrap().external)
+        };
+        let lb = external("LoadBalancer", "").unwrap();
+        assert_eq!(lb.external_ips, [Ipv4Addr::new(203, 0, 113, 10)]);
+        assert_eq!(
+            lb.load_balancer_ips,
+            [
+                Ipv4Addr::new(203, 0, 113, 20),
+                Ipv4Addr::new(203, 0, 113, 40)
+            ],
+            "ipMode Proxy and hostname-only entries are not programmed"
+        );
+        assert_eq!(
+            lb.source_ranges,
+            [
+                "192.0.2.1/32".parse().unwrap(),
+                "198.51.100.0/24".parse().unwrap()
+            ],
+            "IPv4 only, host bits cleared, trimmed, no duplicates"
+        );
+
+        let node_port = external("NodePort", "").unwrap();
+        assert_eq!(node_port.external_ips, lb.external_ips);
+        assert!(
+            node_port.load_balancer_ips.is_empty() && node_port.source_ranges.is_empty(),
+            "ingress IPs and source ranges belong to type LoadBalancer"
+        );
+
+        let bad_mode = external(
+            "LoadBalancer",
+            "      - {ip: 203.0.113.50, ipMode: Tunnel}\n",
+        );
+        assert_eq!(
+            bad_mode.unwrap_err().field,
+            "status.loadBalancer.ingress[4].ipMode"
+        );
+        let bad_range = service(&svc(&format!(
+            "{HEAD}spec: {{type: LoadBalancer, clusterIP: 10.96.0.1, ports: [{{port: 80}}], loadBalancerSourceRanges: [198.51.100.0/33]}}\n"
+        )));
+        assert_eq!(
+            bad_range.unwrap_err().field,
+            "spec.loadBalancerSourceRanges[0]"
+        );
+        let bad_ip = service(&svc(&format!(
+            "{HEAD}spec: {{clusterIP: 10.96.0.1, ports: [{{port: 80}}], externalIPs: [203.0.113]}}\n"
+        )));
+        assert_eq!(bad_ip.unwrap_err().field, "spec.externalIPs[0]");
     }
 
     #[test]

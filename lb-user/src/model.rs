@@ -6,6 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::net::Ipv4Addr;
 
+use ipnet::Ipv4Net;
 use lb_common::{IPPROTO_TCP, IPPROTO_UDP};
 
 use crate::nodeport::NodePortAllocator;
@@ -82,7 +83,30 @@ pub struct ServiceSpec {
     pub traffic: TrafficPolicies,
     /// From the annotation; None: the agent's default.
     pub scheduler: Option<Scheduler>,
+    pub external: ExternalAddresses,
     pub ports: Vec<PortSpec>,
+}
+
+/// The addresses besides the node's where a service is reached from outside, with the
+/// externalTrafficPolicy as for its NodePorts (kube-proxy's "external destinations").
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ExternalAddresses {
+    /// spec.externalIPs.
+    pub external_ips: Vec<Ipv4Addr>,
+    /// type LoadBalancer: status.loadBalancer.ingress IPs, except those with ipMode Proxy
+    /// (their load balancer proxies to the nodes, so their traffic must reach it, as kube-proxy
+    /// leaves them alone).
+    pub load_balancer_ips: Vec<Ipv4Addr>,
+    /// spec.loadBalancerSourceRanges (the IPv4 ones, host bits cleared): when any, only these
+    /// sources reach the load balancer IPs (not the externalIPs nor the NodePorts, as in
+    /// kube-proxy).
+    pub source_ranges: Vec<Ipv4Net>,
+}
+
+impl ExternalAddresses {
+    pub fn is_empty(&self) -> bool {
+        self.external_ips.is_empty() && self.load_balancer_ips.is_empty()
+    }
 }
 
 /// How a service port's new connections pick an endpoint (IPVS's scheduler model); the
@@ -205,6 +229,7 @@ pub struct Service {
     pub traffic: TrafficPolicies,
     /// From the annotation; None: the agent's default.
     pub scheduler: Option<Scheduler>,
+    pub external: ExternalAddresses,
     pub ports: Vec<ServicePort>,
 }
 
@@ -348,6 +373,7 @@ impl Model {
                     affinity_timeout_s: spec.affinity_timeout_s,
                     traffic: spec.traffic,
                     scheduler: spec.scheduler,
+                    external: spec.external,
                     ports,
                 },
             );
@@ -436,6 +462,7 @@ mod tests {
             affinity_timeout_s: None,
             traffic: TrafficPolicies::default(),
             scheduler: None,
+            external: ExternalAddresses::default(),
             ports: vec![
                 PortSpec {
                     name: "http".into(),

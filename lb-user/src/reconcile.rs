@@ -3,9 +3,10 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::Ipv4Addr;
 
+use ipnet::Ipv4Net;
 use lb_common::{
     Backend, BackendKey, FRONTEND_F_LOCAL, FRONTEND_F_MASQUERADE, FRONTEND_F_PRESERVE_SOURCE,
-    Frontend, FrontendKey, LOCAL_SLOT, ipv4_be, port_be,
+    FRONTEND_F_SOURCE_RANGES, Frontend, FrontendKey, LOCAL_SLOT, ipv4_be, port_be,
 };
 use tracing::{error, warn};
 
@@ -13,13 +14,23 @@ use crate::error_chain;
 use crate::maglev;
 use crate::model::{Endpoint, Model, Scheduler, ServicePortId};
 
-/// The two service maps, as the reconciler writes them: the aya maps, or a fake in tests.
+/// The service maps, as the reconciler writes them: the aya maps, or a fake in tests.
 pub trait MapWriter {
     type Error: std::error::Error;
     fn insert_backend(&mut self, key: BackendKey, value: Backend) -> Result<(), Self::Error>;
     fn remove_backend(&mut self, key: BackendKey) -> Result<(), Self::Error>;
     fn insert_frontend(&mut self, key: FrontendKey, value: Frontend) -> Result<(), Self::Error>;
     fn remove_frontend(&mut self, key: FrontendKey) -> Result<(), Self::Error>;
+    fn insert_source_range(&mut self, range: SourceRange) -> Result<(), Self::Error>;
+    fn remove_source_range(&mut self, range: SourceRange) -> Result<(), Self::Error>;
+}
+
+/// An entry of `SOURCE_RANGES`: sources in `net` may reach the load balancer IPs of service
+/// port `service_id`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct SourceRange {
+    pub service_id: u32,
+    pub net: Ipv4Net,
 }
 
 /// Desired contents of the service maps.
@@ -27,6 +38,7 @@ pub trait MapWriter {
 pub struct MapContents {
     pub frontends: BTreeMap<FrontendKey, Frontend>,
     pub backends: BTreeMap<BackendKey, Backend>,
+    pub source_ranges: BTreeSet<SourceRange>,
 }
 
 /// What one sync did.
@@ -38,6 +50,8 @@ pub struct SyncReport {
     pub backends_added: usize,
     pub backends_updated: usize,
     pub backends_removed: usize,
+    pub source_ranges_added: usize,
+    pub source_ranges_removed: usize,
     /// Map writes that failed in this sync; they are retried by the next one.
     pub failed: usize,
 }
@@ -50,6 +64,8 @@ impl SyncReport {
             + self.backends_added
             + self.backends_updated
             + self.backends_removed
+            + self.source_ranges_added
+            + self.source_ranges_removed
             > 0
     }
 }
@@ -157,7 +173,10 @@ impl Reconciler {
         for (id, service, port) in model.ports() {
             let service_id = self.ids[&id];
             let traffic = &service.traffic;
-            let external_local = traffic.external_local && port.node_port.is_some();
+            let external = &service.external;
+            // kube-proxy applies externalTrafficPolicy to externally accessible services only.
+            let external_local =
+                traffic.external_local && (port.node_port.is_some() || !external.is_empty());
             let scheduler = service.scheduler.unwrap_or(self.default_scheduler);
             let maglev = scheduler == Scheduler::Maglev;
             let (cluster, local) = port.policy_endpoints(&self.node_name);
@@ -178,15 +197,37 @@ impl Reconciler {
                 frontend_key(service.cluster_ip, port.port, proto),
                 cluster_ip_flags,
             )];
+            // NodePorts, externalIPs and load balancer IPs are kube-proxy's external
+            // destinations: one policy, one set of flags.
+            let external_flags = if external_local {
+                FRONTEND_F_LOCAL | FRONTEND_F_PRESERVE_SOURCE
+            } else {
+                FRONTEND_F_MASQUERADE
+            };
             if let Some(node_port) = port.node_port {
-                let flags = if external_local {
-                    FRONTEND_F_LOCAL | FRONTEND_F_PRESERVE_SOURCE
-                } else {
-                    FRONTEND_F_MASQUERADE
-                };
                 for addr in &self.node_port_addrs {
-                    frontends.push((frontend_key(*addr, node_port, proto), flags));
+                    frontends.push((frontend_key(*addr, node_port, proto), external_flags));
                 }
+            }
+            for addr in &external.external_ips {
+                frontends.push((frontend_key(*addr, port.port, proto), external_flags));
+            }
+            let firewalled = !external.source_ranges.is_empty();
+            let load_balancer_flags = if firewalled {
+                external_flags | FRONTEND_F_SOURCE_RANGES
+            } else {
+                external_flags
+            };
+            for addr in &external.load_balancer_ips {
+                frontends.push((frontend_key(*addr, port.port, proto), load_balancer_flags));
+            }
+            if firewalled && !external.load_balancer_ips.is_empty() {
+                desired.source_ranges.extend(
+                    external
+                        .source_ranges
+                        .iter()
+                        .map(|&net| SourceRange { service_id, net }),
+                );
             }
             for (key, flags) in frontends {
                 let value = Frontend {
@@ -258,10 +299,12 @@ impl Reconciler {
         count
     }
 
-    /// Brings the maps to `model`. Order: new/changed backend slots, then frontends (whose
-    /// backend_count then covers only written slots), then removed frontends, then slots no
-    /// frontend counts any more. A service whose backend writes failed keeps its old frontend
-    /// and old slots, so it stays consistent; the next sync retries.
+    /// Brings the maps to `model`. Order: new/changed backend slots and new source ranges, then
+    /// frontends (whose backend_count then covers only written slots, and whose source ranges
+    /// are in place before the flag that checks them), then removed frontends, then source
+    /// ranges and slots no frontend uses any more. A service whose backend or source range
+    /// writes failed keeps its old frontend and old slots, so it stays consistent; the next sync
+    /// retries.
     pub fn sync<W: MapWriter>(&mut self, model: &Model, maps: &mut W) -> SyncReport {
         let desired = self.desired(model);
         self.adopt_ids = false;
@@ -285,6 +328,27 @@ impl Reconciler {
                 Err(err) => {
                     self.failed(&mut report, "backend insert", &format!("{key:?}"), &err);
                     broken.insert(key.service_id);
+                }
+            }
+        }
+
+        for range in &desired.source_ranges {
+            if self.written.source_ranges.contains(range) {
+                continue;
+            }
+            match maps.insert_source_range(*range) {
+                Ok(()) => {
+                    self.written.source_ranges.insert(*range);
+                    report.source_ranges_added += 1;
+                }
+                Err(err) => {
+                    self.failed(
+                        &mut report,
+                        "source range insert",
+                        &format!("{range:?}"),
+                        &err,
+                    );
+                    broken.insert(range.service_id);
                 }
             }
         }
@@ -327,6 +391,29 @@ impl Reconciler {
                     report.frontends_removed += 1;
                 }
                 Err(err) => self.failed(&mut report, "frontend remove", &format!("{key:?}"), &err),
+            }
+        }
+
+        // A range that is no longer wanted only narrows who is served: removed even while a
+        // frontend of its service could not be updated.
+        let stale: Vec<SourceRange> = self
+            .written
+            .source_ranges
+            .difference(&desired.source_ranges)
+            .copied()
+            .collect();
+        for range in stale {
+            match maps.remove_source_range(range) {
+                Ok(()) => {
+                    self.written.source_ranges.remove(&range);
+                    report.source_ranges_removed += 1;
+                }
+                Err(err) => self.failed(
+                    &mut report,
+                    "source range remove",
+                    &format!("{range:?}"),
+                    &err,
+                ),
             }
         }
 
@@ -421,6 +508,8 @@ mod tests {
         RemoveBackend(BackendKey),
         InsertFrontend(FrontendKey, Frontend),
         RemoveFrontend(FrontendKey),
+        InsertSourceRange(SourceRange),
+        RemoveSourceRange(SourceRange),
     }
 
     #[derive(Debug, thiserror::Error)]
@@ -461,6 +550,16 @@ mod tests {
             self.contents.frontends.remove(&key);
             Ok(())
         }
+        fn insert_source_range(&mut self, range: SourceRange) -> Result<(), Full> {
+            self.ops.push(Op::InsertSourceRange(range));
+            self.contents.source_ranges.insert(range);
+            Ok(())
+        }
+        fn remove_source_range(&mut self, range: SourceRange) -> Result<(), Full> {
+            self.ops.push(Op::RemoveSourceRange(range));
+            self.contents.source_ranges.remove(&range);
+            Ok(())
+        }
     }
 
     const NODE: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 1);
@@ -491,6 +590,7 @@ mod tests {
                     affinity_timeout_s: None,
                     traffic: Default::default(),
                     scheduler: None,
+                    external: Default::default(),
                     ports: vec![ServicePort {
                         name: "http".into(),
                         protocol: Protocol::Tcp,
@@ -540,6 +640,95 @@ mod tests {
             desired.frontends.len(),
             4,
             "ClusterIP port, catch-all, two NodePorts"
+        );
+    }
+
+    /// externalIPs and load balancer IPs are frontends on the service port with the NodePort's
+    /// flags; only load balancer IPs check loadBalancerSourceRanges, whose entries are written
+    /// before the frontends that check them and removed after.
+    #[test]
+    fn external_and_load_balancer_ips_share_the_external_policy() {
+        let external_ip = Ipv4Addr::new(203, 0, 113, 10);
+        let lb_ip = Ipv4Addr::new(203, 0, 113, 20);
+        let range: Ipv4Net = "198.51.100.0/24".parse().unwrap();
+        let mut m = model(&[("web", 10, Some(30080), vec![endpoint(2, true)])]);
+        let web = m.services.values_mut().next().expect("web");
+        web.external = crate::model::ExternalAddresses {
+            external_ips: vec![external_ip],
+            load_balancer_ips: vec![lb_ip],
+            source_ranges: vec![range],
+        };
+        let mut r = Reconciler::new(NODE, MapContents::default());
+        let mut maps = FakeMaps::default();
+        let report = r.sync(&m, &mut maps);
+        let contents = &maps.contents;
+        assert_eq!(
+            contents.frontends[&fk(external_ip, 80)].flags,
+            FRONTEND_F_MASQUERADE
+        );
+        assert_eq!(
+            contents.frontends[&fk(lb_ip, 80)].flags,
+            FRONTEND_F_MASQUERADE | FRONTEND_F_SOURCE_RANGES
+        );
+        assert_eq!(
+            contents.frontends[&fk(NODE, 30080)].flags,
+            FRONTEND_F_MASQUERADE
+        );
+        let allowed = SourceRange {
+            service_id: 1,
+            net: range,
+        };
+        assert_eq!(contents.source_ranges, BTreeSet::from([allowed]));
+        assert_eq!(report.source_ranges_added, 1);
+        let position = |wanted: &Op| maps.ops.iter().position(|op| op == wanted);
+        let range_at = position(&Op::InsertSourceRange(allowed)).expect("range written");
+        let lb_at = maps
+            .ops
+            .iter()
+            .position(|op| matches!(op, Op::InsertFrontend(k, _) if *k == fk(lb_ip, 80)))
+            .expect("LB frontend written");
+        assert!(range_at < lb_at, "{:?}", maps.ops);
+
+        let web = m.services.values_mut().next().expect("web");
+        web.traffic.external_local = true;
+        web.external.source_ranges.clear();
+        maps.ops.clear();
+        let report = r.sync(&m, &mut maps);
+        let local = FRONTEND_F_LOCAL | FRONTEND_F_PRESERVE_SOURCE;
+        for key in [fk(external_ip, 80), fk(lb_ip, 80), fk(NODE, 30080)] {
+            assert_eq!(maps.contents.frontends[&key].flags, local, "{key:?}");
+        }
+        assert_eq!(maps.contents.frontends[&fk(lb_ip, 80)].local_count, 0);
+        assert!(maps.contents.source_ranges.is_empty());
+        assert_eq!(report.source_ranges_removed, 1);
+        assert_eq!(maps.ops.last(), Some(&Op::RemoveSourceRange(allowed)));
+        assert_eq!(maps.contents, r.written);
+    }
+
+    /// A ClusterIP service with externalIPs is externally accessible: externalTrafficPolicy
+    /// Local applies to them.
+    #[test]
+    fn external_ips_of_a_cluster_ip_service_honour_external_local() {
+        let external_ip = Ipv4Addr::new(203, 0, 113, 10);
+        let local_endpoint = Endpoint {
+            node_name: Some("me".into()),
+            ..endpoint(2, true)
+        };
+        let mut m = model(&[("web", 10, None, vec![local_endpoint, endpoint(3, true)])]);
+        let web = m.services.values_mut().next().expect("web");
+        web.traffic.external_local = true;
+        web.external.external_ips = vec![external_ip];
+        let mut r = Reconciler::new(NODE, MapContents::default()).with_node_name("me".into());
+        let desired = r.desired(&m);
+        let frontend = desired.frontends[&fk(external_ip, 80)];
+        assert_eq!(
+            frontend.flags,
+            FRONTEND_F_LOCAL | FRONTEND_F_PRESERVE_SOURCE
+        );
+        assert_eq!((frontend.backend_count, frontend.local_count), (2, 1));
+        assert_eq!(
+            desired.frontends[&fk(Ipv4Addr::new(10, 96, 0, 10), 80)].flags,
+            0
         );
     }
 
@@ -881,6 +1070,7 @@ mod tests {
             MapContents {
                 frontends: pinned.frontends.clone(),
                 backends: pinned.backends.clone(),
+                source_ranges: pinned.source_ranges.clone(),
             },
         );
         let mut maps = FakeMaps {

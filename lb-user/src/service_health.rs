@@ -217,6 +217,7 @@ mod tests {
             affinity_timeout_s: None,
             traffic,
             scheduler: None,
+            external: Default::default(),
             ports: vec![ServicePort {
                 name: String::new(),
                 protocol: Protocol::Tcp,
