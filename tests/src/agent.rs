@@ -15,6 +15,7 @@ use nix::{
 };
 
 use crate::fake_apiserver::FakeApiserver;
+use crate::netns::Netns;
 use crate::topology::{AgentNode, CLUSTER_CIDR, Topology};
 
 /// The Node name the agent runs as against a fake apiserver.
@@ -215,6 +216,18 @@ impl Agent {
         self.child.kill()?;
         bail!("agent did not exit on SIGTERM:\n{}", self.log())
     }
+}
+
+/// The datapath counter `name` of the agent running in `ns`, as `lb stats` prints it there.
+pub fn counter(ns: &Netns, name: &str) -> Result<u64> {
+    let binary = lb_binary();
+    let output = ns.exec(&binary.to_string_lossy(), &["stats"])?;
+    let text = String::from_utf8(output.stdout)?;
+    text.lines()
+        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
+        .with_context(|| format!("no counter {name} in:\n{text}"))?
+        .parse()
+        .with_context(|| format!("counter {name}"))
 }
 
 impl Drop for Agent {

@@ -23,6 +23,20 @@ pub struct ServiceManifest {
     pub internal_local: bool,
     pub health_check_node_port: Option<u16>,
     pub annotations: Vec<(String, String)>,
+    /// spec.externalIPs.
+    pub external_ips: Vec<Ipv4Addr>,
+    /// Type LoadBalancer with these status.loadBalancer.ingress entries.
+    pub load_balancer: Option<Vec<IngressManifest>>,
+    /// spec.loadBalancerSourceRanges.
+    pub source_ranges: Vec<String>,
+}
+
+/// One status.loadBalancer.ingress entry.
+#[derive(Debug, Clone)]
+pub struct IngressManifest {
+    pub ip: Ipv4Addr,
+    /// ipMode: `VIP` or `Proxy`; None leaves it out.
+    pub ip_mode: Option<&'static str>,
 }
 
 /// One endpoint of the slice.
@@ -83,7 +97,26 @@ impl ServiceManifest {
             internal_local: false,
             health_check_node_port: None,
             annotations: Vec::new(),
+            external_ips: Vec::new(),
+            load_balancer: None,
+            source_ranges: Vec::new(),
         }
+    }
+
+    pub fn external_ips(mut self, ips: impl IntoIterator<Item = Ipv4Addr>) -> Self {
+        self.external_ips = ips.into_iter().collect();
+        self
+    }
+
+    /// Type LoadBalancer (with the nodePort given or allocated) with these ingress entries.
+    pub fn load_balancer(mut self, ingress: impl IntoIterator<Item = IngressManifest>) -> Self {
+        self.load_balancer = Some(ingress.into_iter().collect());
+        self
+    }
+
+    pub fn source_ranges(mut self, ranges: &[&str]) -> Self {
+        self.source_ranges = ranges.iter().map(|r| r.to_string()).collect();
+        self
     }
 
     pub fn node_port(mut self, node_port: u16) -> Self {
@@ -149,13 +182,39 @@ impl ServiceManifest {
             internal_local,
             health_check_node_port,
             annotations,
+            external_ips,
+            load_balancer,
+            source_ranges,
         } = self;
         let proto = proto.manifest_name();
         let (kind, node_port) = match node_port {
             Some(p) => ("NodePort", format!("\n      nodePort: {p}")),
             None => ("ClusterIP", String::new()),
         };
+        let mut status = String::new();
+        let kind = match load_balancer {
+            Some(ingress) => {
+                status.push_str("status:\n  loadBalancer:\n    ingress:\n");
+                for entry in ingress {
+                    let _ = writeln!(status, "      - ip: {}", entry.ip);
+                    if let Some(mode) = entry.ip_mode {
+                        let _ = writeln!(status, "        ipMode: {mode}");
+                    }
+                }
+                "LoadBalancer"
+            }
+            None => kind,
+        };
         let mut spec = String::new();
+        let list = |items: Vec<String>| format!("[{}]", items.join(", "));
+        if !external_ips.is_empty() {
+            let ips = list(external_ips.iter().map(Ipv4Addr::to_string).collect());
+            let _ = writeln!(spec, "  externalIPs: {ips}");
+        }
+        if !source_ranges.is_empty() {
+            let ranges = list(source_ranges.iter().map(|r| format!("\"{r}\"")).collect());
+            let _ = writeln!(spec, "  loadBalancerSourceRanges: {ranges}");
+        }
         if let Some(timeout) = affinity_timeout {
             let _ = write!(
                 spec,
@@ -192,7 +251,7 @@ metadata:
       protocol: {proto}
       port: {port}
       targetPort: app{node_port}
----
+{status}---
 apiVersion: discovery.k8s.io/v1
 kind: EndpointSlice
 metadata:
