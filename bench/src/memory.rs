@@ -31,7 +31,11 @@ pub fn maps() -> Result<Vec<MapMemory>> {
                 .take_map(name)
                 .with_context(|| format!("no map {name}"))?;
             let data = match &map {
-                Map::HashMap(d) | Map::LruHashMap(d) | Map::Array(d) | Map::PerCpuArray(d) => d,
+                Map::HashMap(d)
+                | Map::LruHashMap(d)
+                | Map::Array(d)
+                | Map::PerCpuArray(d)
+                | Map::LpmTrie(d) => d,
                 _ => anyhow::bail!("map {name}: unexpected type"),
             };
             let max_entries = data.info()?.max_entries();
