@@ -120,6 +120,7 @@ pub async fn run(args: AgentArgs) -> Result<()> {
         reconciler: Reconciler::new(node_ip, existing)
             .with_node_port_addresses(node_port_addrs)
             .with_node_name(node_name(&args)?)
+            .with_zone(args.zone.clone())
             .with_default_scheduler(args.scheduler),
         node_ports: NodePortAllocator::new(args.nodeport_range.clone()),
         datapath,

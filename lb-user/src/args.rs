@@ -40,6 +40,11 @@ pub struct AgentArgs {
     /// environment variable, else the hostname.
     #[arg(long, value_name = "NAME")]
     pub hostname_override: Option<String>,
+    /// This node's topology.kubernetes.io/zone: Cluster traffic goes only to the endpoints
+    /// hinted for it (EndpointSlice hints.forZones) when every ready endpoint has hints, as
+    /// kube-proxy does; without it, hints are ignored.
+    #[arg(long, value_name = "ZONE", default_value = "")]
+    pub zone: String,
     /// The node's address: NodePort frontends and the masquerade source. Required with
     /// --manifests; from the apiserver, default the Node's first InternalIP (else ExternalIP).
     #[arg(long, value_name = "IPV4")]

@@ -318,6 +318,12 @@ pub fn endpoint_slice(slice: &EndpointSlice) -> Result<Option<SliceSpec>, Invali
                 terminating,
             },
             node_name: e.node_name.clone(),
+            zone_hints: e
+                .hints
+                .iter()
+                .flat_map(|h| h.for_zones.iter().flatten())
+                .map(|z| z.name.clone())
+                .collect(),
         });
     }
 
@@ -621,6 +627,7 @@ status:
                     addr: Ipv4Addr::new(10, 244, 1, 2),
                     conditions: Conditions::READY,
                     node_name: None,
+                    zone_hints: Default::default(),
                 },
                 SliceEndpoint {
                     addr: Ipv4Addr::new(10, 244, 1, 3),
@@ -630,6 +637,7 @@ status:
                         terminating: false
                     },
                     node_name: None,
+                    zone_hints: Default::default(),
                 },
             ]
         );
@@ -638,12 +646,16 @@ status:
     #[test]
     fn endpoint_conditions_node_and_traffic_policies() {
         let spec = endpoint_slice(&slice(
-            "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: web-abc\n  labels: {kubernetes.io/service-name: web}\naddressType: IPv4\nendpoints:\n- addresses: [10.244.1.2]\n  nodeName: n1\n  conditions: {ready: false, serving: true, terminating: true}\n",
+            "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: web-abc\n  labels: {kubernetes.io/service-name: web}\naddressType: IPv4\nendpoints:\n- addresses: [10.244.1.2]\n  nodeName: n1\n  conditions: {ready: false, serving: true, terminating: true}\n  hints: {forZones: [{name: zone-b}, {name: zone-a}]}\n",
         ))
         .unwrap()
         .unwrap();
         let e = &spec.endpoints[0];
         assert_eq!(e.node_name.as_deref(), Some("n1"));
+        assert_eq!(
+            e.zone_hints.iter().collect::<Vec<_>>(),
+            ["zone-a", "zone-b"]
+        );
         assert!(!e.conditions.ready && e.conditions.serving && e.conditions.terminating);
 
         let spec = service(&svc(&format!(

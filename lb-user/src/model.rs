@@ -188,6 +188,8 @@ pub struct SliceEndpoint {
     pub conditions: Conditions,
     /// The node the endpoint runs on.
     pub node_name: Option<String>,
+    /// hints.forZones: the zones whose nodes should use it (topology-aware routing).
+    pub zone_hints: BTreeSet<String>,
 }
 
 /// An endpoint's conditions, as kube-proxy reads them.
@@ -251,6 +253,8 @@ pub struct Endpoint {
     pub port: u16,
     pub conditions: Conditions,
     pub node_name: Option<String>,
+    /// hints.forZones.
+    pub zone_hints: BTreeSet<String>,
 }
 
 impl Endpoint {
@@ -271,16 +275,24 @@ impl Endpoint {
 
 impl ServicePort {
     /// kube-proxy's CategorizeEndpoints: the endpoints traffic policy Cluster uses (ready ones,
-    /// else serving terminating ones), and those Local uses (the same rule among the endpoints on
-    /// `node_name`).
-    pub fn policy_endpoints(&self, node_name: &str) -> (Vec<&Endpoint>, Vec<&Endpoint>) {
+    /// only those hinted for `zone` when [`ServicePort::prefers_zone`]; else serving terminating
+    /// ones), and those Local uses (the same rule among the endpoints on `node_name`, without
+    /// topology).
+    pub fn policy_endpoints(
+        &self,
+        node_name: &str,
+        zone: &str,
+    ) -> (Vec<&Endpoint>, Vec<&Endpoint>) {
+        let same_zone = self.prefers_zone(zone);
         let usable = |local: bool| {
             let candidates = || {
                 self.endpoints
                     .iter()
                     .filter(move |e| !local || e.on_node(node_name))
             };
-            let ready: Vec<&Endpoint> = candidates().filter(|e| e.ready()).collect();
+            let ready: Vec<&Endpoint> = candidates()
+                .filter(|e| e.ready() && (local || !same_zone || e.zone_hints.contains(zone)))
+                .collect();
             if ready.is_empty() {
                 candidates().filter(|e| e.serving_terminating()).collect()
             } else {
@@ -288,6 +300,17 @@ impl ServicePort {
             }
         };
         (usable(false), usable(true))
+    }
+
+    /// kube-proxy's topology-aware routing (hints from the EndpointSlice controller, set for
+    /// trafficDistribution PreferClose/PreferSameZone or topology-mode Auto): every ready
+    /// endpoint has zone hints and one is hinted for `zone`, this node's. Otherwise hints are
+    /// ignored, so a zone without endpoints still gets all of them.
+    pub fn prefers_zone(&self, zone: &str) -> bool {
+        let mut ready = self.endpoints.iter().filter(|e| e.ready()).peekable();
+        ready.peek().is_some()
+            && ready.clone().all(|e| !e.zone_hints.is_empty())
+            && ready.any(|e| e.zone_hints.contains(zone))
     }
 }
 
@@ -407,7 +430,8 @@ impl Model {
 }
 
 fn endpoints_of(port: &PortSpec, slices: &[&SliceSpec]) -> Vec<Endpoint> {
-    let mut by_addr: BTreeMap<(Ipv4Addr, u16), (Conditions, Option<String>)> = BTreeMap::new();
+    type Seen = (Conditions, Option<String>, BTreeSet<String>);
+    let mut by_addr: BTreeMap<(Ipv4Addr, u16), Seen> = BTreeMap::new();
     for slice in slices {
         let Some(slice_port) = slice
             .ports
@@ -423,23 +447,29 @@ fn endpoints_of(port: &PortSpec, slices: &[&SliceSpec]) -> Vec<Endpoint> {
         for e in &slice.endpoints {
             by_addr
                 .entry((e.addr, number))
-                .and_modify(|(conditions, node)| {
+                .and_modify(|(conditions, node, zones)| {
                     *conditions = conditions.merge(e.conditions);
                     if node.is_none() {
                         node.clone_from(&e.node_name);
                     }
+                    if zones.is_empty() {
+                        zones.clone_from(&e.zone_hints);
+                    }
                 })
-                .or_insert_with(|| (e.conditions, e.node_name.clone()));
+                .or_insert_with(|| (e.conditions, e.node_name.clone(), e.zone_hints.clone()));
         }
     }
     by_addr
         .into_iter()
-        .map(|((addr, port), (conditions, node_name))| Endpoint {
-            addr,
-            port,
-            conditions,
-            node_name,
-        })
+        .map(
+            |((addr, port), (conditions, node_name, zone_hints))| Endpoint {
+                addr,
+                port,
+                conditions,
+                node_name,
+                zone_hints,
+            },
+        )
         .collect()
 }
 
@@ -491,6 +521,7 @@ mod tests {
                 terminating: false,
             },
             node_name: None,
+            zone_hints: BTreeSet::new(),
         }
     }
 
@@ -604,6 +635,7 @@ mod tests {
             port: 80,
             conditions,
             node_name: Some(node.into()),
+            zone_hints: BTreeSet::new(),
         }
     }
 
@@ -632,7 +664,7 @@ mod tests {
             target_port: TargetPort::Number(80),
             endpoints,
         };
-        let (cluster, local) = port.policy_endpoints("me");
+        let (cluster, local) = port.policy_endpoints("me", "");
         let last = |e: &[&Endpoint]| e.iter().map(|e| e.addr.octets()[3]).collect();
         (last(&cluster), last(&local))
     }
@@ -673,6 +705,73 @@ mod tests {
                 endpoint(6, TERMINATING, "me")
             ]),
             (vec![3], vec![])
+        );
+    }
+
+    fn hinted(last: u8, conditions: Conditions, node: &str, zones: &[&str]) -> Endpoint {
+        Endpoint {
+            zone_hints: zones.iter().map(|z| z.to_string()).collect(),
+            ..endpoint(last, conditions, node)
+        }
+    }
+
+    fn categorized_in(zone: &str, endpoints: Vec<Endpoint>) -> (Vec<u8>, Vec<u8>) {
+        let port = ServicePort {
+            name: String::new(),
+            protocol: Protocol::Tcp,
+            port: 80,
+            node_port: None,
+            target_port: TargetPort::Number(80),
+            endpoints,
+        };
+        let (cluster, local) = port.policy_endpoints("me", zone);
+        let last = |e: &[&Endpoint]| e.iter().map(|e| e.addr.octets()[3]).collect();
+        (last(&cluster), last(&local))
+    }
+
+    /// kube-proxy's topology-aware routing: the Cluster list keeps the endpoints hinted for this
+    /// zone only when every ready endpoint has hints and one is for this zone; the Local list
+    /// ignores hints.
+    #[test]
+    fn zone_hints_narrow_the_cluster_list() {
+        use Conditions as C;
+        let endpoints = || {
+            vec![
+                hinted(2, C::READY, "other", &["a"]),
+                hinted(3, C::READY, "me", &["b"]),
+                hinted(4, C::READY, "other", &["b", "c"]),
+                hinted(5, NOT_READY, "other", &[]),
+            ]
+        };
+        assert_eq!(categorized_in("b", endpoints()), (vec![3, 4], vec![3]));
+        assert_eq!(categorized_in("a", endpoints()), (vec![2], vec![3]));
+        assert_eq!(
+            categorized_in("d", endpoints()),
+            (vec![2, 3, 4], vec![3]),
+            "no endpoint for this zone: hints ignored"
+        );
+        assert_eq!(
+            categorized_in("", endpoints()),
+            (vec![2, 3, 4], vec![3]),
+            "zone unknown: hints ignored"
+        );
+        let mut partly = endpoints();
+        partly[0].zone_hints.clear();
+        assert_eq!(
+            categorized_in("b", partly),
+            (vec![2, 3, 4], vec![3]),
+            "a ready endpoint without hints: hints ignored"
+        );
+        assert_eq!(
+            categorized_in(
+                "a",
+                vec![
+                    hinted(2, SERVING_TERMINATING, "other", &["a"]),
+                    hinted(3, SERVING_TERMINATING, "me", &["b"]),
+                ]
+            ),
+            (vec![2, 3], vec![3]),
+            "no ready endpoint: serving terminating ones, without topology"
         );
     }
 

@@ -75,6 +75,8 @@ pub struct Reconciler {
     node_port_addrs: Vec<Ipv4Addr>,
     /// This node's name: endpoints with this nodeName are local (traffic policy Local).
     node_name: String,
+    /// This node's topology.kubernetes.io/zone, for topology hints; "" ignores them.
+    zone: String,
     /// The scheduler of services without the annotation.
     default_scheduler: Scheduler,
     /// Service id of every service port of the last sync.
@@ -103,6 +105,7 @@ impl Reconciler {
         Self {
             node_port_addrs: vec![node_addr],
             node_name: String::new(),
+            zone: String::new(),
             default_scheduler: Scheduler::default(),
             ids: BTreeMap::new(),
             next_id: max_id + 1,
@@ -115,6 +118,12 @@ impl Reconciler {
     /// This node's name, which makes endpoints local; without it none is.
     pub fn with_node_name(mut self, node_name: String) -> Self {
         self.node_name = node_name;
+        self
+    }
+
+    /// This node's zone: Cluster lists prefer the endpoints hinted for it.
+    pub fn with_zone(mut self, zone: String) -> Self {
+        self.zone = zone;
         self
     }
 
@@ -179,7 +188,7 @@ impl Reconciler {
                 traffic.external_local && (port.node_port.is_some() || !external.is_empty());
             let scheduler = service.scheduler.unwrap_or(self.default_scheduler);
             let maglev = scheduler == Scheduler::Maglev;
-            let (cluster, local) = port.policy_endpoints(&self.node_name);
+            let (cluster, local) = port.policy_endpoints(&self.node_name, &self.zone);
             let backend_count = self.list(service_id, 0, &cluster, maglev, &mut desired);
             // The Local list is only written for a port whose traffic uses it.
             let local_count = if traffic.internal_local || external_local {
@@ -574,6 +583,7 @@ mod tests {
                 terminating: false,
             },
             node_name: None,
+            zone_hints: BTreeSet::new(),
         }
     }
 
@@ -712,6 +722,7 @@ mod tests {
         let external_ip = Ipv4Addr::new(203, 0, 113, 10);
         let local_endpoint = Endpoint {
             node_name: Some("me".into()),
+            zone_hints: BTreeSet::new(),
             ..endpoint(2, true)
         };
         let mut m = model(&[("web", 10, None, vec![local_endpoint, endpoint(3, true)])]);
@@ -790,6 +801,7 @@ mod tests {
     fn traffic_policy_local_gets_a_list_of_this_nodes_endpoints() {
         let on = |last, node: &str| Endpoint {
             node_name: Some(node.into()),
+            zone_hints: BTreeSet::new(),
             ..endpoint(last, true)
         };
         let mut m = model(&[(

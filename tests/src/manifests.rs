@@ -47,6 +47,8 @@ pub struct EndpointManifest {
     pub serving: bool,
     pub terminating: bool,
     pub node_name: Option<String>,
+    /// hints.forZones.
+    pub zone_hints: Vec<String>,
 }
 
 impl EndpointManifest {
@@ -57,6 +59,7 @@ impl EndpointManifest {
             serving: true,
             terminating: false,
             node_name: None,
+            zone_hints: Vec::new(),
         }
     }
 
@@ -72,6 +75,12 @@ impl EndpointManifest {
 
     pub fn on_node(mut self, node: &str) -> Self {
         self.node_name = Some(node.to_string());
+        self
+    }
+
+    /// A topology hint for `zone` (as the EndpointSlice controller sets them).
+    pub fn hinted_for(mut self, zone: &str) -> Self {
+        self.zone_hints.push(zone.to_string());
         self
     }
 }
@@ -279,6 +288,14 @@ endpoints:
             );
             if let Some(node) = &e.node_name {
                 let _ = writeln!(yaml, "    nodeName: {node}");
+            }
+            if !e.zone_hints.is_empty() {
+                let zones: Vec<String> = e
+                    .zone_hints
+                    .iter()
+                    .map(|z| format!("{{name: {z}}}"))
+                    .collect();
+                let _ = writeln!(yaml, "    hints: {{forZones: [{}]}}", zones.join(", "));
             }
         }
         yaml
