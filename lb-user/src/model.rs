@@ -655,18 +655,9 @@ mod tests {
         terminating: true,
     };
 
+    /// The Cluster and Local lists on node "me" without a zone.
     fn categorized(endpoints: Vec<Endpoint>) -> (Vec<u8>, Vec<u8>) {
-        let port = ServicePort {
-            name: String::new(),
-            protocol: Protocol::Tcp,
-            port: 80,
-            node_port: None,
-            target_port: TargetPort::Number(80),
-            endpoints,
-        };
-        let (cluster, local) = port.policy_endpoints("me", "");
-        let last = |e: &[&Endpoint]| e.iter().map(|e| e.addr.octets()[3]).collect();
-        (last(&cluster), last(&local))
+        categorized_in("", endpoints)
     }
 
     /// kube-proxy's rules: ready first; serving terminating ones only when none is ready, and
@@ -715,6 +706,7 @@ mod tests {
         }
     }
 
+    /// The last address bytes of the Cluster and Local lists on node "me" in `zone`.
     fn categorized_in(zone: &str, endpoints: Vec<Endpoint>) -> (Vec<u8>, Vec<u8>) {
         let port = ServicePort {
             name: String::new(),
