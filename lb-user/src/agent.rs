@@ -71,6 +71,10 @@ pub async fn run(args: AgentArgs) -> Result<()> {
         Some(ip) => ip,
         None => source.node_ip().await,
     };
+    let zone = match args.zone.as_str() {
+        "" => source.node_zone().await,
+        zone => zone.to_string(),
+    };
 
     bpffs::ensure(&args.bpffs)?;
     let mut datapath = Datapath::load(
@@ -120,7 +124,7 @@ pub async fn run(args: AgentArgs) -> Result<()> {
         reconciler: Reconciler::new(node_ip, existing)
             .with_node_port_addresses(node_port_addrs)
             .with_node_name(node_name(&args)?)
-            .with_zone(args.zone.clone())
+            .with_zone(zone)
             .with_default_scheduler(args.scheduler),
         node_ports: NodePortAllocator::new(args.nodeport_range.clone()),
         datapath,
@@ -303,6 +307,22 @@ impl Source {
             }
             api.next().await;
         }
+    }
+
+    /// This node's zone label, once its Node is listed ("" without one, or from manifests).
+    async fn node_zone(&mut self) -> String {
+        let Source::Api(api) = self else {
+            return String::new();
+        };
+        while !api.node_listed() {
+            api.next().await;
+        }
+        let zone = api
+            .node()
+            .as_deref()
+            .and_then(apiserver::node_zone)
+            .map(str::to_string);
+        zone.unwrap_or_default()
     }
 
     /// None (and an error logged) when the source's state is unusable: the maps stay as they are.

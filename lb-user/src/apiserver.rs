@@ -290,6 +290,18 @@ impl ApiSource {
     }
 }
 
+/// The Node label that names its zone, which topology hints refer to.
+pub const ZONE_LABEL: &str = "topology.kubernetes.io/zone";
+
+/// The Node's zone, if labelled.
+pub fn node_zone(node: &Node) -> Option<&str> {
+    node.metadata
+        .labels
+        .as_ref()?
+        .get(ZONE_LABEL)
+        .map(String::as_str)
+}
+
 /// The node address: its first IPv4 InternalIP, else its first IPv4 ExternalIP (as kube-proxy
 /// picks the node's host IP).
 pub fn node_ip(node: &Node) -> Option<Ipv4Addr> {
@@ -384,7 +396,9 @@ fn trigger_time<K: kube::Resource>(object: &K) -> Option<Timestamp> {
 
 fn trim_service(svc: &mut Service) {
     svc.metadata.managed_fields = None;
-    svc.metadata.annotations = None;
+    if let Some(annotations) = &mut svc.metadata.annotations {
+        annotations.retain(|k, _| k == k8s::SCHEDULER_ANNOTATION);
+    }
     // The load balancer ingress IPs are served; the conditions are not read.
     svc.status = svc.status.take().map(|status| ServiceStatus {
         load_balancer: status.load_balancer,
@@ -402,7 +416,9 @@ fn trim_slice(slice: &mut EndpointSlice) {
 fn trim_node(node: &mut Node) {
     node.metadata.managed_fields = None;
     node.metadata.annotations = None;
-    node.metadata.labels = None;
+    if let Some(labels) = &mut node.metadata.labels {
+        labels.retain(|k, _| k == ZONE_LABEL);
+    }
     node.status = node.status.take().map(|s| NodeStatus {
         addresses: s.addresses,
         ..Default::default()
@@ -454,5 +470,21 @@ mod tests {
             Some("2025-03-01T10:00:00Z".parse().unwrap())
         );
         assert_eq!(slice.metadata.annotations.unwrap().len(), 1);
+
+        let mut svc: Service = serde_yaml::from_str(
+            "metadata:\n  name: web\n  annotations: {lb.kubernetes.io/scheduler: maglev, other: x}\n",
+        )
+        .unwrap();
+        trim_service(&mut svc);
+        let annotations = svc.metadata.annotations.unwrap();
+        assert_eq!(annotations.len(), 1);
+        assert_eq!(annotations[k8s::SCHEDULER_ANNOTATION], "maglev");
+
+        let mut n = node(
+            "metadata:\n  name: n1\n  labels: {topology.kubernetes.io/zone: zone-b, other: x}\n",
+        );
+        trim_node(&mut n);
+        assert_eq!(n.metadata.labels.as_ref().unwrap().len(), 1);
+        assert_eq!(node_zone(&n), Some("zone-b"));
     }
 }

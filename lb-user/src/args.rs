@@ -40,9 +40,10 @@ pub struct AgentArgs {
     /// environment variable, else the hostname.
     #[arg(long, value_name = "NAME")]
     pub hostname_override: Option<String>,
-    /// This node's topology.kubernetes.io/zone: Cluster traffic goes only to the endpoints
-    /// hinted for it (EndpointSlice hints.forZones) when every ready endpoint has hints, as
-    /// kube-proxy does; without it, hints are ignored.
+    /// This node's zone: Cluster traffic goes only to the endpoints hinted for it
+    /// (EndpointSlice hints.forZones) when every ready endpoint has hints, as kube-proxy does.
+    /// Default: the Node's topology.kubernetes.io/zone label (read at start); without a zone,
+    /// hints are ignored.
     #[arg(long, value_name = "ZONE", default_value = "")]
     pub zone: String,
     /// The node's address: NodePort frontends and the masquerade source. Required with
