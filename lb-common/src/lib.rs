@@ -14,7 +14,7 @@ pub mod map_name {
     pub const BACKENDS: &str = "LB_BACKEND_V1";
     pub const CONNTRACK: &str = "LB_CT_V1";
     pub const CONFIG: &str = "LB_CONFIG_V1";
-    pub const COUNTERS: &str = "LB_COUNTER_V3";
+    pub const COUNTERS: &str = "LB_COUNTER_V4";
     pub const AFFINITY: &str = "LB_AFFINITY_V1";
     pub const ROUND_ROBIN: &str = "LB_RR_V1";
     pub const ALL: [&str; 7] = [
@@ -32,6 +32,8 @@ pub mod map_name {
 pub mod program_name {
     /// tc ingress on every interface where traffic enters the node (external and pod-side).
     pub const INGRESS: &str = "lb_ingress";
+    /// XDP on the external interface (`lb agent --xdp`): the fast path of external traffic.
+    pub const XDP: &str = "lb_xdp";
 }
 
 pub const IPPROTO_ICMP: u8 = 1;
@@ -339,10 +341,16 @@ pub enum Counter {
     /// A new connection to a service without endpoints, or to a port a ClusterIP does not
     /// define: answered with ICMP port unreachable.
     Rejected,
+    /// XDP translated a packet and redirected it (counted with NewConnection or Translated).
+    XdpForwarded,
+    /// XDP left a packet untouched to the stack, where tc handles and counts it: not service
+    /// traffic, one tc must answer (REJECT, TTL 1), or one whose next hop's MAC is unresolved.
+    /// Such a packet of a new connection counts NewConnection in XDP, then Translated in tc.
+    XdpPassed,
 }
 
 impl Counter {
-    pub const COUNT: u32 = 12;
+    pub const COUNT: u32 = 14;
     pub const ALL: [Counter; Self::COUNT as usize] = [
         Counter::NewConnection,
         Counter::Masqueraded,
@@ -356,6 +364,8 @@ impl Counter {
         Counter::DropRewriteFailed,
         Counter::FibFallback,
         Counter::Rejected,
+        Counter::XdpForwarded,
+        Counter::XdpPassed,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -372,6 +382,8 @@ impl Counter {
             Counter::DropRewriteFailed => "drop_rewrite_failed",
             Counter::FibFallback => "fib_fallback",
             Counter::Rejected => "rejected",
+            Counter::XdpForwarded => "xdp_forwarded",
+            Counter::XdpPassed => "xdp_passed",
         }
     }
 }

@@ -37,12 +37,12 @@ static ROUND_ROBIN: LruHashMap<u32, u32> =
 #[map(name = "LB_CONFIG_V1")]
 static CONFIG: Array<Config> = Array::with_max_entries(1, 0);
 
-#[map(name = "LB_COUNTER_V3")]
+#[map(name = "LB_COUNTER_V4")]
 static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(Counter::COUNT, 0);
 
 pub fn count(counter: Counter) {
     if let Some(slot) = COUNTERS.get_ptr_mut(counter as u32) {
-        // SAFETY: the slot is this CPU's own, and a tc program is not preempted while it runs.
+        // SAFETY: the slot is this CPU's own, and a tc or XDP program is not preempted while it runs.
         unsafe { *slot += 1 };
     }
 }
