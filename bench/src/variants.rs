@@ -38,6 +38,9 @@ pub enum Variant {
     Nftables,
     /// This project's agent and tc datapath.
     Tc,
+    /// The agent with `--xdp`: `lb_xdp` on the node's external interface as well. Not in `ALL`:
+    /// the B2/B3 client is a pod, whose traffic enters on a pod veth, where XDP never runs.
+    Xdp,
 }
 
 impl Variant {
@@ -56,13 +59,14 @@ impl Variant {
             Variant::IptablesLegacy => "iptables-legacy",
             Variant::Nftables => "nftables",
             Variant::Tc => "tc",
+            Variant::Xdp => "xdp",
         }
     }
 
     /// The program that loads this variant's rules, if it has one.
     pub fn loader(self) -> Option<&'static str> {
         match self {
-            Variant::Direct | Variant::Tc => None,
+            Variant::Direct | Variant::Tc | Variant::Xdp => None,
             Variant::IptablesNft => Some("iptables-nft-restore"),
             Variant::IptablesLegacy => Some("iptables-legacy-restore"),
             Variant::Nftables => Some("nft"),
@@ -83,7 +87,7 @@ impl Variant {
 /// A variant deployed in its topology, with the bench servers running in the backends.
 pub struct Deployment {
     pub variant: Variant,
-    /// Set for `tc`.
+    /// Set for `tc` and `xdp`.
     agent: Option<Agent>,
     /// The agent's flags beyond the topology's and --bpffs.
     agent_args: Vec<String>,
@@ -96,7 +100,7 @@ pub struct Deployment {
 
 impl Deployment {
     /// `bpffs`: a directory on a bpffs the agent pins its maps in (one per deployment), so the
-    /// bench can read them. `agent_args`: more flags for the agent (`tc` only).
+    /// bench can read them. `agent_args`: more flags for the agent (`tc` and `xdp` only).
     pub fn new(variant: Variant, bpffs: &Path, agent_args: &[&str]) -> Result<Self> {
         let topology = BenchTopology::new()?;
         let servers = [
@@ -156,12 +160,15 @@ impl Deployment {
                 )?;
                 Ok(start.elapsed())
             }
-            Variant::Tc => {
+            Variant::Tc | Variant::Xdp => {
                 let yaml = set.yaml();
                 match &mut self.agent {
                     None => {
                         let start = Instant::now();
                         let mut args = vec!["--bpffs", self.bpffs.to_str().expect("utf-8 path")];
+                        if self.variant == Variant::Xdp {
+                            args.push("--xdp");
+                        }
                         args.extend(self.agent_args.iter().map(String::as_str));
                         self.agent = Some(
                             Agent::start(&self.topology.inner, &yaml, &args)

@@ -34,6 +34,8 @@ pub mod map_name {
 pub mod program_name {
     /// tc ingress on every interface where traffic enters the node (external and pod-side).
     pub const INGRESS: &str = "lb_ingress";
+    /// XDP on the external interface (`lb agent --xdp`): the fast path of external traffic.
+    pub const XDP: &str = "lb_xdp";
 }
 
 pub const IPPROTO_ICMP: u8 = 1;
@@ -370,10 +372,16 @@ pub enum Counter {
     /// Dropped: a new connection to a LoadBalancer IP from a source outside the service's
     /// loadBalancerSourceRanges.
     DropSourceRange,
+    /// XDP translated a packet and redirected it (counted with NewConnection or Translated).
+    XdpForwarded,
+    /// XDP left a packet untouched to the stack, where tc handles and counts it: not service
+    /// traffic, one tc must answer (REJECT, TTL 1), or one whose next hop's MAC is unresolved.
+    /// Such a packet of a new connection counts NewConnection in XDP, then Translated in tc.
+    XdpPassed,
 }
 
 impl Counter {
-    pub const COUNT: u32 = 13;
+    pub const COUNT: u32 = 15;
     pub const ALL: [Counter; Self::COUNT as usize] = [
         Counter::NewConnection,
         Counter::Masqueraded,
@@ -388,6 +396,8 @@ impl Counter {
         Counter::FibFallback,
         Counter::Rejected,
         Counter::DropSourceRange,
+        Counter::XdpForwarded,
+        Counter::XdpPassed,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -405,6 +415,8 @@ impl Counter {
             Counter::FibFallback => "fib_fallback",
             Counter::Rejected => "rejected",
             Counter::DropSourceRange => "drop_source_range",
+            Counter::XdpForwarded => "xdp_forwarded",
+            Counter::XdpPassed => "xdp_passed",
         }
     }
 }

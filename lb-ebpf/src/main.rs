@@ -1,6 +1,8 @@
-//! The tc datapath: one classifier at the ingress of every interface where traffic enters the
-//! node. Service traffic is translated there in both directions and forwarded to its egress
-//! interface; everything else passes untouched.
+//! The datapath: `lb_ingress`, a tc classifier at the ingress of every interface where traffic
+//! enters the node, and `lb_xdp`, its fast path on the external interface. Service traffic is
+//! translated in both directions and forwarded to its egress interface; everything else passes
+//! untouched. Both run the same translation core (translate.rs) over their own packet access
+//! (packet.rs).
 #![no_std]
 #![no_main]
 
@@ -10,18 +12,23 @@ mod forward;
 mod maps;
 mod masquerade;
 mod nat;
+mod packet;
 mod parse;
 mod reject;
 mod service;
+mod translate;
 
 use aya_ebpf::{
-    bindings::{TC_ACT_OK, TC_ACT_SHOT},
-    macros::classifier,
-    programs::TcContext,
+    bindings::{
+        TC_ACT_OK, TC_ACT_SHOT,
+        xdp_action::{XDP_DROP, XDP_PASS},
+    },
+    macros::{classifier, xdp},
+    programs::{TcContext, XdpContext},
 };
-use lb_common::{CONFIG_F_READY, Config, ConntrackKey, Counter, Frontend};
+use lb_common::Counter;
 
-use crate::{conntrack::Connection, service::Backends};
+use crate::{forward::NextHop, translate::Translation};
 
 #[classifier]
 pub fn lb_ingress(ctx: TcContext) -> i32 {
@@ -29,77 +36,72 @@ pub fn lb_ingress(ctx: TcContext) -> i32 {
         Ok(action) => action,
         Err(reason) => {
             maps::count(reason);
-            verdict(reason)
-        }
-    }
-}
-
-/// `Err` carries the counter of why the packet is not translated.
-fn try_ingress(ctx: &TcContext) -> Result<i32, Counter> {
-    let config = maps::config()
-        .filter(|config| config.flags & CONFIG_F_READY != 0)
-        .ok_or(Counter::Passed)?;
-    let packet = parse::packet(ctx)?;
-    // The stack answers an expiring packet (ICMP time exceeded) about the address the client
-    // used, so it must see the packet untranslated.
-    if packet.ttl <= 1 {
-        return Err(Counter::Passed);
-    }
-    let now = maps::now_ns();
-    let to = match conntrack::lookup(&packet, now) {
-        Some(to) => {
-            maps::count(Counter::Translated);
-            to
-        }
-        None => {
-            let frontend = service::frontend(&packet.tuple)?;
-            let backends = service::backends(&config, &frontend, packet.tuple.src_addr);
-            if backends.count == 0 {
-                // kube-proxy rejects when the service has no endpoints at all, and drops when
-                // traffic policy Local finds none on this node.
-                if frontend.backend_count != 0 {
-                    return Err(Counter::DropNoLocalBackend);
-                }
-                maps::count(Counter::Rejected);
-                return reject::port_unreachable(ctx, &packet);
+            if passes(reason) {
+                TC_ACT_OK
+            } else {
+                TC_ACT_SHOT
             }
-            connect(&config, &frontend, &backends, &packet.tuple, now)?
         }
-    };
-    nat::rewrite(ctx, &packet, &to)?;
-    forward::forward(ctx, &packet, &to)
+    }
 }
 
-/// A packet without a live connection to `frontend`: pick a backend of `backends` (not empty)
-/// and track the new connection. Returns the tuple to rewrite the packet to.
-fn connect(
-    config: &Config,
-    frontend: &Frontend,
-    backends: &Backends,
-    tuple: &ConntrackKey,
-    now: u64,
-) -> Result<ConntrackKey, Counter> {
-    let backend = service::select_backend(frontend, backends, tuple, now)?;
-    let connection = Connection::new(tuple, frontend.service_id, &backend, now);
-    let masquerade = masquerade::needed(config, frontend, tuple.src_addr, &backend);
-    let to = if masquerade {
-        masquerade::claim_source(config, &connection)?
-    } else {
-        connection.track_reply()?
-    };
-    connection.track_original(&to, masquerade)?;
-    maps::count(Counter::NewConnection);
-    if masquerade {
-        maps::count(Counter::Masqueraded);
+fn try_ingress(ctx: &TcContext) -> Result<i32, Counter> {
+    match translate::translation(ctx)? {
+        Translation::To { packet, to } => {
+            nat::rewrite(ctx, &packet, &to)?;
+            forward::forward_tc(ctx, &packet, &to)
+        }
+        Translation::Reject(packet) => {
+            maps::count(Counter::Rejected);
+            reject::port_unreachable(ctx, &packet)
+        }
     }
-    Ok(to)
 }
 
-fn verdict(reason: Counter) -> i32 {
-    match reason {
-        Counter::Passed | Counter::PassedUnparsed => TC_ACT_OK,
-        _ => TC_ACT_SHOT,
+/// What `lb_xdp` does not finish goes to the stack untouched, where `lb_ingress` (attached to the
+/// same interface) handles it and counts why; XDP counts only that it passed.
+#[xdp]
+pub fn lb_xdp(ctx: XdpContext) -> u32 {
+    match try_xdp(&ctx) {
+        Ok(action) => action,
+        Err(reason) if passes(reason) => {
+            maps::count(Counter::XdpPassed);
+            XDP_PASS
+        }
+        Err(reason) => {
+            maps::count(reason);
+            XDP_DROP
+        }
     }
+}
+
+fn try_xdp(ctx: &XdpContext) -> Result<u32, Counter> {
+    match translate::translation(ctx)? {
+        Translation::To { packet, to } => {
+            // Decided before the packet is touched. Passing it translated would be wrong twice:
+            // tc's conntrack lookup of the translated tuple misses (entries are keyed by the
+            // tuples packets arrive with), and the stack drops a masqueraded source, its own
+            // address, as a martian. Passed untouched, tc's lookup finds the entry this run
+            // created or refreshed, applies the same rewrite and resolves the neighbour itself.
+            let NextHop::Resolved { ifindex, macs } = forward::next_hop(ctx, &packet, &to) else {
+                return Err(Counter::XdpPassed);
+            };
+            nat::rewrite(ctx, &packet, &to)?;
+            let action = forward::redirect(ctx, &packet, ifindex, &macs)?;
+            maps::count(Counter::XdpForwarded);
+            Ok(action as u32)
+        }
+        // The ICMP error is built by tc, which can resize the packet's skb.
+        Translation::Reject(_) => Err(Counter::XdpPassed),
+    }
+}
+
+/// Whether a packet that is not translated goes on (to the stack) rather than being dropped.
+fn passes(reason: Counter) -> bool {
+    matches!(
+        reason,
+        Counter::Passed | Counter::PassedUnparsed | Counter::XdpPassed
+    )
 }
 
 #[cfg(not(test))]

@@ -47,7 +47,7 @@ static SOURCE_RANGES: LpmTrie<SourceRangeKey, u8> =
 
 pub fn count(counter: Counter) {
     if let Some(slot) = COUNTERS.get_ptr_mut(counter as u32) {
-        // SAFETY: the slot is this CPU's own, and a tc program is not preempted while it runs.
+        // SAFETY: the slot is this CPU's own, and a tc or XDP program is not preempted while it runs.
         unsafe { *slot += 1 };
     }
 }

@@ -1,9 +1,7 @@
 //! Ethernet + IPv4 + TCP/UDP headers → the 5-tuple and the offsets the rewrite needs.
-//!
-//! Every read goes through `bpf_skb_load_bytes` (`ctx.load`), so a variable IHL needs no
-//! packet-pointer bounds proof and a non-linear skb reads the same as a linear one.
-use aya_ebpf::programs::TcContext;
 use lb_common::{ConntrackKey, Counter, IPPROTO_TCP, IPPROTO_UDP};
+
+use crate::packet::PacketAccess;
 
 pub const ETH_HLEN: usize = 14;
 const ETH_TYPE_OFFSET: usize = 12;
@@ -58,7 +56,7 @@ pub struct Packet {
 
 /// `Err(Passed)` for traffic that is not IPv4 TCP/UDP, `Err(PassedUnparsed)` for fragments and
 /// truncated or inconsistent headers.
-pub fn packet(ctx: &TcContext) -> Result<Packet, Counter> {
+pub fn packet<P: PacketAccess>(ctx: &P) -> Result<Packet, Counter> {
     let ether_type: u16 = ctx
         .load(ETH_TYPE_OFFSET)
         .map_err(|_| Counter::PassedUnparsed)?;
@@ -68,7 +66,7 @@ pub fn packet(ctx: &TcContext) -> Result<Packet, Counter> {
     let ip: Ipv4Header = ctx.load(ETH_HLEN).map_err(|_| Counter::PassedUnparsed)?;
     let header_len = usize::from(ip.version_ihl & 0x0f) * 4;
     let tot_len = usize::from(u16::from_be(ip.tot_len));
-    let available = (ctx.len() as usize).saturating_sub(ETH_HLEN);
+    let available = ctx.len().saturating_sub(ETH_HLEN);
     if ip.version_ihl >> 4 != 4
         || header_len < IPV4_MIN_HLEN
         || tot_len < header_len

@@ -15,7 +15,7 @@ use aya_ebpf::{
 use lb_common::{Counter, IPPROTO_ICMP};
 
 use crate::{
-    forward,
+    packet::PacketAccess,
     parse::{ETH_HLEN, Packet},
 };
 
@@ -33,6 +33,9 @@ const TTL: u8 = 64;
 const STORE_FLAGS: u64 = BPF_F_RECOMPUTE_CSUM as u64;
 
 /// Rewrites `packet` into the ICMP error about it and redirects it back to its sender.
+// A frame of its own: its buffers would otherwise add to the classifier's, which with the
+// deepest call below it must stay within BPF's 512-byte stack.
+#[inline(never)]
 pub fn port_unreachable(ctx: &TcContext, packet: &Packet) -> Result<i32, Counter> {
     let quote_len = packet.l4 - ETH_HLEN + QUOTED_PAYLOAD;
     // Spelled out for the verifier, which needs the bounds of every helper's length.
@@ -96,7 +99,7 @@ pub fn port_unreachable(ctx: &TcContext, packet: &Packet) -> Result<i32, Counter
         return Err(Counter::DropRewriteFailed);
     }
     // SAFETY: the helper only records the target; flags 0 means egress.
-    Ok(unsafe { bpf_redirect(forward::ingress_ifindex(ctx), 0) } as i32)
+    Ok(unsafe { bpf_redirect(ctx.ingress_ifindex(), 0) } as i32)
 }
 
 /// # Safety

@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result};
+use aya::programs::{SchedClassifier, Xdp};
 use jiff::Timestamp;
 use lb_common::{
     CONFIG_F_MASQUERADE_ALL, CONFIG_F_READY, Config, SNAT_PORT_MAX, SNAT_PORT_MIN, ipv4_be,
@@ -38,7 +39,6 @@ const SETTLE: Duration = Duration::from_millis(100);
 const RETRY: Duration = Duration::from_secs(5);
 
 pub async fn run(args: AgentArgs) -> Result<()> {
-    let filter = InterfaceFilter::new(&args.external_interface, &args.pod_interfaces)?;
     let metrics = Arc::new(Metrics::new());
     // kube-proxy's health timeout is twice its sync period.
     let health = Arc::new(Mutex::new(Health::new(2 * args.sync_period)));
@@ -144,17 +144,11 @@ pub async fn run(args: AgentArgs) -> Result<()> {
     } else {
         coalescer.queue(Instant::now(), Duration::ZERO);
     }
-    let mut attachments = Attachments::default();
+    let mut hooks = Hooks::new(&args, &mut state.datapath)?;
     for (index, name) in links.list().await? {
-        attachments.add(state.datapath.ingress()?, &filter, index, &name);
+        hooks.add(&mut state.datapath, index, &name)?;
     }
-    if attachments.is_empty() {
-        warn!("no interface matches --external-interface or --pod-interfaces yet");
-    }
-    info!(
-        interfaces = attachments.len(),
-        "attached to the existing interfaces"
-    );
+    hooks.check_started(&args)?;
     let mut links_open = true;
 
     loop {
@@ -177,17 +171,17 @@ pub async fn run(args: AgentArgs) -> Result<()> {
             }
             event = links.next(), if links_open => match event {
                 Some(LinkEvent::Present(index, name)) => {
-                    attachments.add(state.datapath.ingress()?, &filter, index, &name);
+                    hooks.add(&mut state.datapath, index, &name)?;
                 }
-                Some(LinkEvent::Gone(index)) => attachments.remove(state.datapath.ingress()?, index),
+                Some(LinkEvent::Gone(index)) => hooks.remove(&mut state.datapath, index)?,
                 Some(LinkEvent::Lost) => {
                     warn!("netlink notifications lost: listing interfaces again");
                     let present = links.list().await?;
-                    for index in attachments.missing_from(&present) {
-                        attachments.remove(state.datapath.ingress()?, index);
+                    for index in hooks.tc.missing_from(&present) {
+                        hooks.remove(&mut state.datapath, index)?;
                     }
                     for (index, name) in present {
-                        attachments.add(state.datapath.ingress()?, &filter, index, &name);
+                        hooks.add(&mut state.datapath, index, &name)?;
                     }
                 }
                 None => {
@@ -198,13 +192,87 @@ pub async fn run(args: AgentArgs) -> Result<()> {
         }
     }
 
-    info!(interfaces = attachments.len(), "stopping: detaching");
-    attachments.detach_all(state.datapath.ingress()?);
+    info!(interfaces = hooks.tc.len(), "stopping: detaching");
+    hooks.detach_all(&mut state.datapath)?;
     info!(
         failed_map_writes = state.reconciler.failed_total,
         "stopped; maps stay pinned"
     );
     Ok(())
+}
+
+/// The programs' attachments: tc on the external and pod interfaces, and with `--xdp`, XDP on
+/// the external one (never on pod veths: for traffic the stack built, XDP there costs an skb
+/// copy and saves nothing).
+struct Hooks {
+    tc: Attachments<SchedClassifier>,
+    tc_filter: InterfaceFilter,
+    xdp: Option<(Attachments<Xdp>, InterfaceFilter)>,
+}
+
+impl Hooks {
+    fn new(args: &AgentArgs, datapath: &mut Datapath) -> Result<Self> {
+        let xdp = if args.xdp {
+            datapath.load_xdp()?;
+            let external = InterfaceFilter::new(&args.external_interface, &[])?;
+            Some((Attachments::default(), external))
+        } else {
+            None
+        };
+        Ok(Self {
+            tc: Attachments::default(),
+            tc_filter: InterfaceFilter::new(&args.external_interface, &args.pod_interfaces)?,
+            xdp,
+        })
+    }
+
+    /// Attaches what interface `index` named `name` gets. Only an XDP attach failure is an
+    /// error: the external interface's driver cannot run XDP natively.
+    fn add(&mut self, datapath: &mut Datapath, index: u32, name: &str) -> Result<()> {
+        self.tc
+            .add(datapath.ingress()?, &self.tc_filter, index, name);
+        if let Some((xdp, filter)) = &mut self.xdp {
+            xdp.try_add(datapath.xdp()?, filter, index, name)
+                .with_context(|| format!("--xdp: attaching lb_xdp in native mode to {name}"))?;
+        }
+        Ok(())
+    }
+
+    fn remove(&mut self, datapath: &mut Datapath, index: u32) -> Result<()> {
+        self.tc.remove(datapath.ingress()?, index);
+        if let Some((xdp, _)) = &mut self.xdp {
+            xdp.remove(datapath.xdp()?, index);
+        }
+        Ok(())
+    }
+
+    /// After the interfaces present at start are attached.
+    fn check_started(&self, args: &AgentArgs) -> Result<()> {
+        if let Some((xdp, _)) = &self.xdp {
+            anyhow::ensure!(
+                !xdp.is_empty(),
+                "--xdp: no interface {} to attach lb_xdp to",
+                args.external_interface
+            );
+        }
+        if self.tc.is_empty() {
+            warn!("no interface matches --external-interface or --pod-interfaces yet");
+        }
+        info!(
+            interfaces = self.tc.len(),
+            xdp = self.xdp.as_ref().map_or(0, |(xdp, _)| xdp.len()),
+            "attached to the existing interfaces"
+        );
+        Ok(())
+    }
+
+    fn detach_all(&mut self, datapath: &mut Datapath) -> Result<()> {
+        if let Some((xdp, _)) = &mut self.xdp {
+            xdp.detach_all(datapath.xdp()?);
+        }
+        self.tc.detach_all(datapath.ingress()?);
+        Ok(())
+    }
 }
 
 /// `--hostname-override`, else NODE_NAME (the DaemonSet sets it from the downward API), else

@@ -56,6 +56,11 @@ pub struct AgentArgs {
     /// Interface where traffic from outside the node enters.
     #[arg(long, value_name = "IFNAME")]
     pub external_interface: String,
+    /// Also attach the XDP fast path to the external interface, in native (driver) mode: external
+    /// service traffic is translated and forwarded before the kernel builds an skb. tc stays
+    /// attached for what XDP passes on. Fails if the driver has no native XDP.
+    #[arg(long)]
+    pub xdp: bool,
     /// Pod-side interfaces (shell globs, comma-separated), also those created later.
     #[arg(
         long,

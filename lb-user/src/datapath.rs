@@ -6,7 +6,7 @@ use std::path::Path;
 
 use aya::maps::lpm_trie::{Key, LpmTrie};
 use aya::maps::{Array, HashMap, MapData, MapError, PerCpuArray};
-use aya::programs::{ProgramError, SchedClassifier};
+use aya::programs::{ProgramError, SchedClassifier, Xdp};
 use aya::{Ebpf, EbpfError, EbpfLoader};
 use lb_common::{
     Backend, BackendKey, Config, ConntrackEntry, ConntrackKey, Counter, Frontend, FrontendKey,
@@ -48,7 +48,8 @@ pub struct MapSizes {
     pub conntrack: u32,
 }
 
-/// The loaded object: its ingress program (loaded, not attached) and the maps the agent writes.
+/// The loaded object: its programs (the ingress one loaded, the XDP one on demand; not attached)
+/// and the maps the agent writes.
 pub struct Datapath {
     ebpf: Ebpf,
     pub service_maps: ServiceMaps,
@@ -113,7 +114,26 @@ impl Datapath {
     }
 
     pub fn ingress(&mut self) -> Result<&mut SchedClassifier, DatapathError> {
-        let name = program_name::INGRESS;
+        self.program(program_name::INGRESS)
+    }
+
+    /// The XDP program; [`Datapath::load_xdp`] first.
+    pub fn xdp(&mut self) -> Result<&mut Xdp, DatapathError> {
+        self.program(program_name::XDP)
+    }
+
+    /// Loads the XDP program (`--xdp`), which shares the maps of the ingress one.
+    pub fn load_xdp(&mut self) -> Result<(), DatapathError> {
+        self.xdp()?.load().map_err(|source| DatapathError::Program {
+            name: program_name::XDP,
+            source,
+        })
+    }
+
+    fn program<'a, P>(&'a mut self, name: &'static str) -> Result<&'a mut P, DatapathError>
+    where
+        &'a mut P: TryFrom<&'a mut aya::programs::Program, Error = ProgramError>,
+    {
         self.ebpf
             .program_mut(name)
             .ok_or(DatapathError::MissingProgram(name))?

@@ -1,12 +1,14 @@
 //! Interfaces where traffic enters the node: the external one and the pod-side ones matching the
 //! globs, those present at start and those created later (netlink RTM_NEWLINK), each with
-//! `lb_ingress` attached at tc ingress.
+//! `lb_ingress` attached at tc ingress; with `--xdp`, the external one also with `lb_xdp` in
+//! native mode.
 use std::collections::BTreeMap;
 use std::io;
 use std::net::{IpAddr, Ipv4Addr};
 
 use aya::programs::tc::{self, SchedClassifierLinkId, TcAttachType};
-use aya::programs::{ProgramError, SchedClassifier};
+use aya::programs::xdp::XdpLinkId;
+use aya::programs::{ProgramError, SchedClassifier, Xdp, XdpMode};
 use aya::util::KernelVersion;
 use futures::channel::mpsc::UnboundedReceiver;
 use futures::{StreamExt as _, TryStreamExt as _};
@@ -138,13 +140,67 @@ fn index_and_name(link: &LinkMessage) -> Option<(u32, String)> {
     })
 }
 
-/// The interfaces the program is attached to, by index.
-#[derive(Default)]
-pub struct Attachments {
-    attached: BTreeMap<u32, (String, SchedClassifierLinkId)>,
+/// A program type and how it is attached to an interface.
+pub trait Attach {
+    type LinkId;
+    /// Where it runs, for the logs.
+    const HOOK: &'static str;
+    fn attach_to(&mut self, name: &str) -> Result<Self::LinkId, ProgramError>;
+    fn detach_from(&mut self, link: Self::LinkId) -> Result<(), ProgramError>;
 }
 
-impl Attachments {
+impl Attach for SchedClassifier {
+    type LinkId = SchedClassifierLinkId;
+    const HOOK: &'static str = "lb_ingress at tc ingress";
+
+    fn attach_to(&mut self, name: &str) -> Result<Self::LinkId, ProgramError> {
+        // aya attaches with TCX links from 6.6 on; older kernels take a netlink filter, which
+        // needs the clsact qdisc.
+        let tcx = KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0));
+        if !tcx {
+            match tc::qdisc_add_clsact(name) {
+                Err(tc::TcError::NetlinkError(err))
+                    if err.raw_os_error() == Some(nix::libc::EEXIST) => {}
+                other => other?,
+            }
+        }
+        self.attach(name, TcAttachType::Ingress)
+    }
+
+    fn detach_from(&mut self, link: Self::LinkId) -> Result<(), ProgramError> {
+        self.detach(link)
+    }
+}
+
+impl Attach for Xdp {
+    type LinkId = XdpLinkId;
+    const HOOK: &'static str = "lb_xdp in native (driver) mode";
+
+    /// Native mode only: generic (skb) XDP runs after the skb is built, where it saves nothing
+    /// over tc.
+    fn attach_to(&mut self, name: &str) -> Result<Self::LinkId, ProgramError> {
+        self.attach(name, XdpMode::Driver)
+    }
+
+    fn detach_from(&mut self, link: Self::LinkId) -> Result<(), ProgramError> {
+        self.detach(link)
+    }
+}
+
+/// The interfaces a program is attached to, by index.
+pub struct Attachments<P: Attach> {
+    attached: BTreeMap<u32, (String, P::LinkId)>,
+}
+
+impl<P: Attach> Default for Attachments<P> {
+    fn default() -> Self {
+        Self {
+            attached: BTreeMap::new(),
+        }
+    }
+}
+
+impl<P: Attach> Attachments<P> {
     pub fn len(&self) -> usize {
         self.attached.len()
     }
@@ -155,33 +211,37 @@ impl Attachments {
 
     /// Attaches to interface `index` named `name` if it matches and is not attached yet.
     /// A failure is logged, not returned: the interface may already be gone again.
-    pub fn add(
-        &mut self,
-        program: &mut SchedClassifier,
-        filter: &InterfaceFilter,
-        index: u32,
-        name: &str,
-    ) {
-        if self.attached.contains_key(&index) || !filter.matches(name) {
-            return;
-        }
-        match attach(program, name) {
-            Ok(link) => {
-                info!(interface = name, index, "attached lb_ingress at tc ingress");
-                self.attached.insert(index, (name.to_owned(), link));
-            }
-            Err(err) => warn!(interface = name, index, error = %error_chain(&err), "attach failed"),
+    pub fn add(&mut self, program: &mut P, filter: &InterfaceFilter, index: u32, name: &str) {
+        if let Err(err) = self.try_add(program, filter, index, name) {
+            warn!(interface = name, index, hook = P::HOOK, error = %error_chain(&err), "attach failed");
         }
     }
 
+    /// [`Attachments::add`], returning the failure.
+    pub fn try_add(
+        &mut self,
+        program: &mut P,
+        filter: &InterfaceFilter,
+        index: u32,
+        name: &str,
+    ) -> Result<(), ProgramError> {
+        if self.attached.contains_key(&index) || !filter.matches(name) {
+            return Ok(());
+        }
+        let link = program.attach_to(name)?;
+        info!(interface = name, index, "attached {}", P::HOOK);
+        self.attached.insert(index, (name.to_owned(), link));
+        Ok(())
+    }
+
     /// Forgets a vanished interface; the kernel dropped its attachment with it.
-    pub fn remove(&mut self, program: &mut SchedClassifier, index: u32) {
+    pub fn remove(&mut self, program: &mut P, index: u32) {
         if let Some((name, link)) = self.attached.remove(&index) {
             // Only releases our handle: there is nothing left to detach.
-            if let Err(err) = program.detach(link) {
+            if let Err(err) = program.detach_from(link) {
                 debug!(interface = %name, index, error = %error_chain(&err), "release after removal");
             }
-            info!(interface = %name, index, "interface gone");
+            info!(interface = %name, index, hook = P::HOOK, "interface gone");
         }
     }
 
@@ -194,33 +254,16 @@ impl Attachments {
             .collect()
     }
 
-    pub fn detach_all(&mut self, program: &mut SchedClassifier) {
+    pub fn detach_all(&mut self, program: &mut P) {
         for (index, (name, link)) in std::mem::take(&mut self.attached) {
-            match program.detach(link) {
-                Ok(()) => info!(interface = %name, index, "detached"),
+            match program.detach_from(link) {
+                Ok(()) => info!(interface = %name, index, hook = P::HOOK, "detached"),
                 Err(err) => {
-                    warn!(interface = %name, index, error = %error_chain(&err), "detach failed")
+                    warn!(interface = %name, index, hook = P::HOOK, error = %error_chain(&err), "detach failed")
                 }
             }
         }
     }
-}
-
-fn attach(
-    program: &mut SchedClassifier,
-    name: &str,
-) -> Result<SchedClassifierLinkId, ProgramError> {
-    // aya attaches with TCX links from 6.6 on; older kernels take a netlink filter, which needs
-    // the clsact qdisc.
-    let tcx = KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0));
-    if !tcx {
-        match tc::qdisc_add_clsact(name) {
-            Err(tc::TcError::NetlinkError(err))
-                if err.raw_os_error() == Some(nix::libc::EEXIST) => {}
-            other => other?,
-        }
-    }
-    program.attach(name, TcAttachType::Ingress)
 }
 
 #[cfg(test)]

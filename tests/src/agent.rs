@@ -35,6 +35,21 @@ pub fn lb_binary() -> PathBuf {
         .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/release/lb"))
 }
 
+/// The datapath's counters, by name, as `lb stats` prints them in `ns` (where an agent runs).
+pub fn stats(ns: &Netns) -> Result<std::collections::BTreeMap<String, u64>> {
+    let binary = lb_binary();
+    let output = ns.exec(&binary.to_string_lossy(), &["stats"])?;
+    String::from_utf8(output.stdout)?
+        .lines()
+        .map(|line| {
+            let (name, value) = line
+                .split_once(' ')
+                .with_context(|| format!("lb stats line {line:?}"))?;
+            Ok((name.to_owned(), value.parse()?))
+        })
+        .collect()
+}
+
 pub struct Agent {
     child: Child,
     dir: tempfile::TempDir,

@@ -1,14 +1,16 @@
-//! The tc datapath run on crafted packets with BPF_PROG_TEST_RUN: no interface, no pinned map.
-//! Each test loads its own copy of the object, so tests run in parallel. Run as root.
+//! The datapath (tc `lb_ingress`, and `lb_xdp`) run on crafted packets with BPF_PROG_TEST_RUN: no
+//! interface, no pinned map. Each test loads its own copy of the object, so tests run in
+//! parallel. Run as root.
 //!
 //! The FIB lookup has no ingress interface in a test run, so translated packets are handed to the
-//! stack (TC_ACT_OK); a redirect (TC_ACT_REDIRECT, TTL decremented) is accepted as well.
+//! stack (TC_ACT_OK); a redirect (TC_ACT_REDIRECT, TTL decremented) is accepted as well. XDP
+//! redirects only in a namespace with routes (`in_private_netns`).
 use std::net::{Ipv4Addr, SocketAddrV4};
 
 use aya::{
     Ebpf, EbpfLoader,
     maps::{Array, HashMap, MapData, PerCpuArray},
-    programs::{SchedClassifier, TestRun, TestRunOptions},
+    programs::{SchedClassifier, TestRun, TestRunOptions, Xdp},
 };
 use etherparse::{
     ArpHardwareId, ArpOperation, ArpPacket, EtherType, Ethernet2Header, IpHeaders, IpNumber,
@@ -26,6 +28,9 @@ use lb_common::{
 const TC_ACT_OK: u32 = 0;
 const TC_ACT_SHOT: u32 = 2;
 const TC_ACT_REDIRECT: u32 = 7;
+const XDP_DROP: u32 = 1;
+const XDP_PASS: u32 = 2;
+const XDP_REDIRECT: u32 = 4;
 
 const NODE: Ipv4Addr = Ipv4Addr::new(192, 168, 1, 10);
 const CLUSTER_CIDR: (Ipv4Addr, Ipv4Addr) =
@@ -153,19 +158,15 @@ struct Output {
 }
 
 /// The one checksum verifier: checks that `output` is `input` rewritten (same length, payload and
-/// IP fields other than addresses; TTL decremented only when redirected), that the IPv4 and
+/// IP fields other than addresses; TTL decremented only when `redirected`), that the IPv4 and
 /// TCP/UDP checksums are valid, and returns the new addresses.
-fn verify(input: &[u8], verdict: u32, output: &[u8]) -> Output {
-    assert!(
-        verdict == TC_ACT_OK || verdict == TC_ACT_REDIRECT,
-        "verdict {verdict}"
-    );
+fn verify(input: &[u8], redirected: bool, output: &[u8]) -> Output {
     assert_eq!(output.len(), input.len());
     let (eth_in, rest) = Ethernet2Header::from_slice(input).unwrap();
     let (ip_in, l4_in) = Ipv4Header::from_slice(rest).unwrap();
     let (eth, rest) = Ethernet2Header::from_slice(output).unwrap();
     let (ip, l4) = Ipv4Header::from_slice(rest).unwrap();
-    if verdict == TC_ACT_OK {
+    if !redirected {
         assert_eq!(eth, eth_in, "MACs are the stack's business");
     }
     assert_eq!(
@@ -173,7 +174,7 @@ fn verify(input: &[u8], verdict: u32, output: &[u8]) -> Output {
         ip.header_checksum,
         "IPv4 checksum"
     );
-    let ttl = if verdict == TC_ACT_REDIRECT {
+    let ttl = if redirected {
         ip_in.time_to_live - 1
     } else {
         ip_in.time_to_live
@@ -363,7 +364,65 @@ impl Datapath {
     fn translate(&self, packet: &Packet) -> Output {
         let input = packet.build();
         let (verdict, output) = self.run(&input);
-        verify(&input, verdict, &output)
+        assert!(
+            verdict == TC_ACT_OK || verdict == TC_ACT_REDIRECT,
+            "verdict {verdict}"
+        );
+        verify(&input, verdict == TC_ACT_REDIRECT, &output)
+    }
+
+    /// Loads `lb_xdp` beside `lb_ingress`; they share the maps.
+    fn with_xdp(mut self) -> Self {
+        let program: &mut Xdp = self
+            .ebpf
+            .program_mut(program_name::XDP)
+            .unwrap()
+            .try_into()
+            .unwrap();
+        program.load().expect("verifier accepts lb_xdp");
+        self
+    }
+
+    /// Runs `lb_xdp` (see [`Datapath::with_xdp`]) as if the packet arrived on `ingress_ifindex`.
+    fn run_xdp(&self, packet: &[u8]) -> (u32, Vec<u8>) {
+        let program: &Xdp = self
+            .ebpf
+            .program(program_name::XDP)
+            .unwrap()
+            .try_into()
+            .unwrap();
+        let mut out = vec![0; packet.len() + 256];
+        // struct xdp_md: data, data_end (the packet's length, no metadata), data_meta,
+        // ingress_ifindex, rx_queue_index, egress_ifindex.
+        let mut xdp_md = [0u32; 6];
+        xdp_md[1] = packet.len() as u32;
+        xdp_md[3] = self.ingress_ifindex;
+        let xdp_md: Vec<u8> = xdp_md.iter().flat_map(|w| w.to_ne_bytes()).collect();
+        let result = program
+            .test_run(TestRunOptions {
+                data_in: Some(packet),
+                data_out: Some(&mut out),
+                ctx_in: Some(&xdp_md),
+                ..Default::default()
+            })
+            .unwrap();
+        out.truncate(result.data_size_out as usize);
+        (result.return_value, out)
+    }
+
+    /// Runs a packet that `lb_xdp` must translate and redirect, and returns where it went.
+    fn translate_xdp(&self, packet: &Packet) -> (Output, Vec<u8>) {
+        let input = packet.build();
+        let (verdict, output) = self.run_xdp(&input);
+        assert_eq!(verdict, XDP_REDIRECT);
+        (verify(&input, true, &output), output)
+    }
+
+    /// Runs a packet that `lb_xdp` must leave to the stack untouched.
+    fn assert_xdp_passes(&self, packet: &[u8]) {
+        let (verdict, output) = self.run_xdp(packet);
+        assert_eq!(verdict, XDP_PASS);
+        assert_eq!(output, packet);
     }
 
     /// Runs a packet that must come out untouched with TC_ACT_OK.
@@ -1140,30 +1199,48 @@ fn uptime_s() -> u64 {
     seconds.parse().unwrap()
 }
 
-/// In a private network namespace with a route to the backends: a packet whose next hop is known
-/// is redirected with the FIB's MACs, one whose neighbour is unresolved is redirected for the
-/// kernel to resolve; both with the TTL decremented (checked by `verify`).
-#[test]
-fn routed_packets_are_redirected() {
+const EGRESS_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0xaa];
+const NEIGHBOUR_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0xbb];
+const EXTERNAL_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0xcc];
+const ROUTER_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0xdd];
+
+fn mac_text(mac: [u8; 6]) -> String {
+    mac.map(|b| format!("{b:02x}")).join(":")
+}
+
+/// Runs `test` in a network namespace of its own with `lb-in`'s index: packets arrive on `lb-in`
+/// (198.51.100.1/24, 203.0.113.0/24 routed via 198.51.100.2, whose MAC is known); the pods are
+/// behind `lb-out` (10.244.2.1/24), where the MAC of ENDPOINTS[0] is known and that of
+/// ENDPOINTS[1] is not.
+fn in_routed_netns(test: impl FnOnce(u32) + Send + 'static) {
     // unshare(CLONE_NEWNET) moves only the calling thread, and `ip` inherits it: a thread of our
-    // own leaves the test harness's threads where they are.
+    // own leaves the test harness's threads where they are, and the namespace goes with it.
     std::thread::spawn(|| {
         nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
-        let known = ENDPOINTS[0];
-        let unresolved = ENDPOINTS[1];
-        let egress_mac = "02:00:00:00:00:aa";
-        let neighbour_mac = "02:00:00:00:00:bb";
         for args in [
-            "link add lb-in type veth peer name lb-in-peer",
-            &format!("link add lb-out address {egress_mac} type veth peer name lb-out-peer"),
-            "link set lb-in up",
-            "link set lb-in-peer up",
-            "link set lb-out up",
-            "link set lb-out-peer up",
-            "addr add 10.244.2.1/24 dev lb-out",
-            &format!(
-                "neigh add {} lladdr {neighbour_mac} dev lb-out nud permanent",
-                known.ip()
+            format!(
+                "link add lb-in address {} type veth peer name lb-in-peer",
+                mac_text(EXTERNAL_MAC)
+            ),
+            format!(
+                "link add lb-out address {} type veth peer name lb-out-peer",
+                mac_text(EGRESS_MAC)
+            ),
+            "link set lb-in up".into(),
+            "link set lb-in-peer up".into(),
+            "link set lb-out up".into(),
+            "link set lb-out-peer up".into(),
+            "addr add 198.51.100.1/24 dev lb-in".into(),
+            format!(
+                "neigh add 198.51.100.2 lladdr {} dev lb-in nud permanent",
+                mac_text(ROUTER_MAC)
+            ),
+            "route add 203.0.113.0/24 via 198.51.100.2 dev lb-in".into(),
+            "addr add 10.244.2.1/24 dev lb-out".into(),
+            format!(
+                "neigh add {} lladdr {} dev lb-out nud permanent",
+                ENDPOINTS[0].ip(),
+                mac_text(NEIGHBOUR_MAC)
             ),
         ] {
             let status = std::process::Command::new("ip")
@@ -1173,34 +1250,191 @@ fn routed_packets_are_redirected() {
             assert!(status.success(), "ip {args}");
         }
         std::fs::write("/proc/sys/net/ipv4/conf/all/forwarding", "1").unwrap();
+        test(nix::net::if_::if_nametoindex("lb-in").unwrap());
+    })
+    .join()
+    .unwrap();
+}
 
+/// The packet's destination and source MACs.
+fn macs(packet: &[u8]) -> (String, String) {
+    let (eth, _) = Ethernet2Header::from_slice(packet).unwrap();
+    (mac_text(eth.destination), mac_text(eth.source))
+}
+
+/// In a private network namespace with a route to the backends: a packet whose next hop is known
+/// is redirected with the FIB's MACs, one whose neighbour is unresolved is redirected for the
+/// kernel to resolve; both with the TTL decremented (checked by `verify`).
+#[test]
+fn routed_packets_are_redirected() {
+    in_routed_netns(|lb_in| {
+        let (known, unresolved) = (ENDPOINTS[0], ENDPOINTS[1]);
         let mut datapath = Datapath::new(config());
         datapath.service(Proto::Tcp, CLUSTER_IP, 0, SERVICE_ID, &[known]);
         datapath.service(Proto::Udp, CLUSTER_IP, 0, SERVICE_ID + 1, &[unresolved]);
-        datapath.ingress_ifindex = nix::net::if_::if_nametoindex("lb-in").unwrap();
+        datapath.ingress_ifindex = lb_in;
 
         let input = Packet::new(Proto::Tcp, POD, CLUSTER_IP).build();
         let (verdict, output) = datapath.run(&input);
         assert_eq!(verdict, TC_ACT_REDIRECT);
-        assert_eq!(verify(&input, verdict, &output).dst, known);
-        let (eth, _) = Ethernet2Header::from_slice(&output).unwrap();
-        let text = |mac: [u8; 6]| mac.map(|b| format!("{b:02x}")).join(":");
-        assert_eq!(text(eth.destination), neighbour_mac);
-        assert_eq!(text(eth.source), egress_mac);
+        assert_eq!(verify(&input, true, &output).dst, known);
+        assert_eq!(
+            macs(&output),
+            (mac_text(NEIGHBOUR_MAC), mac_text(EGRESS_MAC))
+        );
 
         let input = Packet::new(Proto::Udp, POD, CLUSTER_IP).build();
         let (verdict, output) = datapath.run(&input);
         assert_eq!(verdict, TC_ACT_REDIRECT);
-        assert_eq!(verify(&input, verdict, &output).dst, unresolved);
+        assert_eq!(verify(&input, true, &output).dst, unresolved);
         assert_eq!(
             output[..12],
             input[..12],
             "the kernel fills in the MACs on egress"
         );
         assert_eq!(datapath.counter(Counter::FibFallback), 0);
-    })
-    .join()
-    .unwrap();
+    });
+}
+
+/// lb_xdp on NodePort traffic from an external client, TCP and UDP, with and without IP
+/// options: DNAT and masquerade with valid checksums, redirected towards the backend with the
+/// FIB's MACs and the TTL decremented; the next packet hits conntrack; the backend's reply
+/// arriving on the external interface (as from a remote backend) is reverse-translated and sent
+/// back towards the client.
+#[test]
+fn xdp_translates_and_redirects_node_port_traffic() {
+    in_routed_netns(|lb_in| {
+        let mut datapath = Datapath::new(config()).with_xdp();
+        datapath.ingress_ifindex = lb_in;
+        for (proto, service_id) in [(Proto::Tcp, SERVICE_ID), (Proto::Udp, SERVICE_ID + 1)] {
+            let flags = FRONTEND_F_MASQUERADE;
+            datapath.service(proto, NODE_PORT, flags, service_id, &[ENDPOINTS[0]]);
+        }
+        let cases = [
+            (Proto::Tcp, &[][..]),
+            (Proto::Udp, &[]),
+            (Proto::Tcp, &ROUTER_ALERT),
+        ];
+        for (port, (proto, ip_options)) in (50_000..).zip(cases) {
+            let client = SocketAddrV4::new(*EXTERNAL_CLIENT.ip(), port);
+            let request = Packet {
+                ip_options,
+                ..Packet::new(proto, client, NODE_PORT)
+            };
+            let (out, bytes) = datapath.translate_xdp(&request);
+            assert_eq!(*out.src.ip(), NODE, "{proto:?}: masqueraded");
+            assert!((SNAT_PORT_MIN..=SNAT_PORT_MAX).contains(&out.src.port()));
+            assert_eq!(out.dst, ENDPOINTS[0]);
+            assert_eq!(
+                macs(&bytes),
+                (mac_text(NEIGHBOUR_MAC), mac_text(EGRESS_MAC))
+            );
+            let (again, _) = datapath.translate_xdp(&request);
+            assert_eq!((again.src, again.dst), (out.src, out.dst), "conntrack hit");
+
+            let reply = Packet {
+                ip_options,
+                ..Packet::new(proto, ENDPOINTS[0], out.src)
+            };
+            let (back, bytes) = datapath.translate_xdp(&reply);
+            assert_eq!(
+                (back.src, back.dst),
+                (NODE_PORT, client),
+                "reverse-translated"
+            );
+            assert_eq!(macs(&bytes), (mac_text(ROUTER_MAC), mac_text(EXTERNAL_MAC)));
+        }
+        assert_eq!(datapath.counter(Counter::NewConnection), 3);
+        assert_eq!(datapath.counter(Counter::Masqueraded), 3);
+        assert_eq!(datapath.counter(Counter::Translated), 6);
+        assert_eq!(datapath.counter(Counter::XdpForwarded), 9);
+        assert_eq!(datapath.counter(Counter::XdpPassed), 0);
+    });
+}
+
+/// When the backend's MAC is unresolved, lb_xdp tracks the connection but passes the packet
+/// untouched; tc, on the same interface, finds that connection and applies the same translation.
+#[test]
+fn xdp_leaves_unresolved_next_hops_to_tc() {
+    in_routed_netns(|lb_in| {
+        let mut datapath = Datapath::new(config()).with_xdp();
+        datapath.ingress_ifindex = lb_in;
+        let unresolved = ENDPOINTS[1];
+        datapath.service(
+            Proto::Tcp,
+            NODE_PORT,
+            FRONTEND_F_MASQUERADE,
+            SERVICE_ID,
+            &[unresolved],
+        );
+        let input = Packet::new(Proto::Tcp, EXTERNAL_CLIENT, NODE_PORT).build();
+        datapath.assert_xdp_passes(&input);
+        let tracked = datapath
+            .conntrack(&ct_key(Proto::Tcp, EXTERNAL_CLIENT, NODE_PORT))
+            .unwrap();
+
+        let (verdict, output) = datapath.run(&input);
+        assert_eq!(verdict, TC_ACT_REDIRECT);
+        let out = verify(&input, true, &output);
+        assert_eq!(
+            (out.src, out.dst),
+            rewrite_of(&tracked),
+            "the same translation"
+        );
+        assert_eq!(out.dst, unresolved);
+        assert_eq!(datapath.counter(Counter::NewConnection), 1);
+        assert_eq!(datapath.counter(Counter::Translated), 1);
+        assert_eq!(datapath.counter(Counter::XdpPassed), 1);
+        assert_eq!(datapath.counter(Counter::XdpForwarded), 0);
+        assert_eq!(datapath.conntrack_len(), 2);
+    });
+}
+
+/// What lb_xdp does not finish goes to the stack untouched, counted only as passed by XDP (tc
+/// counts why): fragments, non-service traffic, TTL 1, and a new connection to a service without
+/// endpoints (tc answers it with REJECT). Drops are XDP's own.
+#[test]
+fn xdp_passes_what_it_does_not_finish() {
+    let mut datapath = Datapath::with_cluster_ip(&ENDPOINTS).with_xdp();
+    datapath.service(
+        Proto::Udp,
+        NODE_PORT,
+        FRONTEND_F_MASQUERADE,
+        SERVICE_ID + 1,
+        &[],
+    );
+    let request = Packet::new(Proto::Tcp, EXTERNAL_CLIENT, CLUSTER_IP);
+    let packets = [
+        Packet {
+            more_fragments: true,
+            ..request
+        },
+        Packet {
+            fragment_offset: 185,
+            ..request
+        },
+        Packet::new(Proto::Tcp, EXTERNAL_CLIENT, SocketAddrV4::new(NODE, 22)),
+        Packet { ttl: 1, ..request },
+        Packet::new(Proto::Udp, EXTERNAL_CLIENT, NODE_PORT),
+    ];
+    for packet in &packets {
+        datapath.assert_xdp_passes(&packet.build());
+    }
+    assert_eq!(datapath.counter(Counter::XdpPassed), packets.len() as u64);
+    for counter in [Counter::Passed, Counter::PassedUnparsed, Counter::Rejected] {
+        assert_eq!(datapath.counter(counter), 0, "{counter:?} is tc's to count");
+    }
+    assert_eq!(datapath.conntrack_len(), 0);
+
+    let no_local = local_policy(
+        NODE_PORT,
+        FRONTEND_F_LOCAL | FRONTEND_F_PRESERVE_SOURCE,
+        &[],
+    );
+    let no_local = no_local.with_xdp();
+    let packet = Packet::new(Proto::Tcp, EXTERNAL_CLIENT, NODE_PORT).build();
+    assert_eq!(no_local.run_xdp(&packet).0, XDP_DROP);
+    assert_eq!(no_local.counter(Counter::DropNoLocalBackend), 1);
 }
 
 /// Translated packets without a route back to the stack, counted.
@@ -1210,7 +1444,7 @@ fn unrouted_packets_fall_back_to_the_stack() {
     let input = Packet::new(Proto::Tcp, POD, CLUSTER_IP).build();
     let (verdict, output) = datapath.run(&input);
     assert_eq!(verdict, TC_ACT_OK);
-    verify(&input, verdict, &output);
+    verify(&input, false, &output);
     assert_eq!(datapath.counter(Counter::FibFallback), 1);
 }
 
@@ -1218,17 +1452,17 @@ fn unrouted_packets_fall_back_to_the_stack() {
 /// a loop or branch structure that multiplies verifier states.
 #[test]
 fn verifier_cost_is_bounded() {
-    let datapath = Datapath::new(config());
-    let program: &SchedClassifier = datapath
-        .ebpf
-        .program(program_name::INGRESS)
-        .unwrap()
-        .try_into()
-        .unwrap();
-    let processed = program
-        .info()
-        .unwrap()
-        .verified_instruction_count()
-        .unwrap();
-    assert!(processed < 100_000, "{processed} instructions processed");
+    let datapath = Datapath::new(config()).with_xdp();
+    for name in [program_name::INGRESS, program_name::XDP] {
+        let program = datapath.ebpf.program(name).unwrap();
+        let processed = program
+            .info()
+            .unwrap()
+            .verified_instruction_count()
+            .unwrap();
+        assert!(
+            processed < 100_000,
+            "{name}: {processed} instructions processed"
+        );
+    }
 }

@@ -1,0 +1,175 @@
+//! Packet access for both program types, so that one parser, one rewrite and one forwarding
+//! path serve tc and XDP.
+//!
+//! Every read and write goes through a helper (`bpf_skb_load_bytes`/`bpf_skb_store_bytes`,
+//! `bpf_xdp_load_bytes`/`bpf_xdp_store_bytes`): offsets that depend on the IHL need no
+//! packet-pointer bounds proof, and a non-linear skb reads the same as a linear one. Checksums are
+//! where the two differ: tc must use the kernel's helpers, which also keep the skb's checksum
+//! state right (see nat.rs); an XDP frame has no such state, so its checksums are updated with
+//! RFC 1624 arithmetic.
+use core::{ffi::c_long, mem};
+
+use aya_ebpf::{
+    EbpfContext,
+    bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
+    helpers::{bpf_xdp_load_bytes, bpf_xdp_store_bytes},
+    programs::{TcContext, XdpContext},
+};
+
+/// A checksum-covered field's change, as the checksum update needs it.
+#[derive(Clone, Copy)]
+pub struct Change {
+    /// The old and new value as they sit in the packet (memory order), in the low `size` bytes.
+    pub old: u32,
+    pub new: u32,
+    /// 2 or 4 bytes.
+    pub size: u8,
+}
+
+/// How a TCP/UDP checksum treats a change.
+#[derive(Clone, Copy)]
+pub struct L4Checksum {
+    /// The field is an address, covered through the pseudo-header.
+    pub pseudo_header: bool,
+    /// UDP: a zero checksum means "none" and stays zero; a computed zero is sent as 0xffff.
+    pub zero_means_none: bool,
+}
+
+pub trait PacketAccess: EbpfContext {
+    /// Bytes from the Ethernet header to the end of the packet.
+    fn len(&self) -> usize;
+    fn load<T>(&self, offset: usize) -> Result<T, c_long>;
+    fn store<T>(&self, offset: usize, value: &T) -> Result<(), c_long>;
+    /// Updates the IPv4 header checksum at `offset` for `change`.
+    fn replace_l3_checksum(&self, offset: usize, change: Change) -> Result<(), c_long>;
+    /// Updates the TCP/UDP checksum at `offset` for `change`.
+    fn replace_l4_checksum(
+        &self,
+        offset: usize,
+        change: Change,
+        how: L4Checksum,
+    ) -> Result<(), c_long>;
+    /// The interface the packet arrived on.
+    fn ingress_ifindex(&self) -> u32;
+}
+
+impl PacketAccess for TcContext {
+    fn len(&self) -> usize {
+        TcContext::len(self) as usize
+    }
+
+    fn load<T>(&self, offset: usize) -> Result<T, c_long> {
+        TcContext::load(self, offset)
+    }
+
+    fn store<T>(&self, offset: usize, value: &T) -> Result<(), c_long> {
+        TcContext::store(self, offset, value, 0)
+    }
+
+    fn replace_l3_checksum(&self, offset: usize, change: Change) -> Result<(), c_long> {
+        let Change { old, new, size } = change;
+        self.l3_csum_replace(offset, old.into(), new.into(), size.into())
+    }
+
+    fn replace_l4_checksum(
+        &self,
+        offset: usize,
+        change: Change,
+        how: L4Checksum,
+    ) -> Result<(), c_long> {
+        let Change { old, new, size } = change;
+        let mut flags = u64::from(size);
+        if how.pseudo_header {
+            flags |= u64::from(BPF_F_PSEUDO_HDR);
+        }
+        if how.zero_means_none {
+            flags |= u64::from(BPF_F_MARK_MANGLED_0);
+        }
+        self.l4_csum_replace(offset, old.into(), new.into(), flags)
+    }
+
+    fn ingress_ifindex(&self) -> u32 {
+        // SAFETY: the context pointer is the kernel's __sk_buff for this run, readable throughout.
+        unsafe { (*self.skb.skb).ingress_ifindex }
+    }
+}
+
+impl PacketAccess for XdpContext {
+    fn len(&self) -> usize {
+        // The program is not loaded with frags: the frame is linear.
+        self.data_end() - self.data()
+    }
+
+    fn load<T>(&self, offset: usize) -> Result<T, c_long> {
+        let mut value = mem::MaybeUninit::<T>::uninit();
+        // SAFETY: the helper writes exactly size_of::<T>() bytes into `value` or fails.
+        let ret = unsafe {
+            bpf_xdp_load_bytes(
+                self.ctx,
+                offset as u32,
+                value.as_mut_ptr().cast(),
+                mem::size_of::<T>() as u32,
+            )
+        };
+        if ret == 0 {
+            // SAFETY: fully written by the helper.
+            Ok(unsafe { value.assume_init() })
+        } else {
+            Err(ret)
+        }
+    }
+
+    fn store<T>(&self, offset: usize, value: &T) -> Result<(), c_long> {
+        // SAFETY: the helper only reads size_of::<T>() bytes of `value`.
+        let ret = unsafe {
+            bpf_xdp_store_bytes(
+                self.ctx,
+                offset as u32,
+                (value as *const T).cast_mut().cast(),
+                mem::size_of::<T>() as u32,
+            )
+        };
+        if ret == 0 { Ok(()) } else { Err(ret) }
+    }
+
+    fn replace_l3_checksum(&self, offset: usize, change: Change) -> Result<(), c_long> {
+        let check: u16 = PacketAccess::load(self, offset)?;
+        PacketAccess::store(self, offset, &updated(check, change))
+    }
+
+    fn replace_l4_checksum(
+        &self,
+        offset: usize,
+        change: Change,
+        how: L4Checksum,
+    ) -> Result<(), c_long> {
+        // The whole pseudo-header is in the checksum of a frame: an address change is one more
+        // covered field.
+        let check: u16 = PacketAccess::load(self, offset)?;
+        if how.zero_means_none && check == 0 {
+            return Ok(());
+        }
+        let mut check = updated(check, change);
+        if how.zero_means_none && check == 0 {
+            check = 0xffff;
+        }
+        PacketAccess::store(self, offset, &check)
+    }
+
+    fn ingress_ifindex(&self) -> u32 {
+        XdpContext::ingress_ifindex(self) as u32
+    }
+}
+
+/// RFC 1624 eqn. 3, HC' = ~(~HC + ~m + m'), over the changed field's 16-bit words. Ones'
+/// complement sums do not depend on byte order, so the words are used as loaded.
+fn updated(check: u16, change: Change) -> u16 {
+    let Change { old, new, size } = change;
+    let mut sum = u32::from(!check) + (!old & 0xffff) + (new & 0xffff);
+    if size == 4 {
+        sum += (!old >> 16) + (new >> 16);
+    }
+    let sum = (sum & 0xffff) + (sum >> 16);
+    let sum = (sum & 0xffff) + (sum >> 16);
+    !(sum as u16)
+}

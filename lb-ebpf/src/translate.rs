@@ -1,0 +1,78 @@
+//! The translation core shared by `lb_ingress` (tc) and `lb_xdp`: parse, conntrack lookup, and
+//! for a new connection the frontend, its endpoint list, backend selection and tracking. What
+//! the packet becomes is decided here; rewriting and sending it is the programs' part.
+use lb_common::{CONFIG_F_READY, Config, ConntrackKey, Counter, Frontend};
+
+use crate::{
+    conntrack::{self, Connection},
+    maps, masquerade,
+    packet::PacketAccess,
+    parse::{self, Packet},
+    service::{self, Backends},
+};
+
+pub enum Translation {
+    /// Rewrite the packet to the tuple `to` (its connection is tracked).
+    To { packet: Packet, to: ConntrackKey },
+    /// A new connection to a service without endpoints: kube-proxy answers it with REJECT.
+    Reject(Packet),
+}
+
+/// `Err` carries the counter of why the packet is not translated.
+// Inlined into each program, as are the functions it calls with many arguments: BPF passes at
+// most five in registers and has no stack arguments.
+#[inline(always)]
+pub fn translation<P: PacketAccess>(ctx: &P) -> Result<Translation, Counter> {
+    let config = maps::config()
+        .filter(|config| config.flags & CONFIG_F_READY != 0)
+        .ok_or(Counter::Passed)?;
+    let packet = parse::packet(ctx)?;
+    // The stack answers an expiring packet (ICMP time exceeded) about the address the client
+    // used, so it must see the packet untranslated.
+    if packet.ttl <= 1 {
+        return Err(Counter::Passed);
+    }
+    let now = maps::now_ns();
+    if let Some(to) = conntrack::lookup(&packet, now) {
+        maps::count(Counter::Translated);
+        return Ok(Translation::To { packet, to });
+    }
+    let frontend = service::frontend(&packet.tuple)?;
+    let backends = service::backends(&config, &frontend, packet.tuple.src_addr);
+    if backends.count == 0 {
+        // kube-proxy rejects when the service has no endpoints at all, and drops when traffic
+        // policy Local finds none on this node.
+        if frontend.backend_count != 0 {
+            return Err(Counter::DropNoLocalBackend);
+        }
+        return Ok(Translation::Reject(packet));
+    }
+    let to = connect(&config, &frontend, &backends, &packet.tuple, now)?;
+    Ok(Translation::To { packet, to })
+}
+
+/// A packet without a live connection to `frontend`: pick a backend of `backends` (not empty)
+/// and track the new connection. Returns the tuple to rewrite the packet to.
+#[inline(always)]
+fn connect(
+    config: &Config,
+    frontend: &Frontend,
+    backends: &Backends,
+    tuple: &ConntrackKey,
+    now: u64,
+) -> Result<ConntrackKey, Counter> {
+    let backend = service::select_backend(frontend, backends, tuple, now)?;
+    let connection = Connection::new(tuple, frontend.service_id, &backend, now);
+    let masquerade = masquerade::needed(config, frontend, tuple.src_addr, &backend);
+    let to = if masquerade {
+        masquerade::claim_source(config, &connection)?
+    } else {
+        connection.track_reply()?
+    };
+    connection.track_original(&to, masquerade)?;
+    maps::count(Counter::NewConnection);
+    if masquerade {
+        maps::count(Counter::Masqueraded);
+    }
+    Ok(to)
+}
