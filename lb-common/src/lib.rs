@@ -18,6 +18,8 @@ pub mod map_name {
     pub const AFFINITY: &str = "LB_AFFINITY_V1";
     pub const ROUND_ROBIN: &str = "LB_RR_V1";
     pub const SOURCE_RANGES: &str = "LB_SOURCE_RANGE_V1";
+    /// Not pinned (not in `ALL`): the interface indexes are the running agent's.
+    pub const XDP_EGRESS: &str = "LB_XDP_EGRESS_V1";
     pub const ALL: [&str; 8] = [
         FRONTENDS,
         BACKENDS,
@@ -56,6 +58,9 @@ pub mod default_size {
     pub const ROUND_ROBIN: u32 = 65_536;
     /// Allowed source prefixes: one per (service port, loadBalancerSourceRanges entry).
     pub const SOURCE_RANGES: u32 = 65_536;
+    /// Interfaces `lb_xdp` may redirect into: the external ones, and the pod ones with
+    /// `--xdp-redirect-pods`.
+    pub const XDP_EGRESS: u32 = 16_384;
 }
 
 /// Masquerade source ports are taken from this range by default: above Linux's default ephemeral
@@ -375,7 +380,8 @@ pub enum Counter {
     /// XDP translated a packet and redirected it (counted with NewConnection or Translated).
     XdpForwarded,
     /// XDP left a packet untouched to the stack, where tc handles and counts it: not service
-    /// traffic, one tc must answer (REJECT, TTL 1), or one whose next hop's MAC is unresolved.
+    /// traffic, one tc must answer (REJECT, TTL 1), one whose next hop's MAC is unresolved, or
+    /// one whose egress interface is not in `XDP_EGRESS`.
     /// Such a packet of a new connection counts NewConnection in XDP, then Translated in tc.
     XdpPassed,
 }

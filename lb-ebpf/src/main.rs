@@ -86,6 +86,9 @@ fn try_xdp(ctx: &XdpContext) -> Result<u32, Counter> {
             let NextHop::Resolved { ifindex, macs } = forward::next_hop(ctx, &packet, &to) else {
                 return Err(Counter::XdpPassed);
             };
+            if !maps::xdp_egress(ifindex) {
+                return Err(Counter::XdpPassed);
+            }
             nat::rewrite(ctx, &packet, &to)?;
             let action = forward::redirect(ctx, &packet, ifindex, &macs)?;
             maps::count(Counter::XdpForwarded);

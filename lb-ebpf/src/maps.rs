@@ -45,6 +45,12 @@ static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(Counter::COUNT
 static SOURCE_RANGES: LpmTrie<SourceRangeKey, u8> =
     LpmTrie::with_max_entries(default_size::SOURCE_RANGES, 0);
 
+/// Keyed by ifindex; the value is unused. An XDP redirect into an interface that cannot take
+/// XDP frames (a veth whose peer has neither GRO nor XDP on) is dropped by the kernel, so the
+/// agent lists the ones that can.
+#[map(name = "LB_XDP_EGRESS_V1")]
+static XDP_EGRESS: HashMap<u32, u8> = HashMap::with_max_entries(default_size::XDP_EGRESS, 0);
+
 pub fn count(counter: Counter) {
     if let Some(slot) = COUNTERS.get_ptr_mut(counter as u32) {
         // SAFETY: the slot is this CPU's own, and a tc or XDP program is not preempted while it runs.
@@ -125,6 +131,11 @@ pub fn round_robin(service_id: u32) -> u32 {
         // The map is full of live counters: fall back to a random pick.
         None => random(),
     }
+}
+
+pub fn xdp_egress(ifindex: u32) -> bool {
+    // SAFETY: only the key's presence is read.
+    unsafe { XDP_EGRESS.get(&ifindex).is_some() }
 }
 
 pub fn now_ns() -> u64 {

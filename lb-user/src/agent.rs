@@ -208,6 +208,7 @@ struct Hooks {
     tc: Attachments<SchedClassifier>,
     tc_filter: InterfaceFilter,
     xdp: Option<(Attachments<Xdp>, InterfaceFilter)>,
+    xdp_redirect_pods: bool,
 }
 
 impl Hooks {
@@ -223,6 +224,7 @@ impl Hooks {
             tc: Attachments::default(),
             tc_filter: InterfaceFilter::new(&args.external_interface, &args.pod_interfaces)?,
             xdp,
+            xdp_redirect_pods: args.xdp_redirect_pods,
         })
     }
 
@@ -231,9 +233,13 @@ impl Hooks {
     fn add(&mut self, datapath: &mut Datapath, index: u32, name: &str) -> Result<()> {
         self.tc
             .add(datapath.ingress()?, &self.tc_filter, index, name);
-        if let Some((xdp, filter)) = &mut self.xdp {
-            xdp.try_add(datapath.xdp()?, filter, index, name)
+        if let Some((xdp, external)) = &mut self.xdp {
+            xdp.try_add(datapath.xdp()?, external, index, name)
                 .with_context(|| format!("--xdp: attaching lb_xdp in native mode to {name}"))?;
+            let pod = self.xdp_redirect_pods && self.tc_filter.matches(name);
+            if external.matches(name) || pod {
+                datapath.set_xdp_egress(index, true)?;
+            }
         }
         Ok(())
     }
@@ -242,6 +248,7 @@ impl Hooks {
         self.tc.remove(datapath.ingress()?, index);
         if let Some((xdp, _)) = &mut self.xdp {
             xdp.remove(datapath.xdp()?, index);
+            datapath.set_xdp_egress(index, false)?;
         }
         Ok(())
     }

@@ -61,6 +61,12 @@ pub struct AgentArgs {
     /// attached for what XDP passes on. Fails if the driver has no native XDP.
     #[arg(long)]
     pub xdp: bool,
+    /// With --xdp, also redirect into the pod interfaces. The kernel takes XDP frames into a
+    /// veth only when its pod-side end has GRO or an XDP program on (the CNI's setup) and drops
+    /// them otherwise; without this flag, lb_xdp redirects only out of the external interface
+    /// and leaves traffic to local pods to tc.
+    #[arg(long, requires = "xdp")]
+    pub xdp_redirect_pods: bool,
     /// Pod-side interfaces (shell globs, comma-separated), also those created later.
     #[arg(
         long,

@@ -55,6 +55,7 @@ pub struct Datapath {
     pub service_maps: ServiceMaps,
     config: Array<MapData, Config>,
     conntrack: HashMap<MapData, ConntrackKey, ConntrackEntry>,
+    xdp_egress: HashMap<MapData, u32, u8>,
 }
 
 impl Datapath {
@@ -97,11 +98,13 @@ impl Datapath {
         };
         let config = take_map(&mut ebpf, map_name::CONFIG)?;
         let conntrack = take_map(&mut ebpf, map_name::CONNTRACK)?;
+        let xdp_egress = take_map(&mut ebpf, map_name::XDP_EGRESS)?;
         let mut datapath = Datapath {
             ebpf,
             service_maps,
             config,
             conntrack,
+            xdp_egress,
         };
         datapath
             .ingress()?
@@ -126,6 +129,19 @@ impl Datapath {
     pub fn load_xdp(&mut self) -> Result<(), DatapathError> {
         self.xdp()?.load().map_err(|source| DatapathError::Program {
             name: program_name::XDP,
+            source,
+        })
+    }
+
+    /// Lets `lb_xdp` redirect into interface `ifindex` (or no longer, when `allowed` is false).
+    pub fn set_xdp_egress(&mut self, ifindex: u32, allowed: bool) -> Result<(), DatapathError> {
+        let result = if allowed {
+            self.xdp_egress.insert(ifindex, 1, 0)
+        } else {
+            ignore_missing(self.xdp_egress.remove(&ifindex))
+        };
+        result.map_err(|source| DatapathError::Map {
+            name: map_name::XDP_EGRESS,
             source,
         })
     }

@@ -15,14 +15,23 @@ const NODE_PORT: u16 = 30080;
 const REQUESTS: u64 = 30;
 
 /// The client reaches pod-b / pod-c through node:nodePort, masqueraded (checked by
-/// `check_external_to_node_port`), and the client's packets were redirected by XDP: all but the
-/// first to each backend, whose MAC the node has not resolved yet (those XDP passes to tc).
-fn external_to_node_port_via_xdp(proto: Proto) -> Result<()> {
-    let mut node = Node::start(3, &[], &["--xdp"])?;
+/// `check_external_to_node_port`). With `--xdp-redirect-pods` the client's packets were
+/// redirected by XDP: all but the first to each backend, whose MAC the node has not resolved
+/// yet (those XDP passes to tc). Without it XDP passes every one to tc, which still serves them.
+fn external_to_node_port_via_xdp(proto: Proto, redirect_pods: bool) -> Result<()> {
+    let args: &[&str] = if redirect_pods {
+        &["--xdp", "--xdp-redirect-pods"]
+    } else {
+        &["--xdp"]
+    };
+    let mut node = Node::start(3, &[], args)?;
     // XDP_REDIRECT into a veth needs NAPI on its peer, here the pods' eth0: GRO on turns it on
-    // (veth_xdp_xmit; the node's CNI setup's part, see the README).
-    for pod in &node.topology.pods {
-        pod.ns.exec("ethtool", &["-K", "eth0", "gro", "on"])?;
+    // (veth_xdp_xmit; the node's CNI setup's part, see the README). Left off, a redirected
+    // frame would be dropped.
+    if redirect_pods {
+        for pod in &node.topology.pods {
+            pod.ns.exec("ethtool", &["-K", "eth0", "gro", "on"])?;
+        }
     }
     // Frames from a wire carry complete checksums; a veth peer's stack would leave TCP/UDP ones
     // to checksum offload (CHECKSUM_PARTIAL, a pseudo-header sum in the field), which XDP cannot
@@ -48,11 +57,19 @@ fn external_to_node_port_via_xdp(proto: Proto) -> Result<()> {
 
     check_external_to_node_port(&node.topology, proto, vip(), NODE_PORT)?;
     let counters = stats(&node.topology.node)?;
-    let forwarded = counters["xdp_forwarded"];
-    ensure!(
-        forwarded >= REQUESTS - 2,
-        "XDP forwarded {forwarded} packets of {REQUESTS} requests: {counters:?}"
-    );
+    let (forwarded, passed) = (counters["xdp_forwarded"], counters["xdp_passed"]);
+    if redirect_pods {
+        ensure!(
+            forwarded >= REQUESTS - 2,
+            "XDP forwarded {forwarded} packets of {REQUESTS} requests: {counters:?}"
+        );
+    } else {
+        ensure!(
+            forwarded == 0 && passed >= REQUESTS,
+            "XDP forwarded {forwarded} and passed {passed} packets of {REQUESTS} requests into \
+             pods it may not redirect to: {counters:?}"
+        );
+    }
 
     let status = node.agent.stop()?;
     ensure!(status.success(), "agent exit status {status}");
@@ -62,10 +79,15 @@ fn external_to_node_port_via_xdp(proto: Proto) -> Result<()> {
 
 #[test]
 fn external_to_node_port_via_xdp_tcp() -> Result<()> {
-    external_to_node_port_via_xdp(Proto::Tcp)
+    external_to_node_port_via_xdp(Proto::Tcp, true)
+}
+
+#[test]
+fn xdp_leaves_pods_it_may_not_redirect_to_to_tc() -> Result<()> {
+    external_to_node_port_via_xdp(Proto::Tcp, false)
 }
 
 #[test]
 fn external_to_node_port_via_xdp_udp() -> Result<()> {
-    external_to_node_port_via_xdp(Proto::Udp)
+    external_to_node_port_via_xdp(Proto::Udp, true)
 }
