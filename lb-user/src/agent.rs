@@ -71,10 +71,6 @@ pub async fn run(args: AgentArgs) -> Result<()> {
         Some(ip) => ip,
         None => source.node_ip().await,
     };
-    let zone = match args.zone.as_str() {
-        "" => source.node_zone().await,
-        zone => zone.to_string(),
-    };
 
     bpffs::ensure(&args.bpffs)?;
     let mut datapath = Datapath::load(
@@ -121,10 +117,10 @@ pub async fn run(args: AgentArgs) -> Result<()> {
     );
     info!(addresses = ?node_port_addrs, "NodePorts served on");
     let mut state = State {
+        zone_flag: args.zone.clone(),
         reconciler: Reconciler::new(node_ip, existing)
             .with_node_port_addresses(node_port_addrs)
             .with_node_name(node_name(&args)?)
-            .with_zone(zone)
             .with_default_scheduler(args.scheduler),
         node_ports: NodePortAllocator::new(args.nodeport_range.clone()),
         datapath,
@@ -384,20 +380,14 @@ impl Source {
         }
     }
 
-    /// This node's zone label, once its Node is listed ("" without one, or from manifests).
-    async fn node_zone(&mut self) -> String {
+    /// This node's zone label as the Node has it now ("" without one, or from manifests).
+    fn node_zone(&self) -> String {
         let Source::Api(api) = self else {
             return String::new();
         };
-        while !api.node_listed() {
-            api.next().await;
-        }
-        let zone = api
-            .node()
-            .as_deref()
-            .and_then(apiserver::node_zone)
-            .map(str::to_string);
-        zone.unwrap_or_default()
+        let node = api.node();
+        let zone = node.as_deref().and_then(apiserver::node_zone);
+        zone.unwrap_or_default().to_string()
     }
 
     /// None (and an error logged) when the source's state is unusable: the maps stay as they are.
@@ -428,6 +418,8 @@ impl Source {
 
 struct State {
     reconciler: Reconciler,
+    /// --zone; "" takes the Node's label at each sync.
+    zone_flag: String,
     node_ports: NodePortAllocator,
     datapath: Datapath,
     metrics: Arc<Metrics>,
@@ -463,6 +455,11 @@ impl State {
             coalescer.ran(start, false);
             return;
         };
+        let zone = match self.zone_flag.as_str() {
+            "" => source.node_zone(),
+            flag => flag.to_string(),
+        };
+        self.reconciler.set_zone(zone);
         let model = Model::join(desired.services, &desired.slices, &mut self.node_ports);
         let udp_before = udp_flush::udp_endpoints(self.reconciler.written());
         let report = self

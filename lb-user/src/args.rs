@@ -42,7 +42,7 @@ pub struct AgentArgs {
     pub hostname_override: Option<String>,
     /// This node's zone: Cluster traffic goes only to the endpoints hinted for it
     /// (EndpointSlice hints.forZones) when every ready endpoint has hints, as kube-proxy does.
-    /// Default: the Node's topology.kubernetes.io/zone label (read at start); without a zone,
+    /// Default: the Node's topology.kubernetes.io/zone label (as of each sync); without a zone,
     /// hints are ignored.
     #[arg(long, value_name = "ZONE", default_value = "")]
     pub zone: String,

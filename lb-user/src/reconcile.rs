@@ -122,9 +122,8 @@ impl Reconciler {
     }
 
     /// This node's zone: Cluster lists prefer the endpoints hinted for it.
-    pub fn with_zone(mut self, zone: String) -> Self {
+    pub fn set_zone(&mut self, zone: String) {
         self.zone = zone;
-        self
     }
 
     /// The scheduler of services that do not choose one.
