@@ -383,6 +383,18 @@ impl Datapath {
         self
     }
 
+    /// Lets `lb_xdp` redirect into interface `name` of this namespace, as the agent does for
+    /// the external interface (and pod ones with --xdp-redirect-pods).
+    fn allow_xdp_egress(&mut self, name: &str, allowed: bool) {
+        let ifindex = nix::net::if_::if_nametoindex(name).unwrap();
+        let mut egress: HashMap<_, u32, u8> = self.map(map_name::XDP_EGRESS);
+        if allowed {
+            egress.insert(ifindex, 1, 0).unwrap();
+        } else {
+            egress.remove(&ifindex).unwrap();
+        }
+    }
+
     /// Runs `lb_xdp` (see [`Datapath::with_xdp`]) as if the packet arrived on `ingress_ifindex`.
     fn run_xdp(&self, packet: &[u8]) -> (u32, Vec<u8>) {
         let program: &Xdp = self
@@ -1306,6 +1318,8 @@ fn xdp_translates_and_redirects_node_port_traffic() {
     in_routed_netns(|lb_in| {
         let mut datapath = Datapath::new(config()).with_xdp();
         datapath.ingress_ifindex = lb_in;
+        datapath.allow_xdp_egress("lb-in", true);
+        datapath.allow_xdp_egress("lb-out", true);
         for (proto, service_id) in [(Proto::Tcp, SERVICE_ID), (Proto::Udp, SERVICE_ID + 1)] {
             let flags = FRONTEND_F_MASQUERADE;
             datapath.service(proto, NODE_PORT, flags, service_id, &[ENDPOINTS[0]]);
@@ -1349,6 +1363,18 @@ fn xdp_translates_and_redirects_node_port_traffic() {
         assert_eq!(datapath.counter(Counter::Translated), 6);
         assert_eq!(datapath.counter(Counter::XdpForwarded), 9);
         assert_eq!(datapath.counter(Counter::XdpPassed), 0);
+
+        // An egress the agent has not listed (a pod veth whose peer cannot take XDP frames):
+        // the packet goes to tc untouched, its connection already tracked.
+        datapath.allow_xdp_egress("lb-out", false);
+        let client = SocketAddrV4::new(*EXTERNAL_CLIENT.ip(), 50_100);
+        let input = Packet::new(Proto::Tcp, client, NODE_PORT).build();
+        assert_eq!(datapath.run_xdp(&input), (XDP_PASS, input.clone()));
+        assert_eq!(datapath.counter(Counter::XdpPassed), 1);
+        assert_eq!(datapath.counter(Counter::NewConnection), 4);
+        let (verdict, output) = datapath.run(&input);
+        assert_eq!(verdict, TC_ACT_REDIRECT);
+        assert_eq!(verify(&input, true, &output).dst, ENDPOINTS[0]);
     });
 }
 
