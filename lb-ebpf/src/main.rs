@@ -1,6 +1,7 @@
 //! The tc datapath: one classifier at the ingress of every interface where traffic enters the
 //! node. Service traffic is translated there in both directions and forwarded to its egress
-//! interface; everything else passes untouched.
+//! interface; everything else passes untouched. The node's own sockets are translated at
+//! connect and send time by the cgroup socket hooks (`sock`).
 #![no_std]
 #![no_main]
 
@@ -13,11 +14,12 @@ mod nat;
 mod parse;
 mod reject;
 mod service;
+mod sock;
 
 use aya_ebpf::{
     bindings::{TC_ACT_OK, TC_ACT_SHOT},
-    macros::classifier,
-    programs::TcContext,
+    macros::{cgroup_sock_addr, classifier},
+    programs::{SockAddrContext, TcContext},
 };
 use lb_common::{CONFIG_F_READY, Config, ConntrackKey, Counter, Frontend};
 
@@ -93,6 +95,26 @@ fn connect(
         maps::count(Counter::Masqueraded);
     }
     Ok(to)
+}
+
+#[cgroup_sock_addr(connect4)]
+pub fn lb_connect4(ctx: SockAddrContext) -> i32 {
+    sock::translate(&ctx)
+}
+
+#[cgroup_sock_addr(sendmsg4)]
+pub fn lb_sendmsg4(ctx: SockAddrContext) -> i32 {
+    sock::translate(&ctx)
+}
+
+#[cgroup_sock_addr(recvmsg4)]
+pub fn lb_recvmsg4(ctx: SockAddrContext) -> i32 {
+    sock::reverse(&ctx)
+}
+
+#[cgroup_sock_addr(getpeername4)]
+pub fn lb_getpeername4(ctx: SockAddrContext) -> i32 {
+    sock::reverse(&ctx)
 }
 
 fn verdict(reason: Counter) -> i32 {

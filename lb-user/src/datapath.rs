@@ -4,7 +4,7 @@ use std::os::raw::c_int;
 use std::path::Path;
 
 use aya::maps::{Array, HashMap, MapData, MapError, PerCpuArray};
-use aya::programs::{ProgramError, SchedClassifier};
+use aya::programs::{CgroupSockAddr, ProgramError, SchedClassifier};
 use aya::{Ebpf, EbpfError, EbpfLoader};
 use lb_common::{
     Backend, BackendKey, Config, ConntrackEntry, ConntrackKey, Counter, Frontend, FrontendKey,
@@ -111,6 +111,18 @@ impl Datapath {
 
     pub fn ingress(&mut self) -> Result<&mut SchedClassifier, DatapathError> {
         let name = program_name::INGRESS;
+        self.ebpf
+            .program_mut(name)
+            .ok_or(DatapathError::MissingProgram(name))?
+            .try_into()
+            .map_err(|source| DatapathError::Program { name, source })
+    }
+
+    /// One of the cgroup socket hooks (`program_name::CONNECT4`, ...), loaded or not.
+    pub fn sock_program(
+        &mut self,
+        name: &'static str,
+    ) -> Result<&mut CgroupSockAddr, DatapathError> {
         self.ebpf
             .program_mut(name)
             .ok_or(DatapathError::MissingProgram(name))?

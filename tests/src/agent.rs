@@ -93,6 +93,8 @@ impl Agent {
             .args(["--cluster-cidr", CLUSTER_CIDR])
             .args(["--external-interface", node.external_interface])
             .args(["--pod-interfaces", node.pod_interfaces])
+            // Never the machine's root cgroup: a test that wants the socket hooks gives its own.
+            .args(["--cgroup", ""])
             .args(extra_args)
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
