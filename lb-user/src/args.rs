@@ -88,7 +88,7 @@ pub struct AgentArgs {
     /// cgroup v2 directory whose sockets (host processes, hostNetwork pods) reach services
     /// through the socket hooks, at connect and send time; "" disables. Only sockets in the
     /// agent's network namespace are translated.
-    #[arg(long, value_name = "PATH", default_value = "/sys/fs/cgroup")]
+    #[arg(long, value_name = "PATH", default_value = "/sys/fs/cgroup", value_parser = |s: &str| Ok::<_, String>(PathBuf::from(s)))]
     pub cgroup: PathBuf,
     /// bpffs directory for the pinned maps (mounted if needed); pins survive agent restarts.
     #[arg(long, value_name = "DIR", default_value = DEFAULT_BPFFS)]

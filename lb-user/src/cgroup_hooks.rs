@@ -11,6 +11,7 @@ use aya::programs::cgroup_sock_addr::CgroupSockAddrLinkId;
 use lb_common::program_name;
 
 use crate::datapath::Datapath;
+use crate::error_chain;
 
 const PROGRAMS: [&str; 4] = [
     program_name::CONNECT4,
@@ -26,11 +27,14 @@ pub struct CgroupHooks {
 }
 
 impl CgroupHooks {
-    /// Loads the hooks and attaches them to `cgroup`. Other programs on it stay: the hooks are
-    /// attached beside them (multi mode).
+    /// Loads the hooks and attaches them to `cgroup` as BPF links, beside any other programs.
     pub fn attach(datapath: &mut Datapath, cgroup: &Path) -> Result<Self> {
-        let dir = File::open(cgroup)
-            .with_context(|| format!("--cgroup {}: opening the cgroup v2 directory", cgroup.display()))?;
+        let dir = File::open(cgroup).with_context(|| {
+            format!(
+                "--cgroup {}: opening the cgroup v2 directory",
+                cgroup.display()
+            )
+        })?;
         anyhow::ensure!(
             dir.metadata()?.is_dir() && cgroup.join("cgroup.procs").exists(),
             "--cgroup {}: not a cgroup v2 directory (no cgroup.procs)",
@@ -41,8 +45,15 @@ impl CgroupHooks {
             let program = datapath.sock_program(name)?;
             program.load().with_context(|| format!("loading {name}"))?;
             let link = program
-                .attach(&dir, CgroupAttachMode::AllowMultiple)
-                .with_context(|| format!("attaching {name} to {}", cgroup.display()))?;
+                // A BPF link (Linux 5.7+) takes no mode flags and always sits beside others.
+                .attach(&dir, CgroupAttachMode::Single)
+                .map_err(|err| {
+                    anyhow::anyhow!(
+                        "attaching {name} to {}: {}",
+                        cgroup.display(),
+                        error_chain(&err)
+                    )
+                })?;
             hooks.links.push((name, link));
         }
         Ok(hooks)
@@ -62,7 +73,8 @@ impl CgroupHooks {
 /// The network namespace's cookie (SO_NETNS_COOKIE, Linux 5.14+) of the calling thread, which
 /// the hooks compare with their socket's.
 pub fn netns_cookie() -> Result<u64> {
-    let socket = std::net::UdpSocket::bind("127.0.0.1:0").context("a socket to read SO_NETNS_COOKIE")?;
+    let socket =
+        std::net::UdpSocket::bind("127.0.0.1:0").context("a socket to read SO_NETNS_COOKIE")?;
     let mut cookie: u64 = 0;
     let mut len = std::mem::size_of::<u64>() as nix::libc::socklen_t;
     // SAFETY: the buffer is a u64 and `len` its size, as the option expects.
