@@ -13,14 +13,15 @@ pub mod map_name {
     pub const FRONTENDS: &str = "LB_FRONTEND_V4";
     pub const BACKENDS: &str = "LB_BACKEND_V1";
     pub const CONNTRACK: &str = "LB_CT_V1";
-    pub const CONFIG: &str = "LB_CONFIG_V1";
+    pub const CONFIG: &str = "LB_CONFIG_V2";
     pub const COUNTERS: &str = "LB_COUNTER_V4";
     pub const AFFINITY: &str = "LB_AFFINITY_V1";
     pub const ROUND_ROBIN: &str = "LB_RR_V1";
     pub const SOURCE_RANGES: &str = "LB_SOURCE_RANGE_V1";
+    pub const SOCK_REVNAT: &str = "LB_SOCK_REVNAT_V1";
     /// Not pinned (not in `ALL`): the interface indexes are the running agent's.
     pub const XDP_EGRESS: &str = "LB_XDP_EGRESS_V1";
-    pub const ALL: [&str; 8] = [
+    pub const ALL: [&str; 9] = [
         FRONTENDS,
         BACKENDS,
         CONNTRACK,
@@ -29,6 +30,7 @@ pub mod map_name {
         AFFINITY,
         ROUND_ROBIN,
         SOURCE_RANGES,
+        SOCK_REVNAT,
     ];
 }
 
@@ -38,6 +40,14 @@ pub mod program_name {
     pub const INGRESS: &str = "lb_ingress";
     /// XDP on the external interface (`lb agent --xdp`): the fast path of external traffic.
     pub const XDP: &str = "lb_xdp";
+    /// cgroup/connect4: TCP and connected UDP sockets of the node reaching a service.
+    pub const CONNECT4: &str = "lb_connect4";
+    /// cgroup/sendmsg4: unconnected UDP sockets of the node sending to a service.
+    pub const SENDMSG4: &str = "lb_sendmsg4";
+    /// cgroup/recvmsg4: a datagram from a backend is shown as from the service address.
+    pub const RECVMSG4: &str = "lb_recvmsg4";
+    /// cgroup/getpeername4: a connected socket's peer is shown as the service address.
+    pub const GETPEERNAME4: &str = "lb_getpeername4";
 }
 
 pub const IPPROTO_ICMP: u8 = 1;
@@ -61,6 +71,8 @@ pub mod default_size {
     /// Interfaces `lb_xdp` may redirect into: the external ones, and the pod ones with
     /// `--xdp-redirect-pods`.
     pub const XDP_EGRESS: u32 = 16_384;
+    /// Socket reverse translations: one per (node socket, backend it was sent to).
+    pub const SOCK_REVNAT: u32 = 65_536;
 }
 
 /// Masquerade source ports are taken from this range by default: above Linux's default ephemeral
@@ -337,6 +349,33 @@ pub struct Config {
     /// Masquerade source port range, host byte order, inclusive.
     pub snat_port_min: u16,
     pub snat_port_max: u16,
+    pub _pad: u32,
+    /// The agent's network namespace (SO_NETNS_COOKIE): the socket hooks translate only sockets
+    /// in it, as a cgroup holds processes of every namespace.
+    pub netns_cookie: u64,
+}
+
+/// Key of `SOCK_REVNAT`: a socket of the node (`bpf_get_socket_cookie`) and the backend its
+/// connect or sendmsg to a service was pointed to.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct SockRevNatKey {
+    pub cookie: u64,
+    pub backend: Backend,
+}
+
+/// Value of `SOCK_REVNAT`: the service address the application used, shown to it as the peer
+/// (getpeername) or the source of what the backend sends (recvmsg).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct SockRevNat {
+    /// Network byte order.
+    pub addr: u32,
+    /// Network byte order.
+    pub port: u16,
+    pub _pad: u16,
 }
 
 /// --masquerade-all.
@@ -436,8 +475,10 @@ const _: () = {
     assert!(core::mem::size_of::<Backend>() == 8);
     assert!(core::mem::size_of::<ConntrackKey>() == 16);
     assert!(core::mem::size_of::<ConntrackEntry>() == 32);
-    assert!(core::mem::size_of::<Config>() == 20);
     assert!(core::mem::size_of::<SourceRangeKey>() * 8 == SourceRangeKey::FULL_PREFIX as usize);
+    assert!(core::mem::size_of::<Config>() == 32);
+    assert!(core::mem::size_of::<SockRevNatKey>() == 16);
+    assert!(core::mem::size_of::<SockRevNat>() == 8);
     assert!(Counter::ALL[Counter::COUNT as usize - 1] as u32 == Counter::COUNT - 1);
 };
 
@@ -457,6 +498,8 @@ mod user {
     unsafe impl aya::Pod for AffinityKey {}
     unsafe impl aya::Pod for AffinityEntry {}
     unsafe impl aya::Pod for SourceRangeKey {}
+    unsafe impl aya::Pod for SockRevNatKey {}
+    unsafe impl aya::Pod for SockRevNat {}
 }
 
 #[cfg(test)]

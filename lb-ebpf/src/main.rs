@@ -2,7 +2,8 @@
 //! enters the node, and `lb_xdp`, its fast path on the external interface. Service traffic is
 //! translated in both directions and forwarded to its egress interface; everything else passes
 //! untouched. Both run the same translation core (translate.rs) over their own packet access
-//! (packet.rs).
+//! (packet.rs). The node's own sockets are translated at connect and send time by the cgroup
+//! socket hooks (`sock`).
 #![no_std]
 #![no_main]
 
@@ -16,6 +17,7 @@ mod packet;
 mod parse;
 mod reject;
 mod service;
+mod sock;
 mod translate;
 
 use aya_ebpf::{
@@ -23,8 +25,8 @@ use aya_ebpf::{
         TC_ACT_OK, TC_ACT_SHOT,
         xdp_action::{XDP_DROP, XDP_PASS},
     },
-    macros::{classifier, xdp},
-    programs::{TcContext, XdpContext},
+    macros::{cgroup_sock_addr, classifier, xdp},
+    programs::{SockAddrContext, TcContext, XdpContext},
 };
 use lb_common::Counter;
 
@@ -73,6 +75,26 @@ pub fn lb_xdp(ctx: XdpContext) -> u32 {
             XDP_DROP
         }
     }
+}
+
+#[cgroup_sock_addr(connect4)]
+pub fn lb_connect4(ctx: SockAddrContext) -> i32 {
+    sock::translate(&ctx)
+}
+
+#[cgroup_sock_addr(sendmsg4)]
+pub fn lb_sendmsg4(ctx: SockAddrContext) -> i32 {
+    sock::translate(&ctx)
+}
+
+#[cgroup_sock_addr(recvmsg4)]
+pub fn lb_recvmsg4(ctx: SockAddrContext) -> i32 {
+    sock::reverse(&ctx)
+}
+
+#[cgroup_sock_addr(getpeername4)]
+pub fn lb_getpeername4(ctx: SockAddrContext) -> i32 {
+    sock::reverse(&ctx)
 }
 
 fn try_xdp(ctx: &XdpContext) -> Result<u32, Counter> {

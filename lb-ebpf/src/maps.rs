@@ -11,7 +11,7 @@ use aya_ebpf::{
 };
 use lb_common::{
     AffinityEntry, AffinityKey, Backend, BackendKey, Config, ConntrackEntry, ConntrackKey, Counter,
-    Frontend, FrontendKey, SourceRangeKey, default_size,
+    Frontend, FrontendKey, SockRevNat, SockRevNatKey, SourceRangeKey, default_size,
 };
 
 #[map(name = "LB_FRONTEND_V4")]
@@ -34,7 +34,11 @@ static AFFINITY: LruHashMap<AffinityKey, AffinityEntry> =
 static ROUND_ROBIN: LruHashMap<u32, u32> =
     LruHashMap::with_max_entries(default_size::ROUND_ROBIN, 0);
 
-#[map(name = "LB_CONFIG_V1")]
+#[map(name = "LB_SOCK_REVNAT_V1")]
+static SOCK_REVNAT: LruHashMap<SockRevNatKey, SockRevNat> =
+    LruHashMap::with_max_entries(default_size::SOCK_REVNAT, 0);
+
+#[map(name = "LB_CONFIG_V2")]
 static CONFIG: Array<Config> = Array::with_max_entries(1, 0);
 
 #[map(name = "LB_COUNTER_V4")]
@@ -53,7 +57,7 @@ static XDP_EGRESS: HashMap<u32, u8> = HashMap::with_max_entries(default_size::XD
 
 pub fn count(counter: Counter) {
     if let Some(slot) = COUNTERS.get_ptr_mut(counter as u32) {
-        // SAFETY: the slot is this CPU's own, and a tc or XDP program is not preempted while it runs.
+        // SAFETY: the slot is this CPU's own; tc and XDP programs are not preempted while they run.
         unsafe { *slot += 1 };
     }
 }
@@ -110,6 +114,16 @@ pub fn affinity(key: &AffinityKey) -> Option<&'static mut AffinityEntry> {
 pub fn affinity_insert(key: &AffinityKey, entry: &AffinityEntry) {
     // A failed insert only costs the next connection its affinity.
     let _ = AFFINITY.insert(key, entry, 0);
+}
+
+pub fn sock_revnat(key: &SockRevNatKey) -> Option<SockRevNat> {
+    // SAFETY: the value is copied out at once.
+    unsafe { SOCK_REVNAT.get(key).copied() }
+}
+
+pub fn sock_revnat_insert(key: &SockRevNatKey, value: &SockRevNat) {
+    // A failed insert only leaves the application seeing the backend's address.
+    let _ = SOCK_REVNAT.insert(key, value, 0);
 }
 
 /// The next value of the round-robin counter of `service_id`, shared by all CPUs.

@@ -13,6 +13,7 @@ use lb_common::{
 };
 use lb_user::apiserver::{self, ApiSource, Next};
 use lb_user::bpffs;
+use lb_user::cgroup_hooks::{self, CgroupHooks};
 use lb_user::coalesce::Coalescer;
 use lb_user::datapath::{Datapath, MapSizes};
 use lb_user::error_chain;
@@ -94,6 +95,8 @@ pub async fn run(args: AgentArgs) -> Result<()> {
             },
         snat_port_min: SNAT_PORT_MIN,
         snat_port_max: SNAT_PORT_MAX,
+        _pad: 0,
+        netns_cookie: cgroup_hooks::netns_cookie()?,
     })?;
 
     let existing = datapath.service_maps.read()?;
@@ -140,6 +143,14 @@ pub async fn run(args: AgentArgs) -> Result<()> {
     } else {
         coalescer.queue(Instant::now(), Duration::ZERO);
     }
+    // Before the interfaces, so "attached to the existing interfaces" means everything is.
+    let cgroup_hooks = if args.cgroup.as_os_str().is_empty() {
+        None
+    } else {
+        let hooks = CgroupHooks::attach(&mut state.datapath, &args.cgroup)?;
+        info!(cgroup = %args.cgroup.display(), "socket hooks attached");
+        Some(hooks)
+    };
     let mut hooks = Hooks::new(&args, &mut state.datapath)?;
     for (index, name) in links.list().await? {
         hooks.add(&mut state.datapath, index, &name)?;
@@ -190,6 +201,9 @@ pub async fn run(args: AgentArgs) -> Result<()> {
 
     info!(interfaces = hooks.tc.len(), "stopping: detaching");
     hooks.detach_all(&mut state.datapath)?;
+    if let Some(hooks) = cgroup_hooks {
+        hooks.detach(&mut state.datapath)?;
+    }
     info!(
         failed_map_writes = state.reconciler.failed_total,
         "stopped; maps stay pinned"

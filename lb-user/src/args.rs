@@ -102,6 +102,11 @@ pub struct AgentArgs {
     /// long to be synced.
     #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = parse_duration)]
     pub sync_period: Duration,
+    /// cgroup v2 directory whose sockets (host processes, hostNetwork pods) reach services
+    /// through the socket hooks, at connect and send time; "" disables. Only sockets in the
+    /// agent's network namespace are translated.
+    #[arg(long, value_name = "PATH", default_value = "/sys/fs/cgroup", value_parser = |s: &str| Ok::<_, String>(PathBuf::from(s)))]
+    pub cgroup: PathBuf,
     /// bpffs directory for the pinned maps (mounted if needed); pins survive agent restarts.
     #[arg(long, value_name = "DIR", default_value = DEFAULT_BPFFS)]
     pub bpffs: PathBuf,

@@ -6,7 +6,7 @@ use std::path::Path;
 
 use aya::maps::lpm_trie::{Key, LpmTrie};
 use aya::maps::{Array, HashMap, MapData, MapError, PerCpuArray};
-use aya::programs::{ProgramError, SchedClassifier, Xdp};
+use aya::programs::{CgroupSockAddr, ProgramError, SchedClassifier, Xdp};
 use aya::{Ebpf, EbpfError, EbpfLoader};
 use lb_common::{
     Backend, BackendKey, Config, ConntrackEntry, ConntrackKey, Counter, Frontend, FrontendKey,
@@ -150,6 +150,18 @@ impl Datapath {
     where
         &'a mut P: TryFrom<&'a mut aya::programs::Program, Error = ProgramError>,
     {
+        self.ebpf
+            .program_mut(name)
+            .ok_or(DatapathError::MissingProgram(name))?
+            .try_into()
+            .map_err(|source| DatapathError::Program { name, source })
+    }
+
+    /// One of the cgroup socket hooks (`program_name::CONNECT4`, ...), loaded or not.
+    pub fn sock_program(
+        &mut self,
+        name: &'static str,
+    ) -> Result<&mut CgroupSockAddr, DatapathError> {
         self.ebpf
             .program_mut(name)
             .ok_or(DatapathError::MissingProgram(name))?

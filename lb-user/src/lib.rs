@@ -1,6 +1,7 @@
 //! The agent: desired state from manifests, one reconciler into the eBPF maps.
 pub mod apiserver;
 pub mod bpffs;
+pub mod cgroup_hooks;
 pub mod coalesce;
 pub mod datapath;
 pub mod health;

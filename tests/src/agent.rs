@@ -101,6 +101,12 @@ impl Agent {
         wait: bool,
     ) -> Result<Self> {
         let log = fs::File::create(dir.path().join("agent.log"))?;
+        // Never the machine's root cgroup: a test that wants the socket hooks gives its own.
+        let cgroup: &[&str] = if extra_args.contains(&"--cgroup") {
+            &[]
+        } else {
+            &["--cgroup", ""]
+        };
         let child = node
             .ns
             .command(lb_binary())
@@ -109,6 +115,7 @@ impl Agent {
             .args(["--cluster-cidr", CLUSTER_CIDR])
             .args(["--external-interface", node.external_interface])
             .args(["--pod-interfaces", node.pod_interfaces])
+            .args(cgroup)
             .args(extra_args)
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())

@@ -1,6 +1,7 @@
 //! Network-namespace topologies, echo servers and the agent process, for the integration tests
 //! and the demo. Everything here creates only namespaces of its own and removes them on drop.
 pub mod agent;
+pub mod cgroup;
 pub mod echo;
 pub mod fake_apiserver;
 pub mod manifests;

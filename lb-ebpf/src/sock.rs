@@ -1,0 +1,158 @@
+//! Traffic from the node itself (host processes, hostNetwork pods), as kube-proxy's OUTPUT
+//! chain serves it: cgroup socket-address hooks point a socket at a backend when it connects
+//! (TCP, connected UDP) or sends (unconnected UDP) to a service, and show the service address
+//! back to the application (getpeername, recvmsg). No packet of these flows is translated: the
+//! kernel routes them to the backend and picks their source, which is what kube-proxy's
+//! masquerade of node-local traffic gives.
+use aya_ebpf::{
+    EbpfContext as _,
+    helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_set_retval},
+    programs::SockAddrContext,
+};
+use lb_common::{
+    Backend, Config, ConntrackKey, Counter, FRONTEND_F_PRESERVE_SOURCE, Frontend, IPPROTO_TCP,
+    IPPROTO_UDP, SockRevNat, SockRevNatKey, ipv4_be,
+};
+
+use crate::{
+    maps,
+    service::{self, Backends},
+};
+
+/// The syscall goes on (with the address as the hook left it).
+const PROCEED: i32 = 1;
+/// The syscall fails: EPERM, or the error set with `bpf_set_retval`.
+const FAIL: i32 = 0;
+const ECONNREFUSED: i32 = 111;
+const LOOPBACK_NET: u32 = ipv4_be([127, 0, 0, 0]);
+const LOOPBACK_MASK: u32 = ipv4_be([255, 0, 0, 0]);
+
+/// Why a socket's address is left as it is.
+enum Untouched {
+    /// Not ours: another namespace, not TCP/UDP, not a service address.
+    NotService,
+    /// The service refuses or drops new connections; counted, and the syscall fails.
+    Refused(Counter),
+}
+
+/// connect4 and sendmsg4: a service address becomes a backend of that service.
+pub fn translate(ctx: &SockAddrContext) -> i32 {
+    match try_translate(ctx) {
+        Ok(()) => PROCEED,
+        Err(Untouched::NotService) => PROCEED,
+        Err(Untouched::Refused(reason)) => {
+            maps::count(reason);
+            // kube-proxy REJECTs a service without endpoints (the client sees ECONNREFUSED);
+            // traffic policy Local without a local endpoint is dropped, here EPERM at once.
+            if reason == Counter::Rejected {
+                // SAFETY: the helper only sets this syscall's return value.
+                unsafe { bpf_set_retval(-ECONNREFUSED) };
+            }
+            FAIL
+        }
+    }
+}
+
+fn try_translate(ctx: &SockAddrContext) -> Result<(), Untouched> {
+    let config = maps::config()
+        .filter(|config| config.netns_cookie != 0)
+        .ok_or(Untouched::NotService)?;
+    // SAFETY: the helper reads the namespace of the context's socket.
+    if unsafe { bpf_get_netns_cookie(ctx.as_ptr()) } != config.netns_cookie {
+        return Err(Untouched::NotService);
+    }
+    // SAFETY: the kernel hands the program a valid bpf_sock_addr for its whole run.
+    let addr = unsafe { &mut *ctx.sock_addr };
+    let proto = match addr.protocol {
+        p if p == u32::from(IPPROTO_TCP) => IPPROTO_TCP,
+        p if p == u32::from(IPPROTO_UDP) => IPPROTO_UDP,
+        _ => return Err(Untouched::NotService),
+    };
+    let cookie = socket_cookie(ctx);
+    let (dst_addr, dst_port) = (addr.user_ip4, addr.user_port as u16);
+    let tuple = ConntrackKey {
+        // The source is not chosen yet: the node's address stands for it (sessionAffinity and
+        // source hashing key on it), and the socket for its port (flow hashing).
+        src_addr: config.node_addr,
+        dst_addr: frontend_addr(&config, dst_addr),
+        src_port: cookie as u16,
+        dst_port,
+        proto,
+        _pad: [0; 3],
+    };
+    let frontend = service::frontend(&tuple).map_err(|reason| match reason {
+        Counter::Passed => Untouched::NotService,
+        refused => Untouched::Refused(refused),
+    })?;
+    let backends = node_backends(&config, &frontend);
+    if backends.count == 0 {
+        return Err(Untouched::Refused(if frontend.backend_count != 0 {
+            Counter::DropNoLocalBackend
+        } else {
+            Counter::Rejected
+        }));
+    }
+    let backend = service::select_backend(&frontend, &backends, &tuple, maps::now_ns())
+        .map_err(Untouched::Refused)?;
+    let key = SockRevNatKey { cookie, backend };
+    let service = SockRevNat {
+        addr: dst_addr,
+        port: dst_port,
+        _pad: 0,
+    };
+    // A failed insert only leaves the application seeing the backend as its peer.
+    maps::sock_revnat_insert(&key, &service);
+    addr.user_ip4 = backend.addr;
+    addr.user_port = u32::from(backend.port);
+    maps::count(Counter::NewConnection);
+    Ok(())
+}
+
+/// recvmsg4 and getpeername4: a backend this socket was pointed to shows as the service
+/// address it used. Only sockets translated above have entries, so no namespace check.
+pub fn reverse(ctx: &SockAddrContext) -> i32 {
+    // SAFETY: as in `try_translate`.
+    let addr = unsafe { &mut *ctx.sock_addr };
+    let key = SockRevNatKey {
+        cookie: socket_cookie(ctx),
+        backend: Backend {
+            addr: addr.user_ip4,
+            port: addr.user_port as u16,
+            _pad: 0,
+        },
+    };
+    if let Some(service) = maps::sock_revnat(&key) {
+        addr.user_ip4 = service.addr;
+        addr.user_port = u32::from(service.port);
+    }
+    PROCEED
+}
+
+fn socket_cookie(ctx: &SockAddrContext) -> u64 {
+    // SAFETY: the helper reads the cookie of the context's socket.
+    unsafe { bpf_get_socket_cookie(ctx.as_ptr()) }
+}
+
+/// Localhost NodePorts (127.0.0.1:nodePort), which kube-proxy's iptables mode serves: the
+/// frontend is the node address's NodePort.
+fn frontend_addr(config: &Config, dst_addr: u32) -> u32 {
+    if dst_addr & LOOPBACK_MASK == LOOPBACK_NET {
+        config.node_addr
+    } else {
+        dst_addr
+    }
+}
+
+/// The endpoint list of node-local traffic: kube-proxy sends it to every endpoint of an
+/// externalTrafficPolicy Local NodePort (its local-traffic short circuit), and to the local
+/// ones of an internalTrafficPolicy Local ClusterIP.
+fn node_backends(config: &Config, frontend: &Frontend) -> Backends {
+    if frontend.flags & FRONTEND_F_PRESERVE_SOURCE != 0 {
+        return Backends {
+            service_id: frontend.service_id,
+            base: 0,
+            count: frontend.backend_count,
+        };
+    }
+    service::backends(config, frontend, config.node_addr)
+}

@@ -1,0 +1,187 @@
+//! Traffic from the node itself (host processes, hostNetwork pods) through the agent's cgroup
+//! socket hooks: a client process in the node namespace and in the test's own cgroup reaches
+//! ClusterIPs and NodePorts, sees the service address as its peer, and fails fast on a service
+//! without endpoints; processes outside the cgroup or the namespace are untouched.
+//!
+//! The hooks are cgroup/sock_addr programs, which BPF_PROG_TEST_RUN does not run: they are
+//! tested here only, with real sockets.
+use std::{
+    net::{Ipv4Addr, SocketAddr},
+    time::Duration,
+};
+
+use anyhow::{Context as _, Result, bail, ensure};
+use lb_tests::{
+    cgroup::Cgroup,
+    echo::{Answer, EchoServer, Proto, request},
+    manifests::{ServiceManifest, yaml},
+    netns::{Netns, unique_prefix},
+    node::{CLUSTER_IP, Node, TARGET_PORT, vip},
+    topology::{NODE_IP, POD_GATEWAY},
+};
+
+const NODE_PORT: u16 = 30080;
+const DNS_PORT: u16 = 53;
+const DNS_NODE_PORT: u16 = 30053;
+const LOCALHOST: Ipv4Addr = Ipv4Addr::LOCALHOST;
+/// A refused connection fails well before any timeout (the client's is 2 s).
+const FAST: Duration = Duration::from_millis(500);
+
+/// What the client process printed.
+#[derive(Debug)]
+enum Outcome {
+    Answered(Answer),
+    Failed { kind: String, took: Duration },
+}
+
+/// One request from a client process in `ns` and `cgroup`.
+fn node_request(cgroup: &Cgroup, ns: &Netns, proto: Proto, to: SocketAddr) -> Result<Outcome> {
+    let proto_arg = match proto {
+        Proto::Tcp => "tcp",
+        Proto::Udp => "udp",
+    };
+    let out = cgroup
+        .command(ns, env!("CARGO_BIN_EXE_lb-node-client"))?
+        .args([proto_arg, &to.to_string()])
+        .output()
+        .context("spawn lb-node-client")?;
+    ensure!(
+        out.status.success(),
+        "lb-node-client: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout)?;
+    let fields: Vec<&str> = text.split_whitespace().collect();
+    match fields.as_slice() {
+        ["error", kind, millis] => Ok(Outcome::Failed {
+            kind: kind.to_string(),
+            took: Duration::from_millis(millis.parse()?),
+        }),
+        [server, seen, peer] => Ok(Outcome::Answered(Answer {
+            server: server.to_string(),
+            seen_source: seen.parse()?,
+            peer: peer.parse()?,
+        })),
+        _ => bail!("lb-node-client printed {text:?}"),
+    }
+}
+
+fn answered(outcome: Outcome) -> Result<Answer> {
+    match outcome {
+        Outcome::Answered(answer) => Ok(answer),
+        failed => bail!("{failed:?}"),
+    }
+}
+
+fn services(node: &Node, endpoints: &[&str]) -> Vec<ServiceManifest> {
+    let ips = || endpoints.iter().map(|p| node.ip(p));
+    vec![
+        node.service(Proto::Tcp, endpoints).node_port(NODE_PORT),
+        ServiceManifest::new("dns", CLUSTER_IP, Proto::Udp, DNS_PORT, TARGET_PORT)
+            .node_port(DNS_NODE_PORT)
+            .endpoints(ips()),
+    ]
+}
+
+/// The agent on a node with pods a, b, c, its socket hooks on `cgroup`.
+fn start(cgroup: &Cgroup) -> Result<Node> {
+    let path = cgroup.agent_path();
+    let path = path.to_str().context("cgroup path")?;
+    Node::start(3, &[], &["--cgroup", path])
+}
+
+/// ClusterIP (TCP, UDP) and NodePort on the node address and on 127.0.0.1 (TCP, UDP): a
+/// backend answers; the client's peer (getpeername for TCP, recvfrom's source for UDP) is the
+/// address it used; the backend sees the node's address on its link, the source routing gives,
+/// as kube-proxy's masquerade of node-local traffic does.
+#[test]
+fn node_reaches_cluster_ips_and_node_ports() -> Result<()> {
+    let cgroup = Cgroup::new()?;
+    let mut node = start(&cgroup)?;
+    node.agent
+        .update_manifests(&yaml(&services(&node, &["pod-b", "pod-c"])))?;
+    let targets = [
+        (Proto::Tcp, vip()),
+        (Proto::Udp, (CLUSTER_IP, DNS_PORT).into()),
+        (Proto::Tcp, (NODE_IP, NODE_PORT).into()),
+        (Proto::Udp, (NODE_IP, DNS_NODE_PORT).into()),
+        (Proto::Tcp, (LOCALHOST, NODE_PORT).into()),
+        (Proto::Udp, (LOCALHOST, DNS_NODE_PORT).into()),
+    ];
+    for (proto, to) in targets {
+        let answer = answered(node_request(&cgroup, &node.topology.node, proto, to)?)
+            .with_context(|| format!("{proto:?} to {to}"))?;
+        ensure!(
+            ["pod-b", "pod-c"].contains(&answer.server.as_str()),
+            "{proto:?} to {to}: {answer:?}"
+        );
+        ensure!(answer.peer == to, "{proto:?} to {to}: peer {}", answer.peer);
+        ensure!(
+            answer.seen_source.ip() == POD_GATEWAY,
+            "{proto:?} to {to}: the backend saw {}",
+            answer.seen_source
+        );
+    }
+    Ok(())
+}
+
+/// A service without endpoints refuses at once (ECONNREFUSED from connect or sendto, as
+/// kube-proxy's REJECT makes it), on the ClusterIP and on a localhost NodePort.
+#[test]
+fn node_service_without_endpoints_is_refused_fast() -> Result<()> {
+    let cgroup = Cgroup::new()?;
+    let mut node = start(&cgroup)?;
+    node.agent.update_manifests(&yaml(&services(&node, &[])))?;
+    let targets = [
+        (Proto::Tcp, vip()),
+        (Proto::Udp, (CLUSTER_IP, DNS_PORT).into()),
+        (Proto::Tcp, (LOCALHOST, NODE_PORT).into()),
+    ];
+    for (proto, to) in targets {
+        match node_request(&cgroup, &node.topology.node, proto, to)? {
+            Outcome::Failed { kind, took } => ensure!(
+                kind == "Some(ConnectionRefused)" && took < FAST,
+                "{proto:?} to {to}: {kind} after {took:?}, expected a fast ECONNREFUSED"
+            ),
+            answered => bail!("{proto:?} to {to}: {answered:?}"),
+        }
+    }
+    Ok(())
+}
+
+/// The hooks act on the test's cgroup and the agent's namespace only. A server on the
+/// localhost NodePort answers a node process outside the cgroup, and a process in the cgroup
+/// but in another namespace; the same request from inside both reaches a backend.
+#[test]
+fn only_sockets_in_the_cgroup_and_the_agent_namespace_are_translated() -> Result<()> {
+    let cgroup = Cgroup::new()?;
+    let mut node = start(&cgroup)?;
+    node.agent
+        .update_manifests(&yaml(&services(&node, &["pod-b"])))?;
+    let localhost_node_port: SocketAddr = (LOCALHOST, NODE_PORT).into();
+    let other = Netns::new(format!("{}other", unique_prefix()))?;
+    let _node_server = EchoServer::start(&node.topology.node, "node", NODE_PORT)?;
+    let _other_server = EchoServer::start(&other, "other", NODE_PORT)?;
+
+    let inside = answered(node_request(
+        &cgroup,
+        &node.topology.node,
+        Proto::Tcp,
+        localhost_node_port,
+    )?)?;
+    ensure!(inside.server == "pod-b", "in the cgroup: {inside:?}");
+    // This test's own thread: in the node namespace, not in the cgroup.
+    let outside = request(&node.topology.node, Proto::Tcp, localhost_node_port)?;
+    ensure!(outside.server == "node", "outside the cgroup: {outside:?}");
+    let elsewhere = answered(node_request(
+        &cgroup,
+        &other,
+        Proto::Tcp,
+        localhost_node_port,
+    )?)?;
+    ensure!(
+        elsewhere.server == "other",
+        "another namespace: {elsewhere:?}"
+    );
+    Ok(())
+}
