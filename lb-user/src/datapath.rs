@@ -198,40 +198,13 @@ fn ignore_missing(result: Result<(), MapError>) -> Result<(), MapError> {
     }
 }
 
-/// Runs `batch` from each entry on until every entry is done: an entry the kernel refuses ends
-/// a batch, is recorded, and the next batch starts after it.
-fn in_batches(
-    len: usize,
-    mut batch: impl FnMut(usize) -> Result<(), map_batch::BatchError>,
-) -> Vec<(usize, io::Error)> {
-    let mut failed = Vec::new();
-    let mut from = 0;
-    while from < len {
-        match batch(from) {
-            Ok(()) => break,
-            Err(err) => {
-                failed.push((from + err.index, err.source));
-                from += err.index + 1;
-            }
-        }
-    }
-    failed
-}
-
 fn update<K: Pod, V: Pod>(map: &MapData, entries: &[(K, V)]) -> Vec<(usize, io::Error)> {
     let (keys, values): (Vec<K>, Vec<V>) = entries.iter().copied().unzip();
-    let fd = map.fd().as_fd();
-    in_batches(entries.len(), |from| {
-        map_batch::update(fd, &keys[from..], &values[from..])
-    })
+    map_batch::update_all(map.fd().as_fd(), &keys, &values)
 }
 
 fn delete<K: Pod>(map: &MapData, keys: &[K]) -> Vec<(usize, io::Error)> {
-    let fd = map.fd().as_fd();
-    in_batches(keys.len(), |from| map_batch::delete(fd, &keys[from..]))
-        .into_iter()
-        .filter(|(_, err)| err.raw_os_error() != Some(nix::libc::ENOENT))
-        .collect()
+    map_batch::delete_all(map.fd().as_fd(), keys)
 }
 
 impl MapWriter for ServiceMaps {

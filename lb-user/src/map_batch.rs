@@ -53,6 +53,44 @@ pub fn delete<K: Pod>(map: BorrowedFd<'_>, keys: &[K]) -> Result<(), BatchError>
     batch(BPF_MAP_DELETE_BATCH, map, keys, 0, keys.len())
 }
 
+/// [`update`] of every entry: an entry the kernel refuses ends a batch and is returned with its
+/// index, and the next batch starts after it.
+pub fn update_all<K: Pod, V: Pod>(
+    map: BorrowedFd<'_>,
+    keys: &[K],
+    values: &[V],
+) -> Vec<(usize, io::Error)> {
+    in_batches(keys.len(), |from| {
+        update(map, &keys[from..], &values[from..])
+    })
+}
+
+/// [`delete`] of every key, as [`update_all`]; a key that is not there is no failure.
+pub fn delete_all<K: Pod>(map: BorrowedFd<'_>, keys: &[K]) -> Vec<(usize, io::Error)> {
+    in_batches(keys.len(), |from| delete(map, &keys[from..]))
+        .into_iter()
+        .filter(|(_, err)| err.raw_os_error() != Some(libc::ENOENT))
+        .collect()
+}
+
+fn in_batches(
+    len: usize,
+    mut batch: impl FnMut(usize) -> Result<(), BatchError>,
+) -> Vec<(usize, io::Error)> {
+    let mut failed = Vec::new();
+    let mut from = 0;
+    while from < len {
+        match batch(from) {
+            Ok(()) => break,
+            Err(err) => {
+                failed.push((from + err.index, err.source));
+                from += err.index + 1;
+            }
+        }
+    }
+    failed
+}
+
 fn batch<K: Pod>(
     cmd: libc::c_long,
     map: BorrowedFd<'_>,
