@@ -1,5 +1,5 @@
 //! The two bpf(2) commands the bench needs beyond aya: loading a hand-assembled program (the empty
-//! classifier B1 subtracts, the XDP_TX generator of B4: two instructions each, not worth an eBPF
+//! classifier B1 subtracts, B4's XDP_TX generator: a few instructions each, not worth an eBPF
 //! crate) and BPF_PROG_TEST_RUN with the live-frames flag.
 use std::{
     io,
@@ -11,13 +11,60 @@ use nix::libc;
 const BPF_PROG_LOAD: libc::c_long = 5;
 const BPF_PROG_TEST_RUN: libc::c_long = 10;
 pub const BPF_PROG_TYPE_SCHED_CLS: u32 = 3;
+pub const BPF_PROG_TYPE_XDP: u32 = 6;
 pub const TC_ACT_OK: i32 = 0;
+pub const XDP_DROP: i32 = 1;
+pub const XDP_TX: i32 = 3;
+/// BPF_PROG_TEST_RUN of an XDP program: the frames its verdict sends out are really sent.
+pub const BPF_F_TEST_XDP_LIVE_FRAMES: u32 = 1 << 1;
+
+const LDX_W: u8 = 0x61;
+const ST_W: u8 = 0x62;
+const MOV64_REG: u8 = 0xbf;
+const MOV64_IMM: u8 = 0xb7;
+const ADD64_IMM: u8 = 0x07;
+const JGT_REG: u8 = 0x2d;
+const EXIT: u8 = 0x95;
+
+/// One instruction: opcode, destination and source registers, offset, immediate.
+fn insn(code: u8, dst: u8, src: u8, off: i16, imm: i32) -> u64 {
+    u64::from(code)
+        | u64::from(dst | src << 4) << 8
+        | u64::from(off as u16) << 16
+        | u64::from(imm as u32) << 32
+}
 
 /// `r0 = verdict; exit`.
-fn return_only(verdict: i32) -> [u64; 2] {
-    const MOV64_IMM_R0: u64 = 0xb7;
-    const EXIT: u64 = 0x95;
-    [MOV64_IMM_R0 | (u64::from(verdict as u32) << 32), EXIT]
+fn return_only(verdict: i32) -> Vec<u64> {
+    vec![insn(MOV64_IMM, 0, 0, 0, verdict), insn(EXIT, 0, 0, 0, 0)]
+}
+
+/// XDP: writes `header` (a multiple of 4 bytes) over the start of the frame, then XDP_TX; a
+/// shorter frame is dropped. Live frames recycle their pages, and a receiver that rewrites the
+/// frame in place (veth hands the page to the stack, the datapath's NAT edits it) would
+/// otherwise send its own output next time round.
+fn write_header_and_tx(header: &[u8]) -> Vec<u64> {
+    assert!(header.len().is_multiple_of(4));
+    let stores: Vec<u64> = header
+        .chunks(4)
+        .enumerate()
+        .map(|(i, word)| {
+            let imm = i32::from_le_bytes(word.try_into().expect("4 bytes"));
+            insn(ST_W, 2, 0, (i * 4) as i16, imm)
+        })
+        .collect();
+    let mut insns = vec![
+        // r2 = ctx->data, r3 = ctx->data_end; r4 = r2 + len; if r4 > r3 goto drop.
+        insn(LDX_W, 2, 1, 0, 0),
+        insn(LDX_W, 3, 1, 4, 0),
+        insn(MOV64_REG, 4, 2, 0, 0),
+        insn(ADD64_IMM, 4, 0, 0, header.len() as i32),
+        insn(JGT_REG, 4, 3, stores.len() as i16 + 2, 0),
+    ];
+    insns.extend(stores);
+    insns.extend(return_only(XDP_TX));
+    insns.extend(return_only(XDP_DROP));
+    insns
 }
 
 #[repr(C)]
@@ -74,7 +121,15 @@ fn bpf<T>(cmd: libc::c_long, attr: &mut T) -> io::Result<libc::c_long> {
 
 /// Loads a program that only returns `verdict`.
 pub fn load_return_only(prog_type: u32, verdict: i32) -> io::Result<OwnedFd> {
-    let insns = return_only(verdict);
+    load(prog_type, &return_only(verdict))
+}
+
+/// Loads the XDP program of [`write_header_and_tx`].
+pub fn load_xdp_generator(header: &[u8]) -> io::Result<OwnedFd> {
+    load(BPF_PROG_TYPE_XDP, &write_header_and_tx(header))
+}
+
+fn load(prog_type: u32, insns: &[u64]) -> io::Result<OwnedFd> {
     let license = c"GPL";
     let mut attr = ProgLoadAttr {
         prog_type,

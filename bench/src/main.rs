@@ -2,7 +2,10 @@
 //! as ratios to `direct` measured in that run. Writes target/bench/<timestamp>/{results.json,
 //! report.md, *.svg}. `--smoke` is the tiny run `cargo xtask test` does so the bench cannot rot.
 mod bpf;
+mod conntrack_full;
+mod control;
 mod datapath_cost;
+mod flood;
 mod interrupt;
 mod memory;
 mod packet;
@@ -22,7 +25,7 @@ use std::{
 };
 
 use anyhow::{Context as _, Result};
-use clap::Parser;
+use clap::{Parser, ValueEnum};
 use nix::{
     mount::{MntFlags, MsFlags, mount, umount2},
     sched::{CloneFlags, unshare},
@@ -39,9 +42,30 @@ struct Cli {
     /// B2/B3 service counts instead of the plan's (e.g. `1,1000`).
     #[arg(long, value_delimiter = ',')]
     services: Vec<usize>,
+    /// Only these measurements (e.g. `b4,b6`); default: all.
+    #[arg(long, value_delimiter = ',', value_enum)]
+    only: Vec<Section>,
     /// Output directory [default: target/bench/<timestamp>].
     #[arg(long)]
     out: Option<PathBuf>,
+}
+
+/// The measurements of issue 4, each run on its own with `--only`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Section {
+    /// Datapath cost per packet (BPF_PROG_TEST_RUN).
+    B1,
+    /// Connection rate, and (B3) request rate and latency, for every variant.
+    #[value(alias = "b3")]
+    B2,
+    /// NodePort packet rate from the live-frames generator.
+    B4,
+    /// Conntrack map full, masquerade ports exhausted.
+    B5,
+    /// Control plane: change to first packet; programming 10k × 10 from nothing.
+    B6,
+    /// Map and agent memory.
+    B7,
 }
 
 /// Prints a progress line.
@@ -51,6 +75,7 @@ pub type Progress<'a> = &'a (dyn Fn(&str) + Sync);
 #[derive(Clone, Debug)]
 pub struct Plan {
     pub smoke: bool,
+    pub sections: Vec<Section>,
     pub variants: Vec<Variant>,
     /// B2/B3 service counts.
     pub service_counts: Vec<usize>,
@@ -58,8 +83,9 @@ pub struct Plan {
     /// B1 service counts and runs per case.
     pub datapath_counts: Vec<usize>,
     pub datapath_runs: u32,
-    /// B4 duration.
+    /// B4 duration and service count.
     pub flood_duration: Duration,
+    pub flood_services: usize,
     /// B6 service counts, changes per count, and the services × endpoints programmed at once.
     pub control_counts: Vec<usize>,
     pub control_changes: usize,
@@ -70,27 +96,87 @@ impl Plan {
     fn full() -> Self {
         Plan {
             smoke: false,
+            sections: Section::value_variants().to_vec(),
             variants: Variant::ALL.to_vec(),
             service_counts: vec![1, 1_000, 5_000, 20_000, 50_000],
             point_duration: Duration::from_secs(2),
             datapath_counts: vec![1, 1_000, 10_000, 50_000],
             datapath_runs: 1_000_000,
             flood_duration: Duration::from_secs(3),
+            flood_services: 1_000,
             control_counts: vec![1_000, 10_000, 50_000],
             control_changes: 20,
             bulk: (10_000, 10),
         }
     }
 
+    pub fn wants(&self, section: Section) -> bool {
+        self.sections.contains(&section)
+    }
+
+    /// The variants some wanted section measures.
+    fn deployed_variants(&self) -> Vec<Variant> {
+        self.variants
+            .iter()
+            .copied()
+            .filter(|&v| {
+                self.wants(Section::B2)
+                    || self.wants(Section::B4) && flood::VARIANTS.contains(&v)
+                    || self.wants(Section::B5) && v == Variant::Tc
+                    || (self.wants(Section::B6) || self.wants(Section::B7)) && v != Variant::Direct
+            })
+            .collect()
+    }
+
+    /// A rough guess of the run's length from the plan, printed at the start: measuring time
+    /// plus what programming the largest rulesets took on this machine (iptables-restore about
+    /// 0.5 ms per Service, nft -f capped by its timeout at 20k and up).
+    fn expected(&self) -> Duration {
+        let mut seconds = 0.0;
+        if self.wants(Section::B1) {
+            seconds +=
+                (self.datapath_counts.len() * 5) as f64 * f64::from(self.datapath_runs) * 3e-6;
+        }
+        let point = self.point_duration.as_secs_f64() * 2.0 + 0.5;
+        if self.wants(Section::B2) {
+            for &count in &self.service_counts {
+                let loaders = if count >= 20_000 { 180.0 } else { 0.0 };
+                seconds += self.variants.len() as f64 * point + count as f64 * 1.5e-3 + loaders;
+            }
+        }
+        if self.wants(Section::B4) {
+            seconds += flood::VARIANTS.len() as f64 * (self.flood_duration.as_secs_f64() + 5.0);
+        }
+        if self.wants(Section::B5) {
+            seconds += 4.0 * point + 5.0;
+        }
+        if self.wants(Section::B6) {
+            let per_change: f64 = self
+                .control_counts
+                .iter()
+                .map(|&c| 0.5 + c as f64 * 7e-5)
+                .sum();
+            seconds += control::MIN_SYNC_PERIODS.len() as f64
+                * (per_change * self.control_changes as f64 + 10.0);
+            // The two iptables loaders take about 0.4 ms per endpoint together; nft -f of 100k
+            // endpoints runs into its timeout.
+            let endpoints = (self.bulk.0 * self.bulk.1) as f64;
+            seconds += endpoints * 4e-4 + if endpoints >= 50_000.0 { 180.0 } else { 0.0 };
+        }
+        Duration::from_secs_f64(seconds)
+    }
+
     fn smoke() -> Self {
         Plan {
             smoke: true,
+            sections: Section::value_variants().to_vec(),
             variants: vec![Variant::Direct, Variant::Tc],
             service_counts: vec![1],
             point_duration: Duration::from_millis(300),
             datapath_counts: vec![1],
             datapath_runs: 2_000,
             flood_duration: Duration::from_millis(300),
+            flood_services: 1,
             control_counts: vec![10],
             control_changes: 2,
             bulk: (100, 10),
@@ -108,6 +194,9 @@ fn main() -> Result<()> {
     if !cli.services.is_empty() {
         plan.service_counts = cli.services;
     }
+    if !cli.only.is_empty() {
+        plan.sections = cli.only;
+    }
     let out = match cli.out {
         Some(out) => out,
         None => Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -121,21 +210,48 @@ fn main() -> Result<()> {
     let started = Instant::now();
     let mut results = Results::new(&plan)?;
     let progress = |what: &str| eprintln!("[{:>6.1}s] {what}", started.elapsed().as_secs_f64());
-    progress("B1 datapath cost (BPF_PROG_TEST_RUN)");
-    results.datapath = datapath_cost::measure(&plan, &progress)?;
-    progress("B2/B3 connection and request rate, every variant");
-    let mut deployments = sweep::deploy(&plan, bpffs.path(), &progress)?;
-    results.points = sweep::run(&plan, &mut deployments, &progress)?;
-    interrupt::check()?;
-    // A later phase that fails still leaves the sweep's report.
-    results.write(&out)?;
-    report::write(&results, &out)?;
-    progress("B6 programming from nothing, B7 agent memory");
-    results.bulk = sweep::bulk(&plan, &mut deployments, &progress)?;
+    progress(&format!(
+        "{:?}: expected about {:.0} min",
+        plan.sections,
+        plan.expected().as_secs_f64() / 60.0
+    ));
+    if plan.wants(Section::B1) {
+        progress("B1 datapath cost (BPF_PROG_TEST_RUN)");
+        results.datapath = datapath_cost::measure(&plan, &progress)?;
+    }
+    let mut deployments = sweep::deploy(&plan.deployed_variants(), bpffs.path(), &progress)?;
+    if plan.wants(Section::B2) {
+        progress("B2/B3 connection and request rate, every variant");
+        results.points = sweep::run(&plan, &mut deployments, &progress)?;
+        interrupt::check()?;
+        // A later phase that fails still leaves the sweep's report.
+        results.write(&out)?;
+        report::write(&results, &out)?;
+    }
+    if plan.wants(Section::B4) {
+        progress("B4 NodePort packet rate (live XDP frames from the external client)");
+        results.flood = flood::run(&plan, &mut deployments, &progress)?;
+    }
+    if plan.wants(Section::B5) {
+        progress("B5 conntrack full, masquerade ports exhausted");
+        results.conntrack = conntrack_full::run(&plan, &mut deployments, &progress)?;
+    }
+    if plan.wants(Section::B6) {
+        progress("B6 control plane: endpoint change to first packet");
+        results.control = control::run(&plan, bpffs.path(), &progress)?;
+        results.write(&out)?;
+        report::write(&results, &out)?;
+    }
+    if plan.wants(Section::B6) || plan.wants(Section::B7) {
+        progress("B6 programming from nothing, B7 agent memory");
+        results.bulk = sweep::bulk(&plan, &mut deployments, bpffs.path(), &progress)?;
+    }
     drop(deployments);
     interrupt::check()?;
-    progress("B7 map memory");
-    results.maps = memory::maps()?;
+    if plan.wants(Section::B7) {
+        progress("B7 map memory");
+        results.maps = memory::maps()?;
+    }
     results.seconds = started.elapsed().as_secs_f64();
 
     results.write(&out)?;

@@ -2,7 +2,8 @@
 use std::net::SocketAddrV4;
 
 pub const ETH_HLEN: usize = 14;
-const IPV4_HLEN: usize = 20;
+pub const IPV4_HLEN: usize = 20;
+pub const UDP_HLEN: usize = 8;
 /// Offsets in the frame.
 const IP_SRC: usize = ETH_HLEN + 12;
 const L4_SRC_PORT: usize = ETH_HLEN + IPV4_HLEN;
@@ -31,6 +32,21 @@ impl Frame {
             6,
             &l4,
         )
+    }
+
+    /// UDP with `payload` zero bytes and no checksum (allowed for IPv4), between real MACs.
+    pub fn udp(
+        src_mac: [u8; 6],
+        dst_mac: [u8; 6],
+        src: SocketAddrV4,
+        dst: SocketAddrV4,
+        payload: usize,
+    ) -> Self {
+        let mut l4 = vec![0u8; UDP_HLEN + payload];
+        l4[0..2].copy_from_slice(&src.port().to_be_bytes());
+        l4[2..4].copy_from_slice(&dst.port().to_be_bytes());
+        l4[4..6].copy_from_slice(&((UDP_HLEN + payload) as u16).to_be_bytes());
+        Self::ipv4(dst_mac, src_mac, src, dst, 17, &l4)
     }
 
     fn ipv4(

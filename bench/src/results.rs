@@ -6,7 +6,10 @@ use serde::Serialize;
 
 use crate::{
     Plan,
+    conntrack_full::ConntrackPoint,
+    control::ControlPoint,
     datapath_cost::DatapathCost,
+    flood::Flood,
     memory::MapMemory,
     sweep::Bulk,
     traffic::{ConnectionRate, RequestRate},
@@ -26,6 +29,12 @@ pub struct Results {
     pub datapath: Vec<DatapathCost>,
     /// B2/B3.
     pub points: Vec<Point>,
+    /// B4.
+    pub flood: Vec<Flood>,
+    /// B5.
+    pub conntrack: Vec<ConntrackPoint>,
+    /// B6: change to first packet.
+    pub control: Vec<ControlPoint>,
     /// B6: programming many Services at once; B7: the agent's memory then.
     pub bulk: Vec<Bulk>,
     /// B7.
@@ -45,6 +54,9 @@ impl Results {
             seconds: 0.0,
             datapath: Vec::new(),
             points: Vec::new(),
+            flood: Vec::new(),
+            conntrack: Vec::new(),
+            control: Vec::new(),
             bulk: Vec::new(),
             maps: Vec::new(),
         })

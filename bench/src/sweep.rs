@@ -17,10 +17,10 @@ use crate::{
 const MAX_CONNECTIONS: u64 = 1_000_000;
 const MAX_REQUESTS: usize = 4_000_000;
 
-/// Every available variant in its own topology.
-pub fn deploy(plan: &Plan, bpffs: &Path, progress: Progress) -> Result<Vec<Deployment>> {
+/// Every available variant of `variants` in its own topology.
+pub fn deploy(variants: &[Variant], bpffs: &Path, progress: Progress) -> Result<Vec<Deployment>> {
     let mut deployments = Vec::new();
-    for &variant in &plan.variants {
+    for &variant in variants {
         if !variant.available() {
             progress(&format!("  {}: not installed, skipped", variant.name()));
             continue;
@@ -66,9 +66,15 @@ fn measure(plan: &Plan, deployment: &mut Deployment, set: &ServiceSet) -> Point 
     point
 }
 
-/// B6 (bulk) and B7 (agent memory): every variant programs `services` × `endpoints` at once
-/// (the agent: one sync from its last state, a handful of Services).
-pub fn bulk(plan: &Plan, deployments: &mut [Deployment], progress: Progress) -> Result<Vec<Bulk>> {
+/// B6 (bulk) and B7 (agent memory): every variant programs `services` × `endpoints` from
+/// nothing: the loaders from a single Service, the agent by starting on them in a deployment of
+/// its own (start to its first sync, attached), as a node's agent does.
+pub fn bulk(
+    plan: &Plan,
+    deployments: &mut [Deployment],
+    bpffs: &Path,
+    progress: Progress,
+) -> Result<Vec<Bulk>> {
     let (services, endpoints) = plan.bulk;
     let mut bulk = Vec::new();
     for deployment in deployments.iter_mut() {
@@ -76,8 +82,14 @@ pub fn bulk(plan: &Plan, deployments: &mut [Deployment], progress: Progress) -> 
             continue;
         }
         interrupt::check()?;
-        // From nothing: back to one Service first.
-        deployment.program(&ServiceSet::new(1, 1, deployment.topology.backend().ip))?;
+        let mut fresh = None;
+        let deployment = match deployment.variant {
+            Variant::Tc => fresh.insert(Deployment::new(Variant::Tc, bpffs, &[])?),
+            _ => {
+                deployment.program(&ServiceSet::new(1, 1, deployment.topology.backend().ip))?;
+                deployment
+            }
+        };
         let set = ServiceSet::new(services, endpoints, deployment.topology.backend().ip);
         let seconds = match deployment.program(&set) {
             Ok(took) => took.as_secs_f64(),
@@ -115,8 +127,8 @@ pub struct Bulk {
     pub variant: Variant,
     pub services: usize,
     pub endpoints_per_service: usize,
-    /// iptables-restore / nft -f run time; the agent: manifest written → its sync logged
-    /// (includes its 100 ms settle time and the directory's parse).
+    /// iptables-restore / nft -f run time; the agent: its start → its first sync applied and
+    /// its programs attached (includes loading the object and the manifest's parse).
     pub seconds: f64,
     pub agent_resident_bytes: Option<u64>,
 }

@@ -118,6 +118,16 @@ impl Deployment {
         })
     }
 
+    /// Where the agent pins its maps (`tc`).
+    pub fn pins(&self) -> &Path {
+        &self.bpffs
+    }
+
+    /// The agent, once `program` started it (`tc`).
+    pub fn agent(&mut self) -> Option<&mut Agent> {
+        self.agent.as_mut()
+    }
+
     /// Where the client sends for the measured Service.
     pub fn target(&self, set: &ServiceSet) -> SocketAddr {
         match self.variant {

@@ -1,5 +1,5 @@
-//! The bench's smoke run (direct and tc at one service, tiny counts), so the harness cannot rot.
-//! Run as root.
+//! The bench's smoke run (direct and tc at one service, tiny counts, every section), so the
+//! harness cannot rot. Run as root.
 use std::process::Command;
 
 #[test]
@@ -23,7 +23,46 @@ fn smoke_run_writes_results_report_and_plots() {
         assert!(point["requests"]["p99_us"].as_f64().unwrap() > 0.0);
     }
     assert!(!results["datapath"].as_array().unwrap().is_empty());
+
+    // B4: tc only (the smoke run has no iptables); frames reached the backend.
+    let flood = results["flood"].as_array().unwrap();
+    assert_eq!(flood.len(), 1, "{flood:?}");
+    assert!(flood[0]["error"].is_null(), "{}", flood[0]);
+    assert!(flood[0]["forwarded"].as_u64().unwrap() > 0);
+    assert!(flood[0]["forwarded"].as_u64() <= flood[0]["sent"].as_u64());
+
+    // B5: 0%, 50%, 100%, ports exhausted; the fills are in the map, every flow to the exhausted
+    // NodePort was a counted drop, and pod connections went on.
+    let conntrack = results["conntrack"].as_array().unwrap();
+    assert_eq!(conntrack.len(), 4, "{conntrack:?}");
+    let max = conntrack[0]["max_entries"].as_u64().unwrap();
+    assert!(conntrack[1]["entries"].as_u64().unwrap() >= max / 2);
+    assert!(conntrack[2]["entries"].as_u64().unwrap() > max * 9 / 10);
+    for point in conntrack {
+        assert!(
+            point["connections"]["per_second"].as_f64().unwrap() > 0.0,
+            "{point}"
+        );
+    }
+    let exhausted = &conntrack[3];
+    let attempts = exhausted["attempts"].as_u64().unwrap();
+    assert!(attempts > 0);
+    assert!(exhausted["drop_snat_ports_exhausted"].as_u64().unwrap() >= attempts);
+
+    // B6: both --min-sync-period settings, every change seen.
+    let control = results["control"].as_array().unwrap();
+    assert_eq!(control.len(), 2, "{control:?}");
+    for point in control {
+        assert!(point["error"].is_null(), "{point}");
+        let latencies = point["latencies_ms"].as_array().unwrap();
+        assert_eq!(latencies.len(), 2, "{point}");
+        assert!(latencies.iter().all(|l| l.as_f64().unwrap() > 0.0));
+    }
+
     let report = std::fs::read_to_string(dir.path().join("report.md")).unwrap();
     assert!(report.contains("| 1 |"));
+    for section in ["## B4", "## B5", "## B6 control plane", "## B6 programming"] {
+        assert!(report.contains(section), "{section} missing:\n{report}");
+    }
     assert!(dir.path().join("connections.svg").exists());
 }

@@ -1,19 +1,23 @@
 //! Loading the embedded eBPF object with pinned maps, and the agent's handles on its maps.
 use std::collections::BTreeSet;
+use std::io;
 use std::net::Ipv4Addr;
+use std::os::fd::AsFd as _;
 use std::os::raw::c_int;
 use std::path::Path;
 
 use aya::maps::lpm_trie::{Key, LpmTrie};
-use aya::maps::{Array, HashMap, MapData, MapError, PerCpuArray};
+use aya::maps::{Array, HashMap, IterableMap, MapData, MapError, PerCpuArray};
 use aya::programs::{CgroupSockAddr, ProgramError, SchedClassifier, Xdp};
 use aya::{Ebpf, EbpfError, EbpfLoader};
+use bytemuck::Pod;
 use lb_common::{
     Backend, BackendKey, Config, ConntrackEntry, ConntrackKey, Counter, Frontend, FrontendKey,
     SourceRangeKey, ipv4_be, map_name, program_name,
 };
 use tracing::warn;
 
+use crate::map_batch;
 use crate::reconcile::{MapContents, MapWriter, SourceRange};
 use crate::udp_flush::{self, UdpEndpoint};
 
@@ -282,31 +286,43 @@ fn ignore_missing(result: Result<(), MapError>) -> Result<(), MapError> {
     }
 }
 
+fn update<K: Pod, V: Pod>(map: &MapData, entries: &[(K, V)]) -> Vec<(usize, io::Error)> {
+    let (keys, values): (Vec<K>, Vec<V>) = entries.iter().copied().unzip();
+    map_batch::update_all(map.fd().as_fd(), &keys, &values)
+}
+
+fn delete<K: Pod>(map: &MapData, keys: &[K]) -> Vec<(usize, io::Error)> {
+    map_batch::delete_all(map.fd().as_fd(), keys)
+}
+
 impl MapWriter for ServiceMaps {
-    type Error = MapError;
+    type Error = io::Error;
 
-    fn insert_backend(&mut self, key: BackendKey, value: Backend) -> Result<(), MapError> {
-        self.backends.insert(key, value, 0)
+    fn insert_backends(&mut self, entries: &[(BackendKey, Backend)]) -> Vec<(usize, io::Error)> {
+        update(self.backends.map(), entries)
     }
 
-    fn remove_backend(&mut self, key: BackendKey) -> Result<(), MapError> {
-        ignore_missing(self.backends.remove(&key))
+    fn remove_backends(&mut self, keys: &[BackendKey]) -> Vec<(usize, io::Error)> {
+        delete(self.backends.map(), keys)
     }
 
-    fn insert_frontend(&mut self, key: FrontendKey, value: Frontend) -> Result<(), MapError> {
-        self.frontends.insert(key, value, 0)
+    fn insert_frontends(&mut self, entries: &[(FrontendKey, Frontend)]) -> Vec<(usize, io::Error)> {
+        update(self.frontends.map(), entries)
     }
 
-    fn remove_frontend(&mut self, key: FrontendKey) -> Result<(), MapError> {
-        ignore_missing(self.frontends.remove(&key))
+    fn remove_frontends(&mut self, keys: &[FrontendKey]) -> Vec<(usize, io::Error)> {
+        delete(self.frontends.map(), keys)
     }
 
-    fn insert_source_range(&mut self, range: SourceRange) -> Result<(), MapError> {
-        self.source_ranges.insert(&source_range_key(range), 1, 0)
+    fn insert_source_range(&mut self, range: SourceRange) -> Result<(), io::Error> {
+        self.source_ranges
+            .insert(&source_range_key(range), 1, 0)
+            .map_err(io::Error::other)
     }
 
-    fn remove_source_range(&mut self, range: SourceRange) -> Result<(), MapError> {
+    fn remove_source_range(&mut self, range: SourceRange) -> Result<(), io::Error> {
         ignore_missing(self.source_ranges.remove(&source_range_key(range)))
+            .map_err(io::Error::other)
     }
 }
 
@@ -324,4 +340,56 @@ pub fn read_counters(pin_dir: &Path) -> Result<Vec<(Counter, u64)>, DatapathErro
             Ok((c, values.iter().sum()))
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Needs root: creates the object's maps in the kernel (no program is loaded).
+    #[test]
+    fn batches_write_all_but_the_refused_entries() {
+        let mut ebpf = EbpfLoader::new()
+            .map_max_entries(map_name::BACKENDS, 4)
+            .load(EBPF_OBJECT)
+            .expect("create the maps (run as root)");
+        let mut maps = ServiceMaps {
+            frontends: take_map(&mut ebpf, map_name::FRONTENDS).unwrap(),
+            backends: take_map(&mut ebpf, map_name::BACKENDS).unwrap(),
+        };
+        let entries: Vec<(BackendKey, Backend)> = (0..6)
+            .map(|slot| {
+                let key = BackendKey {
+                    service_id: 1,
+                    slot,
+                };
+                (
+                    key,
+                    Backend {
+                        port: slot as u16,
+                        ..Default::default()
+                    },
+                )
+            })
+            .collect();
+        let failed = maps.insert_backends(&entries);
+        let refused: Vec<usize> = failed.iter().map(|(i, _)| *i).collect();
+        assert_eq!(
+            refused,
+            [4, 5],
+            "a full map refuses the last two: {failed:?}"
+        );
+        assert_eq!(maps.read().unwrap().backends.len(), 4);
+        // Present and missing keys: the missing one is no failure and the batch goes on.
+        let keys = [entries[0].0, entries[5].0, entries[1].0];
+        assert!(maps.remove_backends(&keys).is_empty());
+        let left: Vec<u32> = maps
+            .read()
+            .unwrap()
+            .backends
+            .keys()
+            .map(|k| k.slot)
+            .collect();
+        assert_eq!(left, [2, 3]);
+    }
 }

@@ -9,6 +9,7 @@ pub mod k8s;
 pub mod links;
 pub mod maglev;
 pub mod manifests;
+pub mod map_batch;
 pub mod metrics;
 pub mod model;
 pub mod node_addresses;

@@ -14,13 +14,19 @@ use crate::error_chain;
 use crate::maglev;
 use crate::model::{Endpoint, Model, Scheduler, ServicePortId};
 
-/// The service maps, as the reconciler writes them: the aya maps, or a fake in tests.
+/// The two service maps, as the reconciler writes them: the aya maps, or a fake in tests. Each
+/// call writes one phase of a sync, in order (one batch syscall on the aya maps), and returns
+/// the entries that failed, by index; the others are written. Removing a key that is not there
+/// is no failure. Source ranges, few, are written one by one.
 pub trait MapWriter {
     type Error: std::error::Error;
-    fn insert_backend(&mut self, key: BackendKey, value: Backend) -> Result<(), Self::Error>;
-    fn remove_backend(&mut self, key: BackendKey) -> Result<(), Self::Error>;
-    fn insert_frontend(&mut self, key: FrontendKey, value: Frontend) -> Result<(), Self::Error>;
-    fn remove_frontend(&mut self, key: FrontendKey) -> Result<(), Self::Error>;
+    fn insert_backends(&mut self, entries: &[(BackendKey, Backend)]) -> Vec<(usize, Self::Error)>;
+    fn remove_backends(&mut self, keys: &[BackendKey]) -> Vec<(usize, Self::Error)>;
+    fn insert_frontends(
+        &mut self,
+        entries: &[(FrontendKey, Frontend)],
+    ) -> Vec<(usize, Self::Error)>;
+    fn remove_frontends(&mut self, keys: &[FrontendKey]) -> Vec<(usize, Self::Error)>;
     fn insert_source_range(&mut self, range: SourceRange) -> Result<(), Self::Error>;
     fn remove_source_range(&mut self, range: SourceRange) -> Result<(), Self::Error>;
 }
@@ -317,26 +323,15 @@ impl Reconciler {
         let desired = self.desired(model);
         self.adopt_ids = false;
         let mut report = SyncReport::default();
-        let mut broken = BTreeSet::new();
 
-        for (key, value) in &desired.backends {
-            let old = self.written.backends.get(key).copied();
-            if old == Some(*value) {
-                continue;
-            }
-            match maps.insert_backend(*key, *value) {
-                Ok(()) => {
-                    self.written.backends.insert(*key, *value);
-                    if old.is_some() {
-                        report.backends_updated += 1;
-                    } else {
-                        report.backends_added += 1;
-                    }
-                }
-                Err(err) => {
-                    self.failed(&mut report, "backend insert", &format!("{key:?}"), &err);
-                    broken.insert(key.service_id);
-                }
+        let backends = changed(&desired.backends, &self.written.backends);
+        let failures = maps.insert_backends(&backends);
+        let failed = self.failures(&mut report, "backend insert", &backends, failures);
+        let broken: BTreeSet<u32> = failed.iter().map(|&i| backends[i].0.service_id).collect();
+        for (key, value) in skip_indices(&backends, &failed) {
+            match self.written.backends.insert(*key, *value) {
+                Some(_) => report.backends_updated += 1,
+                None => report.backends_added += 1,
             }
         }
 
@@ -363,25 +358,17 @@ impl Reconciler {
 
         // Catch-alls last: a new service's ports are not rejected while it is being written.
         let (ports, catch_alls): (Vec<_>, Vec<_>) =
-            desired.frontends.iter().partition(|(key, _)| key.port != 0);
-        for (key, value) in ports.into_iter().chain(catch_alls) {
-            let old = self.written.frontends.get(key).copied();
-            if old == Some(*value) || broken.contains(&value.service_id) {
-                continue;
-            }
-            match maps.insert_frontend(*key, *value) {
-                Ok(()) => {
-                    self.written.frontends.insert(*key, *value);
-                    if old.is_some() {
-                        report.frontends_updated += 1;
-                    } else {
-                        report.frontends_added += 1;
-                    }
-                }
-                Err(err) => {
-                    self.failed(&mut report, "frontend insert", &format!("{key:?}"), &err);
-                    broken.insert(value.service_id);
-                }
+            changed(&desired.frontends, &self.written.frontends)
+                .into_iter()
+                .filter(|(_, value)| !broken.contains(&value.service_id))
+                .partition(|(key, _)| key.port != 0);
+        let frontends: Vec<(FrontendKey, Frontend)> = ports.into_iter().chain(catch_alls).collect();
+        let failures = maps.insert_frontends(&frontends);
+        let failed = self.failures(&mut report, "frontend insert", &frontends, failures);
+        for (key, value) in skip_indices(&frontends, &failed) {
+            match self.written.frontends.insert(*key, *value) {
+                Some(_) => report.frontends_updated += 1,
+                None => report.frontends_added += 1,
             }
         }
 
@@ -392,14 +379,11 @@ impl Reconciler {
             .filter(|k| !desired.frontends.contains_key(k))
             .copied()
             .collect();
-        for key in gone {
-            match maps.remove_frontend(key) {
-                Ok(()) => {
-                    self.written.frontends.remove(&key);
-                    report.frontends_removed += 1;
-                }
-                Err(err) => self.failed(&mut report, "frontend remove", &format!("{key:?}"), &err),
-            }
+        let failures = maps.remove_frontends(&gone);
+        let failed = self.failures(&mut report, "frontend remove", &gone, failures);
+        for key in skip_indices(&gone, &failed) {
+            self.written.frontends.remove(key);
+            report.frontends_removed += 1;
         }
 
         // A range that is no longer wanted only narrows who is served: removed even while a
@@ -426,39 +410,52 @@ impl Reconciler {
         }
 
         // A slot stays while any frontend we could not update still counts it.
-        let still_counted: BTreeSet<BackendKey> = self
-            .written
-            .backends
-            .keys()
-            .filter(|k| {
-                self.written.frontends.values().any(|f| {
-                    let count = if k.slot & LOCAL_SLOT == 0 {
-                        f.backend_count
-                    } else {
-                        f.local_count
-                    };
-                    f.service_id == k.service_id && k.slot & !LOCAL_SLOT < count
-                })
+        let mut counted: BTreeMap<u32, (u32, u32)> = BTreeMap::new();
+        for f in self.written.frontends.values() {
+            let c = counted.entry(f.service_id).or_default();
+            *c = (c.0.max(f.backend_count), c.1.max(f.local_count));
+        }
+        let still_counted = |k: &BackendKey| {
+            counted.get(&k.service_id).is_some_and(|&(cluster, local)| {
+                let count = if k.slot & LOCAL_SLOT == 0 {
+                    cluster
+                } else {
+                    local
+                };
+                k.slot & !LOCAL_SLOT < count
             })
-            .copied()
-            .collect();
+        };
         let stale: Vec<BackendKey> = self
             .written
             .backends
             .keys()
-            .filter(|k| !desired.backends.contains_key(k) && !still_counted.contains(k))
+            .filter(|k| !desired.backends.contains_key(k) && !still_counted(k))
             .copied()
             .collect();
-        for key in stale {
-            match maps.remove_backend(key) {
-                Ok(()) => {
-                    self.written.backends.remove(&key);
-                    report.backends_removed += 1;
-                }
-                Err(err) => self.failed(&mut report, "backend remove", &format!("{key:?}"), &err),
-            }
+        let failures = maps.remove_backends(&stale);
+        let failed = self.failures(&mut report, "backend remove", &stale, failures);
+        for key in skip_indices(&stale, &failed) {
+            self.written.backends.remove(key);
+            report.backends_removed += 1;
         }
         report
+    }
+
+    /// Logs and counts the entries of `entries` that failed; returns their indices.
+    fn failures<T: std::fmt::Debug, E: std::error::Error>(
+        &mut self,
+        report: &mut SyncReport,
+        op: &str,
+        entries: &[T],
+        failures: Vec<(usize, E)>,
+    ) -> BTreeSet<usize> {
+        failures
+            .into_iter()
+            .map(|(index, err)| {
+                self.failed(report, op, &format!("{:?}", entries[index]), &err);
+                index
+            })
+            .collect()
     }
 
     fn failed(
@@ -472,6 +469,27 @@ impl Reconciler {
         self.failed_total += 1;
         error!(op, key, error = %error_chain(err), failed_total = self.failed_total, "map write failed");
     }
+}
+
+/// The entries of `desired` that `written` does not hold as they are.
+fn changed<K: Ord + Copy, V: PartialEq + Copy>(
+    desired: &BTreeMap<K, V>,
+    written: &BTreeMap<K, V>,
+) -> Vec<(K, V)> {
+    desired
+        .iter()
+        .filter(|(key, value)| written.get(key) != Some(value))
+        .map(|(key, value)| (*key, *value))
+        .collect()
+}
+
+/// `entries` but those at the indices in `skip`.
+fn skip_indices<'a, T>(entries: &'a [T], skip: &'a BTreeSet<usize>) -> impl Iterator<Item = &'a T> {
+    entries
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| !skip.contains(i))
+        .map(|(_, entry)| entry)
 }
 
 /// The slots of `wanted` (sorted, no duplicates) given the slots `previous` held: an endpoint
@@ -535,28 +553,38 @@ mod tests {
 
     impl MapWriter for FakeMaps {
         type Error = Full;
-        fn insert_backend(&mut self, key: BackendKey, value: Backend) -> Result<(), Full> {
-            if self.fail_backends_of == Some(key.service_id) {
-                return Err(Full);
+        fn insert_backends(&mut self, entries: &[(BackendKey, Backend)]) -> Vec<(usize, Full)> {
+            let mut failed = Vec::new();
+            for (i, &(key, value)) in entries.iter().enumerate() {
+                if self.fail_backends_of == Some(key.service_id) {
+                    failed.push((i, Full));
+                    continue;
+                }
+                self.ops.push(Op::InsertBackend(key, value));
+                self.contents.backends.insert(key, value);
             }
-            self.ops.push(Op::InsertBackend(key, value));
-            self.contents.backends.insert(key, value);
-            Ok(())
+            failed
         }
-        fn remove_backend(&mut self, key: BackendKey) -> Result<(), Full> {
-            self.ops.push(Op::RemoveBackend(key));
-            self.contents.backends.remove(&key);
-            Ok(())
+        fn remove_backends(&mut self, keys: &[BackendKey]) -> Vec<(usize, Full)> {
+            for &key in keys {
+                self.ops.push(Op::RemoveBackend(key));
+                self.contents.backends.remove(&key);
+            }
+            Vec::new()
         }
-        fn insert_frontend(&mut self, key: FrontendKey, value: Frontend) -> Result<(), Full> {
-            self.ops.push(Op::InsertFrontend(key, value));
-            self.contents.frontends.insert(key, value);
-            Ok(())
+        fn insert_frontends(&mut self, entries: &[(FrontendKey, Frontend)]) -> Vec<(usize, Full)> {
+            for &(key, value) in entries {
+                self.ops.push(Op::InsertFrontend(key, value));
+                self.contents.frontends.insert(key, value);
+            }
+            Vec::new()
         }
-        fn remove_frontend(&mut self, key: FrontendKey) -> Result<(), Full> {
-            self.ops.push(Op::RemoveFrontend(key));
-            self.contents.frontends.remove(&key);
-            Ok(())
+        fn remove_frontends(&mut self, keys: &[FrontendKey]) -> Vec<(usize, Full)> {
+            for &key in keys {
+                self.ops.push(Op::RemoveFrontend(key));
+                self.contents.frontends.remove(&key);
+            }
+            Vec::new()
         }
         fn insert_source_range(&mut self, range: SourceRange) -> Result<(), Full> {
             self.ops.push(Op::InsertSourceRange(range));
@@ -1137,6 +1165,62 @@ mod tests {
             port_frontend(&maps.contents).map(|f| f.backend_count),
             Some(1)
         );
+    }
+
+    #[test]
+    fn one_endpoint_change_among_many_services_writes_only_what_changed() {
+        let names: Vec<String> = (0..200).map(|i| format!("svc-{i}")).collect();
+        let services = |extra: bool| -> Vec<(&str, u8, Option<u16>, Vec<Endpoint>)> {
+            names
+                .iter()
+                .enumerate()
+                .map(|(i, name)| {
+                    let mut endpoints = vec![endpoint(2, true)];
+                    if extra && i == 7 {
+                        endpoints.push(endpoint(3, true));
+                    }
+                    (name.as_str(), i as u8, None, endpoints)
+                })
+                .collect()
+        };
+        let mut r = Reconciler::new(NODE, MapContents::default());
+        let mut maps = FakeMaps::default();
+        r.sync(&model(&services(false)), &mut maps);
+        maps.ops.clear();
+        let report = r.sync(&model(&services(true)), &mut maps);
+        let service_id = port_frontend_of(&maps.contents, 7).service_id;
+        assert_eq!(
+            maps.ops,
+            [
+                Op::InsertBackend(
+                    BackendKey {
+                        service_id,
+                        slot: 1
+                    },
+                    backend(3)
+                ),
+                Op::InsertFrontend(
+                    fk(Ipv4Addr::new(10, 96, 0, 7), 80),
+                    Frontend {
+                        backend_count: 2,
+                        ..*port_frontend_of(&maps.contents, 7)
+                    }
+                ),
+            ]
+        );
+        assert_eq!((report.backends_added, report.frontends_updated), (1, 1));
+        maps.ops.clear();
+        r.sync(&model(&services(false)), &mut maps);
+        assert_eq!(
+            maps.ops.len(),
+            2,
+            "frontend back to one slot, slot 1 removed: {:?}",
+            maps.ops
+        );
+    }
+
+    fn port_frontend_of(contents: &MapContents, ip: u8) -> &Frontend {
+        &contents.frontends[&fk(Ipv4Addr::new(10, 96, 0, ip), 80)]
     }
 
     #[test]

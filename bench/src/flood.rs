@@ -1,0 +1,210 @@
+//! B4: NodePort packet rate. A live-frames generator in the external client's namespace (an
+//! XDP_TX program run by BPF_PROG_TEST_RUN with BPF_F_TEST_XDP_LIVE_FRAMES: the kernel transmits
+//! each frame from its page pool, no skb, no socket) sends 64-byte UDP frames out of the client's
+//! eth0 into the node's external interface, to the node address and the measured Service's UDP
+//! NodePort. Forwarded packets are counted by the backend pod's UDP stack (/proc/net/snmp read in
+//! its namespace); softirq CPU is the machine's /proc/stat `softirq` time over the run (all CPUs:
+//! the node's forwarding and the backend's receive both run in softirq).
+use std::{
+    fs,
+    net::SocketAddrV4,
+    os::fd::AsFd as _,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, Result, bail};
+use lb_tests::{
+    netns::Netns,
+    topology::{CLIENT_IP, EXTERNAL_INTERFACE, NODE_IP},
+};
+use serde::Serialize;
+
+use crate::{
+    Plan, Progress, bpf, interrupt,
+    packet::{ETH_HLEN, Frame, IPV4_HLEN, UDP_HLEN},
+    services::{NODE_PORT, ServiceSet},
+    traffic::{CLIENT_CPU, pin},
+    variants::{Deployment, Variant},
+};
+
+/// The variants B4 compares: kube-proxy's iptables (nf_tables backend) and this agent's tc
+/// datapath. The agent's XDP program (`--xdp`, another branch) is one more entry here.
+pub const VARIANTS: [Variant; 2] = [Variant::IptablesNft, Variant::Tc];
+/// Ethernet frame without FCS.
+const FRAME_BYTES: usize = 64;
+/// What the generator rewrites in every frame: Ethernet, IPv4 and UDP headers, padded to 4 bytes.
+const HEADER_BYTES: usize = 44;
+/// Frames per BPF_PROG_TEST_RUN call, and per batch of the kernel's transmit loop.
+const FRAMES_PER_RUN: u32 = 1 << 16;
+const LIVE_BATCH: u32 = 64;
+/// Bound of one flood, whatever its duration: far above what this box can do.
+const MAX_FRAMES: u64 = 500_000_000;
+/// The client's end of the node's external link.
+const CLIENT_INTERFACE: &str = "eth0";
+/// Time for the last frames to cross the node before the counters are read.
+const DRAIN: Duration = Duration::from_millis(100);
+
+#[derive(Debug, Serialize)]
+pub struct Flood {
+    pub variant: Variant,
+    pub services: usize,
+    pub seconds: f64,
+    pub sent: u64,
+    /// UDP datagrams the backend received.
+    pub forwarded: u64,
+    pub forwarded_pps: f64,
+    /// Softirq time over the run per second of it, summed over CPUs (1.0 = one CPU busy).
+    pub softirq_cpus: f64,
+    pub error: Option<String>,
+}
+
+pub fn run(plan: &Plan, deployments: &mut [Deployment], progress: Progress) -> Result<Vec<Flood>> {
+    let mut floods = Vec::new();
+    for deployment in deployments
+        .iter_mut()
+        .filter(|d| VARIANTS.contains(&d.variant))
+    {
+        interrupt::check()?;
+        let set = ServiceSet::new(plan.flood_services, 1, deployment.topology.backend().ip);
+        let mut flood = Flood {
+            variant: deployment.variant,
+            services: set.count,
+            seconds: 0.0,
+            sent: 0,
+            forwarded: 0,
+            forwarded_pps: 0.0,
+            softirq_cpus: 0.0,
+            error: None,
+        };
+        let result = deployment
+            .program(&set)
+            .and_then(|_| measure(deployment, plan.flood_duration, &mut flood));
+        if let Err(err) = result {
+            flood.error = Some(format!("{err:#}"));
+        }
+        progress(&format!(
+            "  {:<16} {:>6} services: {:>9.0} pps ({} of {} frames forwarded), softirq {:.2} CPUs{}",
+            flood.variant.name(),
+            flood.services,
+            flood.forwarded_pps,
+            flood.forwarded,
+            flood.sent,
+            flood.softirq_cpus,
+            flood
+                .error
+                .as_deref()
+                .map(|e| format!(" ERROR {e}"))
+                .unwrap_or_default()
+        ));
+        floods.push(flood);
+    }
+    Ok(floods)
+}
+
+fn measure(deployment: &Deployment, duration: Duration, flood: &mut Flood) -> Result<()> {
+    let topology = &deployment.topology;
+    let client = &topology.inner.client;
+    let frame = Frame::udp(
+        mac(client, CLIENT_INTERFACE)?,
+        mac(topology.node(), EXTERNAL_INTERFACE)?,
+        SocketAddrV4::new(CLIENT_IP, 40_000),
+        SocketAddrV4::new(NODE_IP, NODE_PORT),
+        FRAME_BYTES - ETH_HLEN - IPV4_HLEN - UDP_HLEN,
+    );
+    let backend = &topology.backend().ns;
+    let received_before = udp_received(backend)?;
+    let softirq_before = softirq_ticks()?;
+    let started = Instant::now();
+    flood.sent = client.run(move || generate(&frame.bytes, duration))??;
+    flood.seconds = started.elapsed().as_secs_f64();
+    std::thread::sleep(DRAIN);
+    let softirq = softirq_ticks()? - softirq_before;
+    flood.forwarded = udp_received(backend)? - received_before;
+    flood.forwarded_pps = flood.forwarded as f64 / flood.seconds;
+    flood.softirq_cpus = softirq as f64 / ticks_per_second() / flood.seconds;
+    if flood.forwarded == 0 {
+        bail!("no frame reached the backend ({} sent)", flood.sent);
+    }
+    Ok(())
+}
+
+/// Runs on a thread in the client namespace (live frames are sent in the caller's namespace,
+/// where the ingress ifindex is looked up): XDP_TX from eth0 sends each frame to its peer, the
+/// node's external interface. Returns the frames sent.
+fn generate(frame: &[u8], duration: Duration) -> Result<u64> {
+    pin(CLIENT_CPU)?;
+    let ifindex = nix::net::if_::if_nametoindex(CLIENT_INTERFACE)
+        .with_context(|| format!("{CLIENT_INTERFACE} in the client namespace"))?;
+    let header = &frame[..HEADER_BYTES];
+    let program = bpf::load_xdp_generator(header).context("load the XDP_TX generator")?;
+    // struct xdp_md: data, data_end, data_meta, ingress_ifindex, rx_queue_index, egress_ifindex.
+    let ctx: Vec<u8> = [0, frame.len() as u32, 0, ifindex, 0, 0]
+        .iter()
+        .flat_map(|v| v.to_ne_bytes())
+        .collect();
+    let started = Instant::now();
+    let mut sent = 0;
+    while sent < MAX_FRAMES && started.elapsed() < duration {
+        bpf::test_run(
+            program.as_fd(),
+            &bpf::TestRun {
+                data: frame,
+                ctx: Some(&ctx),
+                repeat: FRAMES_PER_RUN,
+                flags: bpf::BPF_F_TEST_XDP_LIVE_FRAMES,
+                batch_size: LIVE_BATCH,
+            },
+        )
+        .context("BPF_PROG_TEST_RUN with live frames (kernel ≥ 5.18)")?;
+        sent += u64::from(FRAMES_PER_RUN);
+    }
+    Ok(sent)
+}
+
+fn mac(ns: &Netns, interface: &str) -> Result<[u8; 6]> {
+    let out = ns.exec("cat", &[&format!("/sys/class/net/{interface}/address")])?;
+    let text = String::from_utf8(out.stdout)?;
+    let bytes: Vec<u8> = text
+        .trim()
+        .split(':')
+        .map(|b| u8::from_str_radix(b, 16))
+        .collect::<Result<_, _>>()
+        .with_context(|| format!("MAC of {interface}: {text:?}"))?;
+    bytes
+        .try_into()
+        .map_err(|_| anyhow::anyhow!("MAC of {interface}: {text:?}"))
+}
+
+/// UDP datagrams the stack of `ns` received: delivered (InDatagrams) or refused (InErrors: the
+/// sink is never read, so its full buffer refuses most). Other traffic (ARP, B2's last FINs) is
+/// not counted.
+fn udp_received(ns: &Netns) -> Result<u64> {
+    let snmp = ns.run(|| fs::read_to_string("/proc/thread-self/net/snmp"))??;
+    let mut udp = snmp.lines().filter(|l| l.starts_with("Udp: "));
+    let (names, values) = (udp.next(), udp.next());
+    let field = |name: &str| -> Option<u64> {
+        let index = names?.split_whitespace().position(|n| n == name)?;
+        values?.split_whitespace().nth(index)?.parse().ok()
+    };
+    Ok(
+        field("InDatagrams").context("no Udp InDatagrams in /proc/net/snmp")?
+            + field("InErrors").context("no Udp InErrors in /proc/net/snmp")?,
+    )
+}
+
+/// Softirq time of all CPUs so far, in clock ticks (the `cpu` line of /proc/stat).
+fn softirq_ticks() -> Result<u64> {
+    let stat = fs::read_to_string("/proc/stat")?;
+    let cpu = stat.lines().next().context("empty /proc/stat")?;
+    // cpu user nice system idle iowait irq softirq ...
+    cpu.split_whitespace()
+        .nth(7)
+        .context("no softirq in /proc/stat")?
+        .parse()
+        .context("softirq in /proc/stat")
+}
+
+fn ticks_per_second() -> f64 {
+    // SAFETY: sysconf only reads a constant of the system.
+    (unsafe { nix::libc::sysconf(nix::libc::_SC_CLK_TCK) }) as f64
+}
