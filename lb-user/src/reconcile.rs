@@ -327,7 +327,7 @@ impl Reconciler {
         let backends = changed(&desired.backends, &self.written.backends);
         let failures = maps.insert_backends(&backends);
         let failed = self.failures(&mut report, "backend insert", &backends, failures);
-        let broken: BTreeSet<u32> = failed.iter().map(|&i| backends[i].0.service_id).collect();
+        let mut broken: BTreeSet<u32> = failed.iter().map(|&i| backends[i].0.service_id).collect();
         for (key, value) in skip_indices(&backends, &failed) {
             match self.written.backends.insert(*key, *value) {
                 Some(_) => report.backends_updated += 1,
