@@ -356,6 +356,7 @@ mod tests {
         let mut maps = ServiceMaps {
             frontends: take_map(&mut ebpf, map_name::FRONTENDS).unwrap(),
             backends: take_map(&mut ebpf, map_name::BACKENDS).unwrap(),
+            source_ranges: take_map(&mut ebpf, map_name::SOURCE_RANGES).unwrap(),
         };
         let entries: Vec<(BackendKey, Backend)> = (0..6)
             .map(|slot| {
