@@ -29,7 +29,7 @@ use crate::{
 
 /// The variants B4 compares: kube-proxy's iptables (nf_tables backend) and this agent's tc
 /// datapath. The agent's XDP program (`--xdp`, another branch) is one more entry here.
-pub const VARIANTS: [Variant; 2] = [Variant::IptablesNft, Variant::Tc];
+pub const VARIANTS: [Variant; 3] = [Variant::IptablesNft, Variant::Tc, Variant::Xdp];
 /// Ethernet frame without FCS.
 const FRAME_BYTES: usize = 64;
 /// What the generator rewrites in every frame: Ethernet, IPv4 and UDP headers, padded to 4 bytes.

@@ -120,10 +120,11 @@ impl Plan {
             .iter()
             .copied()
             .filter(|&v| {
-                self.wants(Section::B2)
+                self.wants(Section::B2) && v != Variant::Xdp
                     || self.wants(Section::B4) && flood::VARIANTS.contains(&v)
                     || self.wants(Section::B5) && v == Variant::Tc
-                    || (self.wants(Section::B6) || self.wants(Section::B7)) && v != Variant::Direct
+                    || (self.wants(Section::B6) || self.wants(Section::B7))
+                        && !matches!(v, Variant::Direct | Variant::Xdp)
             })
             .collect()
     }

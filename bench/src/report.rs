@@ -234,6 +234,7 @@ fn write_flood(md: &mut String, results: &Results) {
         let ratio = base.map(|b| f.forwarded_pps / b);
         let target = match f.variant {
             Variant::Tc => Some(1.7),
+            Variant::Xdp => Some(3.0),
             _ => None,
         };
         let verdict = match (ratio, target) {

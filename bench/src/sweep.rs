@@ -34,7 +34,7 @@ pub fn deploy(variants: &[Variant], bpffs: &Path, progress: Progress) -> Result<
 pub fn run(plan: &Plan, deployments: &mut [Deployment], progress: Progress) -> Result<Vec<Point>> {
     let mut points = Vec::new();
     for &count in &plan.service_counts {
-        for deployment in deployments.iter_mut() {
+        for deployment in deployments.iter_mut().filter(|d| d.variant != Variant::Xdp) {
             interrupt::check()?;
             let set = ServiceSet::new(count, 1, deployment.topology.backend().ip);
             let point = measure(plan, deployment, &set);
@@ -78,7 +78,7 @@ pub fn bulk(
     let (services, endpoints) = plan.bulk;
     let mut bulk = Vec::new();
     for deployment in deployments.iter_mut() {
-        if deployment.variant == Variant::Direct {
+        if matches!(deployment.variant, Variant::Direct | Variant::Xdp) {
             continue;
         }
         interrupt::check()?;
