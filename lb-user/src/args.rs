@@ -41,7 +41,8 @@ pub struct AgentArgs {
     #[arg(long, value_name = "NAME")]
     pub hostname_override: Option<String>,
     /// This node's zone: Cluster traffic goes only to the endpoints hinted for it
-    /// (EndpointSlice hints.forZones) when every ready endpoint has hints, as kube-proxy does.
+    /// (EndpointSlice hints.forZones) when every ready endpoint has hints, as kube-proxy does
+    /// (hints.forNodes for this node, from --hostname-override, come first).
     /// Default: the Node's topology.kubernetes.io/zone label (as of each sync); without a zone,
     /// hints are ignored.
     #[arg(long, value_name = "ZONE", default_value = "")]

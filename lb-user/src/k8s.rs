@@ -11,7 +11,7 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use tracing::debug;
 
 use crate::model::{
-    Conditions, ExternalAddresses, PortSpec, Protocol, Scheduler, ServiceName, ServiceSpec,
+    Conditions, ExternalAddresses, Hints, PortSpec, Protocol, Scheduler, ServiceName, ServiceSpec,
     SliceEndpoint, SlicePort, SliceSpec, TargetPort, TrafficPolicies,
 };
 
@@ -318,12 +318,20 @@ pub fn endpoint_slice(slice: &EndpointSlice) -> Result<Option<SliceSpec>, Invali
                 terminating,
             },
             node_name: e.node_name.clone(),
-            zone_hints: e
-                .hints
-                .iter()
-                .flat_map(|h| h.for_zones.iter().flatten())
-                .map(|z| z.name.clone())
-                .collect(),
+            hints: Hints {
+                zones: e
+                    .hints
+                    .iter()
+                    .flat_map(|h| h.for_zones.iter().flatten())
+                    .map(|z| z.name.clone())
+                    .collect(),
+                nodes: e
+                    .hints
+                    .iter()
+                    .flat_map(|h| h.for_nodes.iter().flatten())
+                    .map(|n| n.name.clone())
+                    .collect(),
+            },
         });
     }
 
@@ -627,7 +635,7 @@ status:
                     addr: Ipv4Addr::new(10, 244, 1, 2),
                     conditions: Conditions::READY,
                     node_name: None,
-                    zone_hints: Default::default(),
+                    hints: Default::default(),
                 },
                 SliceEndpoint {
                     addr: Ipv4Addr::new(10, 244, 1, 3),
@@ -637,7 +645,7 @@ status:
                         terminating: false
                     },
                     node_name: None,
-                    zone_hints: Default::default(),
+                    hints: Default::default(),
                 },
             ]
         );
@@ -646,16 +654,17 @@ status:
     #[test]
     fn endpoint_conditions_node_and_traffic_policies() {
         let spec = endpoint_slice(&slice(
-            "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: web-abc\n  labels: {kubernetes.io/service-name: web}\naddressType: IPv4\nendpoints:\n- addresses: [10.244.1.2]\n  nodeName: n1\n  conditions: {ready: false, serving: true, terminating: true}\n  hints: {forZones: [{name: zone-b}, {name: zone-a}]}\n",
+            "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: web-abc\n  labels: {kubernetes.io/service-name: web}\naddressType: IPv4\nendpoints:\n- addresses: [10.244.1.2]\n  nodeName: n1\n  conditions: {ready: false, serving: true, terminating: true}\n  hints: {forZones: [{name: zone-b}, {name: zone-a}], forNodes: [{name: n1}]}\n",
         ))
         .unwrap()
         .unwrap();
         let e = &spec.endpoints[0];
         assert_eq!(e.node_name.as_deref(), Some("n1"));
         assert_eq!(
-            e.zone_hints.iter().collect::<Vec<_>>(),
+            e.hints.zones.iter().collect::<Vec<_>>(),
             ["zone-a", "zone-b"]
         );
+        assert_eq!(e.hints.nodes.iter().collect::<Vec<_>>(), ["n1"]);
         assert!(!e.conditions.ready && e.conditions.serving && e.conditions.terminating);
 
         let spec = service(&svc(&format!(

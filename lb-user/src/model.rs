@@ -188,8 +188,30 @@ pub struct SliceEndpoint {
     pub conditions: Conditions,
     /// The node the endpoint runs on.
     pub node_name: Option<String>,
-    /// hints.forZones: the zones whose nodes should use it (topology-aware routing).
-    pub zone_hints: BTreeSet<String>,
+    pub hints: Hints,
+}
+
+/// An endpoint's topology hints, set by the EndpointSlice controller for trafficDistribution
+/// (PreferClose/PreferSameZone: zones; PreferSameNode: nodes and zones) or topology-mode Auto.
+#[derive(Clone, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Hints {
+    /// hints.forZones: the zones whose nodes should use it.
+    pub zones: BTreeSet<String>,
+    /// hints.forNodes: the nodes that should use it.
+    pub nodes: BTreeSet<String>,
+}
+
+impl Hints {
+    /// Either slice's hints (the same address in two slices during a rollout): per kind, the
+    /// first non-empty.
+    fn merge(&mut self, other: &Hints) {
+        if self.zones.is_empty() {
+            self.zones.clone_from(&other.zones);
+        }
+        if self.nodes.is_empty() {
+            self.nodes.clone_from(&other.nodes);
+        }
+    }
 }
 
 /// An endpoint's conditions, as kube-proxy reads them.
@@ -253,8 +275,7 @@ pub struct Endpoint {
     pub port: u16,
     pub conditions: Conditions,
     pub node_name: Option<String>,
-    /// hints.forZones.
-    pub zone_hints: BTreeSet<String>,
+    pub hints: Hints,
 }
 
 impl Endpoint {
@@ -273,17 +294,33 @@ impl Endpoint {
     }
 }
 
+/// kube-proxy's topology modes: which ready endpoints a node's Cluster traffic uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Topology {
+    /// Every one (no usable hints).
+    All,
+    /// Those hinted for this node.
+    SameNode,
+    /// Those hinted for this node's zone.
+    SameZone,
+}
+
 impl ServicePort {
     /// kube-proxy's CategorizeEndpoints: the endpoints traffic policy Cluster uses (ready ones,
-    /// only those hinted for `zone` when [`ServicePort::prefers_zone`]; else serving terminating
-    /// ones), and those Local uses (the same rule among the endpoints on `node_name`, without
+    /// narrowed by [`ServicePort::topology`]; else serving terminating ones, without topology),
+    /// and those Local uses (the same rule among the endpoints on `node_name`, without
     /// topology).
     pub fn policy_endpoints(
         &self,
         node_name: &str,
         zone: &str,
     ) -> (Vec<&Endpoint>, Vec<&Endpoint>) {
-        let same_zone = self.prefers_zone(zone);
+        let topology = self.topology(node_name, zone);
+        let hinted_here = |e: &Endpoint| match topology {
+            Topology::All => true,
+            Topology::SameNode => e.hints.nodes.contains(node_name),
+            Topology::SameZone => e.hints.zones.contains(zone),
+        };
         let usable = |local: bool| {
             let candidates = || {
                 self.endpoints
@@ -291,7 +328,7 @@ impl ServicePort {
                     .filter(move |e| !local || e.on_node(node_name))
             };
             let ready: Vec<&Endpoint> = candidates()
-                .filter(|e| e.ready() && (local || !same_zone || e.zone_hints.contains(zone)))
+                .filter(|e| e.ready() && (local || hinted_here(e)))
                 .collect();
             if ready.is_empty() {
                 candidates().filter(|e| e.serving_terminating()).collect()
@@ -302,15 +339,23 @@ impl ServicePort {
         (usable(false), usable(true))
     }
 
-    /// kube-proxy's topology-aware routing (hints from the EndpointSlice controller, set for
-    /// trafficDistribution PreferClose/PreferSameZone or topology-mode Auto): every ready
-    /// endpoint has zone hints and one is hinted for `zone`, this node's. Otherwise hints are
-    /// ignored, so a zone without endpoints still gets all of them.
-    pub fn prefers_zone(&self, zone: &str) -> bool {
-        let mut ready = self.endpoints.iter().filter(|e| e.ready()).peekable();
-        ready.peek().is_some()
-            && ready.clone().all(|e| !e.zone_hints.is_empty())
-            && ready.any(|e| e.zone_hints.contains(zone))
+    /// kube-proxy's topologyModeFromHints (with PreferSameTrafficDistribution, on by default
+    /// since Kubernetes 1.34): SameNode when every ready endpoint has node
+    /// hints and one is hinted for `node_name`; else SameZone when every ready endpoint has zone
+    /// hints and one is hinted for `zone`; else All, so a node or zone without endpoints still
+    /// gets all of them.
+    pub fn topology(&self, node_name: &str, zone: &str) -> Topology {
+        let ready = || self.endpoints.iter().filter(|e| e.ready());
+        let hinted_for = |hints: fn(&Endpoint) -> &BTreeSet<String>, place: &str| {
+            ready().all(|e| !hints(e).is_empty()) && ready().any(|e| hints(e).contains(place))
+        };
+        if hinted_for(|e| &e.hints.nodes, node_name) {
+            Topology::SameNode
+        } else if hinted_for(|e| &e.hints.zones, zone) {
+            Topology::SameZone
+        } else {
+            Topology::All
+        }
     }
 }
 
@@ -430,7 +475,7 @@ impl Model {
 }
 
 fn endpoints_of(port: &PortSpec, slices: &[&SliceSpec]) -> Vec<Endpoint> {
-    type Seen = (Conditions, Option<String>, BTreeSet<String>);
+    type Seen = (Conditions, Option<String>, Hints);
     let mut by_addr: BTreeMap<(Ipv4Addr, u16), Seen> = BTreeMap::new();
     for slice in slices {
         let Some(slice_port) = slice
@@ -447,29 +492,25 @@ fn endpoints_of(port: &PortSpec, slices: &[&SliceSpec]) -> Vec<Endpoint> {
         for e in &slice.endpoints {
             by_addr
                 .entry((e.addr, number))
-                .and_modify(|(conditions, node, zones)| {
+                .and_modify(|(conditions, node, hints)| {
                     *conditions = conditions.merge(e.conditions);
                     if node.is_none() {
                         node.clone_from(&e.node_name);
                     }
-                    if zones.is_empty() {
-                        zones.clone_from(&e.zone_hints);
-                    }
+                    hints.merge(&e.hints);
                 })
-                .or_insert_with(|| (e.conditions, e.node_name.clone(), e.zone_hints.clone()));
+                .or_insert_with(|| (e.conditions, e.node_name.clone(), e.hints.clone()));
         }
     }
     by_addr
         .into_iter()
-        .map(
-            |((addr, port), (conditions, node_name, zone_hints))| Endpoint {
-                addr,
-                port,
-                conditions,
-                node_name,
-                zone_hints,
-            },
-        )
+        .map(|((addr, port), (conditions, node_name, hints))| Endpoint {
+            addr,
+            port,
+            conditions,
+            node_name,
+            hints,
+        })
         .collect()
 }
 
@@ -521,7 +562,7 @@ mod tests {
                 terminating: false,
             },
             node_name: None,
-            zone_hints: BTreeSet::new(),
+            hints: Hints::default(),
         }
     }
 
@@ -635,7 +676,7 @@ mod tests {
             port: 80,
             conditions,
             node_name: Some(node.into()),
-            zone_hints: BTreeSet::new(),
+            hints: Hints::default(),
         }
     }
 
@@ -700,10 +741,14 @@ mod tests {
     }
 
     fn hinted(last: u8, conditions: Conditions, node: &str, zones: &[&str]) -> Endpoint {
-        Endpoint {
-            zone_hints: zones.iter().map(|z| z.to_string()).collect(),
-            ..endpoint(last, conditions, node)
-        }
+        let mut e = endpoint(last, conditions, node);
+        e.hints.zones = zones.iter().map(|z| z.to_string()).collect();
+        e
+    }
+
+    fn node_hinted(mut e: Endpoint, nodes: &[&str]) -> Endpoint {
+        e.hints.nodes = nodes.iter().map(|n| n.to_string()).collect();
+        e
     }
 
     /// The last address bytes of the Cluster and Local lists on node "me" in `zone`.
@@ -748,7 +793,7 @@ mod tests {
             "zone unknown: hints ignored"
         );
         let mut partly = endpoints();
-        partly[0].zone_hints.clear();
+        partly[0].hints.zones.clear();
         assert_eq!(
             categorized_in("b", partly),
             (vec![2, 3, 4], vec![3]),
@@ -765,6 +810,65 @@ mod tests {
             (vec![2, 3], vec![3]),
             "no ready endpoint: serving terminating ones, without topology"
         );
+    }
+
+    /// trafficDistribution PreferSameNode: node hints come before zone hints, under the same
+    /// all-or-nothing rule; without one for this node, the zone hints decide.
+    #[test]
+    fn node_hints_narrow_the_cluster_list_before_zone_hints() {
+        use Conditions as C;
+        let endpoints = || {
+            vec![
+                node_hinted(hinted(2, C::READY, "other", &["a"]), &["other"]),
+                node_hinted(hinted(3, C::READY, "me", &["b"]), &["me"]),
+                node_hinted(hinted(4, C::READY, "other", &["a"]), &["other", "me"]),
+                hinted(5, NOT_READY, "other", &[]),
+            ]
+        };
+        assert_eq!(categorized_in("a", endpoints()), (vec![3, 4], vec![3]));
+        let mut elsewhere = endpoints();
+        elsewhere[1].hints.nodes = BTreeSet::from(["other".to_string()]);
+        elsewhere[2].hints.nodes = BTreeSet::from(["other".to_string()]);
+        assert_eq!(
+            categorized_in("a", elsewhere),
+            (vec![2, 4], vec![3]),
+            "no endpoint for this node: zone hints"
+        );
+        let mut partly = endpoints();
+        partly[0].hints.nodes.clear();
+        assert_eq!(
+            categorized_in("a", partly.clone()),
+            (vec![2, 4], vec![3]),
+            "a ready endpoint without node hints: zone hints"
+        );
+        partly[0].hints.zones.clear();
+        assert_eq!(
+            categorized_in("a", partly),
+            (vec![2, 3, 4], vec![3]),
+            "and without zone hints: every ready endpoint"
+        );
+    }
+
+    /// An address in two slices keeps the first slice's non-empty hints of each kind.
+    #[test]
+    fn hints_of_an_address_in_two_slices_merge_per_kind() {
+        let port = || sp("http", Protocol::Tcp, Some(8080));
+        let mut zoned = ep(2, true);
+        zoned.hints.zones = BTreeSet::from(["a".to_string()]);
+        let mut noded = ep(2, true);
+        noded.hints.nodes = BTreeSet::from(["me".to_string()]);
+        noded.hints.zones = BTreeSet::from(["b".to_string()]);
+        let model = Model::join(
+            vec![web(false, None)],
+            &[
+                slice(vec![port()], vec![zoned]),
+                slice(vec![port()], vec![noded]),
+            ],
+            &mut NodePortAllocator::new(30000..=32767),
+        );
+        let hints = &model.services[&name("web")].ports[0].endpoints[0].hints;
+        assert_eq!(hints.zones, BTreeSet::from(["a".to_string()]));
+        assert_eq!(hints.nodes, BTreeSet::from(["me".to_string()]));
     }
 
     #[test]

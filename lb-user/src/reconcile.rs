@@ -610,7 +610,7 @@ mod tests {
                 terminating: false,
             },
             node_name: None,
-            zone_hints: BTreeSet::new(),
+            hints: Default::default(),
         }
     }
 
@@ -749,7 +749,7 @@ mod tests {
         let external_ip = Ipv4Addr::new(203, 0, 113, 10);
         let local_endpoint = Endpoint {
             node_name: Some("me".into()),
-            zone_hints: BTreeSet::new(),
+            hints: Default::default(),
             ..endpoint(2, true)
         };
         let mut m = model(&[("web", 10, None, vec![local_endpoint, endpoint(3, true)])]);
@@ -828,7 +828,7 @@ mod tests {
     fn traffic_policy_local_gets_a_list_of_this_nodes_endpoints() {
         let on = |last, node: &str| Endpoint {
             node_name: Some(node.into()),
-            zone_hints: BTreeSet::new(),
+            hints: Default::default(),
             ..endpoint(last, true)
         };
         let mut m = model(&[(

@@ -206,7 +206,7 @@ mod tests {
             port: 80,
             conditions,
             node_name: Some(node.into()),
-            zone_hints: Default::default(),
+            hints: Default::default(),
         };
         let terminating = Conditions {
             ready: false,

@@ -49,6 +49,8 @@ pub struct EndpointManifest {
     pub node_name: Option<String>,
     /// hints.forZones.
     pub zone_hints: Vec<String>,
+    /// hints.forNodes.
+    pub node_hints: Vec<String>,
 }
 
 impl EndpointManifest {
@@ -60,6 +62,7 @@ impl EndpointManifest {
             terminating: false,
             node_name: None,
             zone_hints: Vec::new(),
+            node_hints: Vec::new(),
         }
     }
 
@@ -81,6 +84,12 @@ impl EndpointManifest {
     /// A topology hint for `zone` (as the EndpointSlice controller sets them).
     pub fn hinted_for(mut self, zone: &str) -> Self {
         self.zone_hints.push(zone.to_string());
+        self
+    }
+
+    /// A topology hint for node `node` (trafficDistribution PreferSameNode).
+    pub fn hinted_for_node(mut self, node: &str) -> Self {
+        self.node_hints.push(node.to_string());
         self
     }
 }
@@ -289,13 +298,18 @@ endpoints:
             if let Some(node) = &e.node_name {
                 let _ = writeln!(yaml, "    nodeName: {node}");
             }
-            if !e.zone_hints.is_empty() {
-                let zones: Vec<String> = e
-                    .zone_hints
-                    .iter()
-                    .map(|z| format!("{{name: {z}}}"))
-                    .collect();
-                let _ = writeln!(yaml, "    hints: {{forZones: [{}]}}", zones.join(", "));
+            if !e.zone_hints.is_empty() || !e.node_hints.is_empty() {
+                let names = |names: &[String]| -> String {
+                    let names: Vec<String> =
+                        names.iter().map(|n| format!("{{name: {n}}}")).collect();
+                    names.join(", ")
+                };
+                let _ = writeln!(
+                    yaml,
+                    "    hints: {{forZones: [{}], forNodes: [{}]}}",
+                    names(&e.zone_hints),
+                    names(&e.node_hints)
+                );
             }
         }
         yaml
