@@ -61,8 +61,9 @@ fn ensure_answer(answer: &Answer, to: SocketAddr, server: &str, seen: Ipv4Addr) 
 
 /// externalIPs and VIP-mode ingress IPs answer like the NodePort: masqueraded to the node address
 /// (externalTrafficPolicy Cluster), or with the client's address from this node's endpoints only
-/// (Local). An ipMode Proxy ingress IP is not programmed, so the node, which has no route for
-/// it, does not serve it.
+/// (Local). From a pod, as in kube-proxy: Cluster masquerades too, Local uses every endpoint
+/// and keeps the pod's address. An ipMode Proxy ingress IP is not programmed, so the node, which
+/// has no route for it, does not serve it.
 #[test]
 fn external_and_load_balancer_ips_follow_the_external_traffic_policy() -> Result<()> {
     let services = |node: &Node| {
@@ -96,7 +97,7 @@ fn external_and_load_balancer_ips_follow_the_external_traffic_policy() -> Result
         ]
     };
     // The pod addresses are known once the topology exists: start, then write the services.
-    let mut node = Node::start(2, &[], AGENT_ARGS)?;
+    let mut node = Node::start(3, &[], AGENT_ARGS)?;
     node.agent.update_manifests(&yaml(&services(&node)))?;
     let client = &node.topology.client;
     route_to_node(client, CLIENT_IP)?;
@@ -108,6 +109,23 @@ fn external_and_load_balancer_ips_follow_the_external_traffic_policy() -> Result
     for ip in [LOCAL_EXTERNAL_IP, LOCAL_LB_IP] {
         for answer in requests(client, Proto::Tcp, vip(ip), 6)? {
             ensure_answer(&answer, vip(ip), "pod-b", CLIENT_IP)?;
+        }
+    }
+    let pod = node.pod_ns("pod-c");
+    let pod_ip = node.ip("pod-c");
+    for ip in [EXTERNAL_IP, LB_IP] {
+        let answer = request(pod, Proto::Tcp, vip(ip))?;
+        ensure_answer(&answer, vip(ip), "pod-a", NODE_IP)?;
+    }
+    for ip in [LOCAL_EXTERNAL_IP, LOCAL_LB_IP] {
+        // 16 random picks between pod-a and pod-b all miss one with a chance of 1 in 32768.
+        let answers = requests(pod, Proto::Tcp, vip(ip), 16)?;
+        for server in ["pod-a", "pod-b"] {
+            let answer = answers.iter().find(|a| a.server == server);
+            let Some(answer) = answer else {
+                bail!("{ip} from a pod: {server} never answered: {answers:?}");
+            };
+            ensure_answer(answer, vip(ip), server, pod_ip)?;
         }
     }
     match request(client, Proto::Tcp, vip(PROXY_LB_IP)) {
@@ -123,12 +141,33 @@ fn external_and_load_balancer_ips_follow_the_external_traffic_policy() -> Result
     Ok(())
 }
 
+/// A connection from `source` in `ns` to the load balancer IP gets no answer at all, and
+/// `drop_source_range` counts it.
+fn ensure_dropped(node: &Node, ns: &Netns, source: Ipv4Addr) -> Result<()> {
+    let before = counter(&node.topology.node, "drop_source_range")?;
+    match request(ns, Proto::Tcp, vip(LB_IP)) {
+        Ok(answer) => bail!("{source} answered: {answer:?}"),
+        Err(err) => ensure!(
+            error_kind(&err) == Some(ErrorKind::TimedOut),
+            "{source}: {err:#}, expected a silent drop"
+        ),
+    }
+    let dropped = counter(&node.topology.node, "drop_source_range")? - before;
+    // The SYN and its retransmissions within the connect timeout.
+    ensure!(
+        dropped >= 1,
+        "{source}: drop_source_range grew by {dropped}"
+    );
+    Ok(())
+}
+
 /// loadBalancerSourceRanges: the load balancer IP serves a source inside them and drops one
-/// outside (no answer at all); the externalIP and the NodePort of the same service are not
+/// outside (no answer at all), a pod outside them included (kube-proxy's firewall chain also
+/// filters forwarded traffic); the externalIP and the NodePort of the same service are not
 /// restricted, as in kube-proxy.
 #[test]
 fn load_balancer_source_ranges_drop_other_sources() -> Result<()> {
-    let mut node = Node::start(1, &[], AGENT_ARGS)?;
+    let mut node = Node::start(2, &[], AGENT_ARGS)?;
     let service = node
         .service(Proto::Tcp, &["pod-a"])
         .node_port(30080)
@@ -150,17 +189,8 @@ fn load_balancer_source_ranges_drop_other_sources() -> Result<()> {
     ensure_answer(&answer, vip(LB_IP), "pod-a", NODE_IP)?;
 
     route_to_node(client, OTHER_CLIENT_IP)?;
-    let before = counter(&node.topology.node, "drop_source_range")?;
-    match request(client, Proto::Tcp, vip(LB_IP)) {
-        Ok(answer) => bail!("{OTHER_CLIENT_IP} answered: {answer:?}"),
-        Err(err) => ensure!(
-            error_kind(&err) == Some(ErrorKind::TimedOut),
-            "{err:#}, expected a silent drop"
-        ),
-    }
-    let dropped = counter(&node.topology.node, "drop_source_range")? - before;
-    // The SYN and its retransmissions within the connect timeout.
-    ensure!(dropped >= 1, "drop_source_range grew by {dropped}");
+    ensure_dropped(&node, client, OTHER_CLIENT_IP)?;
+    ensure_dropped(&node, node.pod_ns("pod-b"), node.ip("pod-b"))?;
     let answer = request(client, Proto::Tcp, vip(EXTERNAL_IP))?;
     ensure_answer(&answer, vip(EXTERNAL_IP), "pod-a", NODE_IP)?;
     let node_port: SocketAddr = (NODE_IP, 30080).into();
