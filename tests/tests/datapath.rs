@@ -9,7 +9,10 @@ use std::net::{Ipv4Addr, SocketAddrV4};
 
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{Array, HashMap, MapData, PerCpuArray},
+    maps::{
+        Array, HashMap, MapData, PerCpuArray,
+        lpm_trie::{Key, LpmTrie},
+    },
     programs::{SchedClassifier, TestRun, TestRunOptions, Xdp},
 };
 use etherparse::{
@@ -20,9 +23,10 @@ use lb_common::{
     AffinityEntry, AffinityKey, Backend, BackendKey, CONFIG_F_MASQUERADE_ALL, CONFIG_F_READY,
     CT_F_MASQUERADE, CT_F_REPLY, CT_STATE_CLOSING, CT_STATE_ESTABLISHED, CT_STATE_NEW,
     CT_TIMEOUT_TCP_SYN_NS, Config, ConntrackEntry, ConntrackKey, Counter, FRONTEND_F_LOCAL,
-    FRONTEND_F_MASQUERADE, FRONTEND_F_PRESERVE_SOURCE, Frontend, FrontendKey, IPPROTO_TCP,
-    IPPROTO_UDP, LOCAL_SLOT, SCHED_FLOW_HASH, SCHED_ROUND_ROBIN, SCHED_SOURCE_HASH, SNAT_PORT_MAX,
-    SNAT_PORT_MIN, flow_hash, ipv4_be, map_name, port_be, program_name, source_hash,
+    FRONTEND_F_MASQUERADE, FRONTEND_F_PRESERVE_SOURCE, FRONTEND_F_SOURCE_RANGES, Frontend,
+    FrontendKey, IPPROTO_TCP, IPPROTO_UDP, LOCAL_SLOT, SCHED_FLOW_HASH, SCHED_ROUND_ROBIN,
+    SCHED_SOURCE_HASH, SNAT_PORT_MAX, SNAT_PORT_MIN, SourceRangeKey, flow_hash, ipv4_be, map_name,
+    port_be, program_name, source_hash,
 };
 
 const TC_ACT_OK: u32 = 0;
@@ -803,6 +807,50 @@ fn internal_traffic_policy_local() {
     let packet = Packet::new(Proto::Tcp, POD, CLUSTER_IP).build();
     assert_eq!(none_here.run(&packet).0, TC_ACT_SHOT);
     assert_eq!(none_here.counter(Counter::DropNoLocalBackend), 1);
+}
+
+/// loadBalancerSourceRanges: a LoadBalancer IP with allowed prefixes serves a source inside one
+/// (masqueraded, as external traffic with policy Cluster) and drops any other, in tc and XDP,
+/// counted and without a conntrack entry.
+#[test]
+fn source_outside_load_balancer_source_ranges_is_dropped() {
+    let lb_ip = SocketAddrV4::new(Ipv4Addr::new(198, 51, 100, 50), 80);
+    let mut datapath = Datapath::new(config()).with_xdp();
+    datapath.service(
+        Proto::Tcp,
+        lb_ip,
+        FRONTEND_F_MASQUERADE | FRONTEND_F_SOURCE_RANGES,
+        SERVICE_ID,
+        &ENDPOINTS,
+    );
+    let mut ranges: LpmTrie<_, SourceRangeKey, u8> = datapath.map(map_name::SOURCE_RANGES);
+    let allowed = SourceRangeKey {
+        service_id: SERVICE_ID,
+        addr: ipv4_be([203, 0, 113, 0]),
+    };
+    ranges
+        .insert(
+            &Key::new(SourceRangeKey::SERVICE_ID_BITS + 28, allowed),
+            1,
+            0,
+        )
+        .unwrap();
+
+    let inside = SocketAddrV4::new(Ipv4Addr::new(203, 0, 113, 15), 50_000);
+    let out = datapath.translate(&Packet::new(Proto::Tcp, inside, lb_ip));
+    assert_eq!(out.src.ip(), &NODE, "masqueraded");
+    assert!(ENDPOINTS.contains(&out.dst), "{out:?}");
+
+    let outside = SocketAddrV4::new(Ipv4Addr::new(203, 0, 113, 16), 50_000);
+    let packet = Packet::new(Proto::Tcp, outside, lb_ip).build();
+    assert_eq!(datapath.run(&packet).0, TC_ACT_SHOT);
+    assert_eq!(datapath.run_xdp(&packet).0, XDP_DROP);
+    assert_eq!(datapath.counter(Counter::DropSourceRange), 2);
+    assert_eq!(
+        datapath.conntrack_len(),
+        2,
+        "only the allowed connection's two entries"
+    );
 }
 
 /// Sets the scheduler of the TCP ClusterIP frontend.

@@ -1,7 +1,8 @@
 //! Traffic from the node itself (host processes, hostNetwork pods) through the agent's cgroup
 //! socket hooks: a client process in the node namespace and in the test's own cgroup reaches
-//! ClusterIPs and NodePorts, sees the service address as its peer, and fails fast on a service
-//! without endpoints; processes outside the cgroup or the namespace are untouched.
+//! ClusterIPs, NodePorts, externalIPs and LoadBalancer IPs, sees the service address as its peer,
+//! and fails fast on a service without endpoints; processes outside the cgroup or the namespace
+//! are untouched.
 //!
 //! The hooks are cgroup/sock_addr programs, which BPF_PROG_TEST_RUN does not run: they are
 //! tested here only, with real sockets.
@@ -14,7 +15,7 @@ use anyhow::{Context as _, Result, bail, ensure};
 use lb_tests::{
     cgroup::Cgroup,
     echo::{Answer, EchoServer, Proto, request},
-    manifests::{ServiceManifest, yaml},
+    manifests::{IngressManifest, ServiceManifest, yaml},
     netns::{Netns, unique_prefix},
     node::{CLUSTER_IP, Node, TARGET_PORT, vip},
     topology::{NODE_IP, POD_GATEWAY},
@@ -183,5 +184,43 @@ fn only_sockets_in_the_cgroup_and_the_agent_namespace_are_translated() -> Result
         elsewhere.server == "other",
         "another namespace: {elsewhere:?}"
     );
+    Ok(())
+}
+
+/// externalIPs and LoadBalancer ingress IPs from the node, as kube-proxy's OUTPUT chain serves
+/// them (externalTrafficPolicy Cluster, TCP and UDP): a backend answers, the client's peer is
+/// the address it used.
+#[test]
+fn node_reaches_external_and_load_balancer_ips() -> Result<()> {
+    const EXTERNAL_IP: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 10);
+    const LB_IP: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 20);
+    let cgroup = Cgroup::new()?;
+    let mut node = start(&cgroup)?;
+    let services: Vec<ServiceManifest> = services(&node, &["pod-b", "pod-c"])
+        .into_iter()
+        .map(|service| {
+            service
+                .external_ips([EXTERNAL_IP])
+                .load_balancer([IngressManifest {
+                    ip: LB_IP,
+                    ip_mode: Some("VIP"),
+                }])
+        })
+        .collect();
+    node.agent.update_manifests(&yaml(&services))?;
+    let targets = [
+        (Proto::Tcp, (EXTERNAL_IP, vip().port()).into()),
+        (Proto::Udp, (EXTERNAL_IP, DNS_PORT).into()),
+        (Proto::Tcp, (LB_IP, vip().port()).into()),
+        (Proto::Udp, (LB_IP, DNS_PORT).into()),
+    ];
+    for (proto, to) in targets {
+        let answer = answered(node_request(&cgroup, &node.topology.node, proto, to)?)
+            .with_context(|| format!("{proto:?} to {to}"))?;
+        ensure!(
+            ["pod-b", "pod-c"].contains(&answer.server.as_str()) && answer.peer == to,
+            "{proto:?} to {to}: {answer:?}"
+        );
+    }
     Ok(())
 }
