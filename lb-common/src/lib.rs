@@ -19,9 +19,10 @@ pub mod map_name {
     pub const ROUND_ROBIN: &str = "LB_RR_V1";
     pub const SOURCE_RANGES: &str = "LB_SOURCE_RANGE_V1";
     pub const SOCK_REVNAT: &str = "LB_SOCK_REVNAT_V1";
+    pub const SOCK_BACKEND: &str = "LB_SOCK_BACKEND_V1";
     /// Not pinned (not in `ALL`): the interface indexes are the running agent's.
     pub const XDP_EGRESS: &str = "LB_XDP_EGRESS_V1";
-    pub const ALL: [&str; 9] = [
+    pub const ALL: [&str; 10] = [
         FRONTENDS,
         BACKENDS,
         CONNTRACK,
@@ -31,6 +32,7 @@ pub mod map_name {
         ROUND_ROBIN,
         SOURCE_RANGES,
         SOCK_REVNAT,
+        SOCK_BACKEND,
     ];
 }
 
@@ -73,6 +75,8 @@ pub mod default_size {
     pub const XDP_EGRESS: u32 = 16_384;
     /// Socket reverse translations: one per (node socket, backend it was sent to).
     pub const SOCK_REVNAT: u32 = 65_536;
+    /// Unconnected UDP flows of node sockets: one per (socket, service port it sends to).
+    pub const SOCK_BACKEND: u32 = 65_536;
 }
 
 /// Masquerade source ports are taken from this range by default: above Linux's default ephemeral
@@ -245,15 +249,15 @@ pub struct AffinityKey {
     pub client_addr: u32,
 }
 
-/// Value of `AFFINITY`: the endpoint the client's last new connection went to, and the slot (of
-/// either list) it sat in.
+/// Value of `AFFINITY` and `SOCK_BACKEND`: the endpoint a client's (or socket's) last new flow
+/// went to, and the slot (of either list) it sat in.
 /// It is used again only while slot `slot` still holds `backend`: an endpoint that is gone (or
-/// moved) gets no more affine connections.
+/// moved) gets no more of its flows.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
-pub struct AffinityEntry {
-    /// `bpf_ktime_get_ns` of the client's last new connection.
+pub struct StickyBackend {
+    /// `bpf_ktime_get_ns` of the flow's last use.
     pub last_seen_ns: u64,
     pub backend: Backend,
     pub slot: u32,
@@ -365,6 +369,17 @@ pub struct SockRevNatKey {
     pub backend: Backend,
 }
 
+/// Key of `SOCK_BACKEND`: an unconnected UDP socket of the node and a service port it sends
+/// datagrams to, which all go to one backend while the flow is in use, as conntrack keeps a
+/// 5-tuple on one endpoint in kube-proxy.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct SockBackendKey {
+    pub cookie: u64,
+    pub frontend: FrontendKey,
+}
+
 /// Value of `SOCK_REVNAT`: the service address the application used, shown to it as the peer
 /// (getpeername) or the source of what the backend sends (recvmsg).
 #[repr(C)]
@@ -470,7 +485,7 @@ const _: () = {
     assert!(core::mem::size_of::<FrontendKey>() == 8);
     assert!(core::mem::size_of::<Frontend>() == 24);
     assert!(core::mem::size_of::<AffinityKey>() == 8);
-    assert!(core::mem::size_of::<AffinityEntry>() == 24);
+    assert!(core::mem::size_of::<StickyBackend>() == 24);
     assert!(core::mem::size_of::<BackendKey>() == 8);
     assert!(core::mem::size_of::<Backend>() == 8);
     assert!(core::mem::size_of::<ConntrackKey>() == 16);
@@ -479,6 +494,7 @@ const _: () = {
     assert!(core::mem::size_of::<Config>() == 32);
     assert!(core::mem::size_of::<SockRevNatKey>() == 16);
     assert!(core::mem::size_of::<SockRevNat>() == 8);
+    assert!(core::mem::size_of::<SockBackendKey>() == 16);
     assert!(Counter::ALL[Counter::COUNT as usize - 1] as u32 == Counter::COUNT - 1);
 };
 
@@ -496,10 +512,11 @@ mod user {
     unsafe impl aya::Pod for ConntrackEntry {}
     unsafe impl aya::Pod for Config {}
     unsafe impl aya::Pod for AffinityKey {}
-    unsafe impl aya::Pod for AffinityEntry {}
+    unsafe impl aya::Pod for StickyBackend {}
     unsafe impl aya::Pod for SourceRangeKey {}
     unsafe impl aya::Pod for SockRevNatKey {}
     unsafe impl aya::Pod for SockRevNat {}
+    unsafe impl aya::Pod for SockBackendKey {}
 }
 
 #[cfg(test)]

@@ -10,8 +10,9 @@ use aya_ebpf::{
     maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, lpm_trie::Key},
 };
 use lb_common::{
-    AffinityEntry, AffinityKey, Backend, BackendKey, Config, ConntrackEntry, ConntrackKey, Counter,
-    Frontend, FrontendKey, SockRevNat, SockRevNatKey, SourceRangeKey, default_size,
+    AffinityKey, Backend, BackendKey, Config, ConntrackEntry, ConntrackKey, Counter, Frontend,
+    FrontendKey, SockBackendKey, SockRevNat, SockRevNatKey, SourceRangeKey, StickyBackend,
+    default_size,
 };
 
 #[map(name = "LB_FRONTEND_V4")]
@@ -27,7 +28,7 @@ static CONNTRACK: LruHashMap<ConntrackKey, ConntrackEntry> =
     LruHashMap::with_max_entries(default_size::CONNTRACK, 0);
 
 #[map(name = "LB_AFFINITY_V1")]
-static AFFINITY: LruHashMap<AffinityKey, AffinityEntry> =
+static AFFINITY: LruHashMap<AffinityKey, StickyBackend> =
     LruHashMap::with_max_entries(default_size::AFFINITY, 0);
 
 #[map(name = "LB_RR_V1")]
@@ -37,6 +38,10 @@ static ROUND_ROBIN: LruHashMap<u32, u32> =
 #[map(name = "LB_SOCK_REVNAT_V1")]
 static SOCK_REVNAT: LruHashMap<SockRevNatKey, SockRevNat> =
     LruHashMap::with_max_entries(default_size::SOCK_REVNAT, 0);
+
+#[map(name = "LB_SOCK_BACKEND_V1")]
+static SOCK_BACKEND: LruHashMap<SockBackendKey, StickyBackend> =
+    LruHashMap::with_max_entries(default_size::SOCK_BACKEND, 0);
 
 #[map(name = "LB_CONFIG_V2")]
 static CONFIG: Array<Config> = Array::with_max_entries(1, 0);
@@ -104,16 +109,28 @@ pub fn conntrack_remove(key: &ConntrackKey) {
     let _ = CONNTRACK.remove(key);
 }
 
-pub fn affinity(key: &AffinityKey) -> Option<&'static mut AffinityEntry> {
+pub fn affinity(key: &AffinityKey) -> Option<&'static mut StickyBackend> {
     // SAFETY: valid until the program returns (RCU); a racing CPU tears at worst the timestamp.
     AFFINITY
         .get_ptr_mut(key)
         .map(|entry| unsafe { &mut *entry })
 }
 
-pub fn affinity_insert(key: &AffinityKey, entry: &AffinityEntry) {
+pub fn affinity_insert(key: &AffinityKey, entry: &StickyBackend) {
     // A failed insert only costs the next connection its affinity.
     let _ = AFFINITY.insert(key, entry, 0);
+}
+
+pub fn sock_backend(key: &SockBackendKey) -> Option<&'static mut StickyBackend> {
+    // SAFETY: as in `affinity`.
+    SOCK_BACKEND
+        .get_ptr_mut(key)
+        .map(|entry| unsafe { &mut *entry })
+}
+
+pub fn sock_backend_insert(key: &SockBackendKey, entry: &StickyBackend) {
+    // A failed insert only lets the socket's next datagram pick a backend again.
+    let _ = SOCK_BACKEND.insert(key, entry, 0);
 }
 
 pub fn sock_revnat(key: &SockRevNatKey) -> Option<SockRevNat> {

@@ -67,18 +67,18 @@ pub fn backends(config: &Config, frontend: &Frontend, client: u32) -> Backends {
     }
 }
 
-/// The backend of a new connection `tuple` among `backends` (not empty): its affine one if the
-/// service has sessionAffinity and it is still valid, else the slot the scheduler picks.
+/// The backend of a new connection `tuple` among `backends` (not empty), and its slot: its affine
+/// one if the service has sessionAffinity and it is still valid, else the scheduler's pick.
 pub fn select_backend(
     frontend: &Frontend,
     backends: &Backends,
     tuple: &ConntrackKey,
     now: u64,
-) -> Result<Backend, Counter> {
+) -> Result<(u32, Backend), Counter> {
     let client = tuple.src_addr;
     let affine = frontend.affinity_timeout_s != 0;
-    if affine && let Some(backend) = affinity::lookup(frontend, backends, client, now) {
-        return Ok(backend);
+    if affine && let Some(chosen) = affinity::lookup(frontend, backends, client, now) {
+        return Ok(chosen);
     }
     let pick = match frontend.scheduler {
         SCHED_ROUND_ROBIN => maps::round_robin(frontend.service_id),
@@ -95,5 +95,5 @@ pub fn select_backend(
     if affine {
         affinity::remember(frontend, client, slot, &backend, now);
     }
-    Ok(backend)
+    Ok((slot, backend))
 }

@@ -1,7 +1,7 @@
 //! Traffic from the node itself (host processes, hostNetwork pods), as kube-proxy's OUTPUT
 //! chain serves it: cgroup socket-address hooks point a socket at a backend when it connects
-//! (TCP, connected UDP) or sends (unconnected UDP) to a service, and show the service address
-//! back to the application (getpeername, recvmsg). No packet of these flows is translated: the
+//! (TCP, connected UDP) or sends (unconnected UDP, each datagram of a flow to the same backend)
+//! to a service, and show the service address back to the application (getpeername, recvmsg). No packet of these flows is translated: the
 //! kernel routes them to the backend and picks their source, which is what kube-proxy's
 //! masquerade of node-local traffic gives.
 use aya_ebpf::{
@@ -10,12 +10,13 @@ use aya_ebpf::{
     programs::SockAddrContext,
 };
 use lb_common::{
-    Backend, Config, ConntrackKey, Counter, FRONTEND_F_PRESERVE_SOURCE, Frontend, IPPROTO_TCP,
-    IPPROTO_UDP, SockRevNat, SockRevNatKey, ipv4_be,
+    Backend, CT_TIMEOUT_UDP_NS, Config, ConntrackKey, Counter, FRONTEND_F_PRESERVE_SOURCE,
+    Frontend, FrontendKey, IPPROTO_TCP, IPPROTO_UDP, SockBackendKey, SockRevNat, SockRevNatKey,
+    ipv4_be,
 };
 
 use crate::{
-    maps,
+    affinity, maps,
     service::{self, Backends},
 };
 
@@ -92,8 +93,12 @@ fn try_translate(ctx: &SockAddrContext) -> Result<(), Untouched> {
             Counter::Rejected
         }));
     }
-    let backend = service::select_backend(&frontend, &backends, &tuple, maps::now_ns())
-        .map_err(Untouched::Refused)?;
+    let backend = if proto == IPPROTO_UDP {
+        udp_flow_backend(cookie, &frontend, &backends, &tuple)
+    } else {
+        service::select_backend(&frontend, &backends, &tuple, maps::now_ns()).map(|(_, b)| b)
+    }
+    .map_err(Untouched::Refused)?;
     let key = SockRevNatKey { cookie, backend };
     let service = SockRevNat {
         addr: dst_addr,
@@ -126,6 +131,35 @@ pub fn reverse(ctx: &SockAddrContext) -> i32 {
         addr.user_port = u32::from(service.port);
     }
     PROCEED
+}
+
+/// The backend of a UDP socket's datagram to a service port: the one its previous datagrams went
+/// to while that flow is in use (an unconnected socket passes through sendmsg4 on every send),
+/// as conntrack keeps a UDP 5-tuple on one endpoint for kube-proxy.
+fn udp_flow_backend(
+    cookie: u64,
+    frontend: &Frontend,
+    backends: &Backends,
+    tuple: &ConntrackKey,
+) -> Result<Backend, Counter> {
+    let now = maps::now_ns();
+    let key = SockBackendKey {
+        cookie,
+        frontend: FrontendKey {
+            addr: tuple.dst_addr,
+            port: tuple.dst_port,
+            proto: IPPROTO_UDP,
+            _pad: 0,
+        },
+    };
+    let previous = maps::sock_backend(&key)
+        .and_then(|entry| affinity::reuse(entry, backends, CT_TIMEOUT_UDP_NS, now));
+    if let Some((_, backend)) = previous {
+        return Ok(backend);
+    }
+    let (slot, backend) = service::select_backend(frontend, backends, tuple, now)?;
+    maps::sock_backend_insert(&key, &affinity::remembered(slot, &backend, now));
+    Ok(backend)
 }
 
 fn socket_cookie(ctx: &SockAddrContext) -> u64 {

@@ -61,7 +61,7 @@ fn connect(
     tuple: &ConntrackKey,
     now: u64,
 ) -> Result<ConntrackKey, Counter> {
-    let backend = service::select_backend(frontend, backends, tuple, now)?;
+    let (_, backend) = service::select_backend(frontend, backends, tuple, now)?;
     let connection = Connection::new(tuple, frontend.service_id, &backend, now);
     let masquerade = masquerade::needed(config, frontend, tuple.src_addr, &backend);
     let to = if masquerade {

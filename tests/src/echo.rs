@@ -121,14 +121,24 @@ pub fn tcp_request(to: SocketAddr) -> Result<Answer> {
 /// One UDP request from an unconnected socket; the answer's source is the peer. Call inside a
 /// namespace.
 pub fn udp_request(to: SocketAddr) -> Result<Answer> {
+    let mut answers = udp_requests(to, 1)?;
+    answers.pop().context("no answer")
+}
+
+/// `count` UDP requests, one after the other, from one unconnected socket (one flow).
+pub fn udp_requests(to: SocketAddr, count: usize) -> Result<Vec<Answer>> {
     let socket = UdpSocket::bind("0.0.0.0:0")?;
     socket.set_read_timeout(Some(TIMEOUT))?;
-    socket.send_to(b"hello\n", to)?;
     let mut buf = [0u8; 512];
-    let (len, peer) = socket
-        .recv_from(&mut buf)
-        .with_context(|| format!("no UDP answer from {to}"))?;
-    parse_answer(std::str::from_utf8(&buf[..len])?, peer)
+    (0..count)
+        .map(|_| {
+            socket.send_to(b"hello\n", to)?;
+            let (len, peer) = socket
+                .recv_from(&mut buf)
+                .with_context(|| format!("no UDP answer from {to}"))?;
+            parse_answer(std::str::from_utf8(&buf[..len])?, peer)
+        })
+        .collect()
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -20,13 +20,13 @@ use etherparse::{
     Ipv4Header, PacketBuilder, TcpHeader, UdpHeader,
 };
 use lb_common::{
-    AffinityEntry, AffinityKey, Backend, BackendKey, CONFIG_F_MASQUERADE_ALL, CONFIG_F_READY,
-    CT_F_MASQUERADE, CT_F_REPLY, CT_STATE_CLOSING, CT_STATE_ESTABLISHED, CT_STATE_NEW,
-    CT_TIMEOUT_TCP_SYN_NS, Config, ConntrackEntry, ConntrackKey, Counter, FRONTEND_F_LOCAL,
-    FRONTEND_F_MASQUERADE, FRONTEND_F_PRESERVE_SOURCE, FRONTEND_F_SOURCE_RANGES, Frontend,
-    FrontendKey, IPPROTO_TCP, IPPROTO_UDP, LOCAL_SLOT, SCHED_FLOW_HASH, SCHED_ROUND_ROBIN,
-    SCHED_SOURCE_HASH, SNAT_PORT_MAX, SNAT_PORT_MIN, SourceRangeKey, flow_hash, ipv4_be, map_name,
-    port_be, program_name, source_hash,
+    AffinityKey, Backend, BackendKey, CONFIG_F_MASQUERADE_ALL, CONFIG_F_READY, CT_F_MASQUERADE,
+    CT_F_REPLY, CT_STATE_CLOSING, CT_STATE_ESTABLISHED, CT_STATE_NEW, CT_TIMEOUT_TCP_SYN_NS,
+    Config, ConntrackEntry, ConntrackKey, Counter, FRONTEND_F_LOCAL, FRONTEND_F_MASQUERADE,
+    FRONTEND_F_PRESERVE_SOURCE, FRONTEND_F_SOURCE_RANGES, Frontend, FrontendKey, IPPROTO_TCP,
+    IPPROTO_UDP, LOCAL_SLOT, SCHED_FLOW_HASH, SCHED_ROUND_ROBIN, SCHED_SOURCE_HASH, SNAT_PORT_MAX,
+    SNAT_PORT_MIN, SourceRangeKey, StickyBackend, flow_hash, ipv4_be, map_name, port_be,
+    program_name, source_hash,
 };
 
 const TC_ACT_OK: u32 = 0;
@@ -683,7 +683,7 @@ fn session_affinity_sticks_until_expired_or_moved() {
     };
     let entry = |datapath: &Datapath| {
         let map = datapath.ebpf.map(map_name::AFFINITY).unwrap();
-        let affinity: HashMap<&MapData, AffinityKey, AffinityEntry> = map.try_into().unwrap();
+        let affinity: HashMap<&MapData, AffinityKey, StickyBackend> = map.try_into().unwrap();
         affinity.get(&affinity_key, 0).unwrap()
     };
     let remembered = entry(&datapath);
@@ -693,8 +693,8 @@ fn session_affinity_sticks_until_expired_or_moved() {
     // Expired: some of 40 fresh choices differ from the first (each is 1/3 likely to match).
     let mut changed = false;
     for port in 20_000..20_040 {
-        let mut affinity: HashMap<_, AffinityKey, AffinityEntry> = datapath.map(map_name::AFFINITY);
-        let ancient = AffinityEntry {
+        let mut affinity: HashMap<_, AffinityKey, StickyBackend> = datapath.map(map_name::AFFINITY);
+        let ancient = StickyBackend {
             last_seen_ns: 1,
             ..remembered
         };
@@ -704,7 +704,7 @@ fn session_affinity_sticks_until_expired_or_moved() {
     assert!(changed, "an expired affinity is not used");
 
     // Moved: the slot the entry names holds another backend now.
-    let stale = AffinityEntry {
+    let stale = StickyBackend {
         backend: Backend {
             addr: ipv4_be([10, 244, 9, 9]),
             port: port_be(8080),
@@ -712,7 +712,7 @@ fn session_affinity_sticks_until_expired_or_moved() {
         },
         ..entry(&datapath)
     };
-    let mut affinity: HashMap<_, AffinityKey, AffinityEntry> = datapath.map(map_name::AFFINITY);
+    let mut affinity: HashMap<_, AffinityKey, StickyBackend> = datapath.map(map_name::AFFINITY);
     affinity.insert(affinity_key, stale, 0).unwrap();
     let fresh = connect(&datapath, *POD.ip(), 30_000);
     assert_ne!(*fresh.ip(), Ipv4Addr::new(10, 244, 9, 9));

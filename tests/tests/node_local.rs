@@ -35,15 +35,11 @@ enum Outcome {
     Failed { kind: String, took: Duration },
 }
 
-/// One request from a client process in `ns` and `cgroup`.
-fn node_request(cgroup: &Cgroup, ns: &Netns, proto: Proto, to: SocketAddr) -> Result<Outcome> {
-    let proto_arg = match proto {
-        Proto::Tcp => "tcp",
-        Proto::Udp => "udp",
-    };
+/// What a client process in `ns` and `cgroup` printed for `args`.
+fn node_client(cgroup: &Cgroup, ns: &Netns, args: &[&str]) -> Result<String> {
     let out = cgroup
         .command(ns, env!("CARGO_BIN_EXE_lb-node-client"))?
-        .args([proto_arg, &to.to_string()])
+        .args(args)
         .output()
         .context("spawn lb-node-client")?;
     ensure!(
@@ -51,7 +47,19 @@ fn node_request(cgroup: &Cgroup, ns: &Netns, proto: Proto, to: SocketAddr) -> Re
         "lb-node-client: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let text = String::from_utf8(out.stdout)?;
+    Ok(String::from_utf8(out.stdout)?)
+}
+
+/// One request from a client process in `ns` and `cgroup`.
+fn node_request(cgroup: &Cgroup, ns: &Netns, proto: Proto, to: SocketAddr) -> Result<Outcome> {
+    let proto_arg = match proto {
+        Proto::Tcp => "tcp",
+        Proto::Udp => "udp",
+    };
+    outcome(&node_client(cgroup, ns, &[proto_arg, &to.to_string()])?)
+}
+
+fn outcome(text: &str) -> Result<Outcome> {
     let fields: Vec<&str> = text.split_whitespace().collect();
     match fields.as_slice() {
         ["error", kind, millis] => Ok(Outcome::Failed {
@@ -222,5 +230,37 @@ fn node_reaches_external_and_load_balancer_ips() -> Result<()> {
             "{proto:?} to {to}: {answer:?}"
         );
     }
+    Ok(())
+}
+
+/// An unconnected UDP socket of the node, which passes through sendmsg4 on every datagram:
+/// its 20 requests to a service with three endpoints all reach one backend, as kube-proxy's
+/// conntrack keeps a UDP flow on one endpoint, and every answer comes from the service address.
+/// New sockets pick again: 12 of them reach more than one backend.
+#[test]
+fn node_udp_flow_sticks_to_one_backend() -> Result<()> {
+    let cgroup = Cgroup::new()?;
+    let mut node = start(&cgroup)?;
+    node.agent
+        .update_manifests(&yaml(&services(&node, &["pod-a", "pod-b", "pod-c"])))?;
+    let to: SocketAddr = (CLUSTER_IP, DNS_PORT).into();
+    let ns = &node.topology.node;
+    let text = node_client(&cgroup, ns, &["udp-flow", &to.to_string(), "20"])?;
+    let answers = text
+        .lines()
+        .map(|line| answered(outcome(line)?))
+        .collect::<Result<Vec<_>>>()?;
+    ensure!(answers.len() == 20, "{text}");
+    ensure!(
+        answers
+            .iter()
+            .all(|a| a.server == answers[0].server && a.peer == to),
+        "one flow, one backend: {answers:?}"
+    );
+    let mut servers = std::collections::BTreeSet::new();
+    for _ in 0..12 {
+        servers.insert(answered(node_request(&cgroup, ns, Proto::Udp, to)?)?.server);
+    }
+    ensure!(servers.len() > 1, "new sockets all went to {servers:?}");
     Ok(())
 }
