@@ -188,7 +188,8 @@ fn synthetic_keys(first: usize, count: usize) -> Vec<ConntrackKey> {
             src_port: port_be(i as u16),
             dst_port: port_be(SYNTHETIC_PORT),
             proto: IPPROTO_TCP,
-            _pad: [0; 3],
+            _pad0: 0,
+            _pad1: 0,
         })
         .collect()
 }
@@ -203,7 +204,8 @@ fn snat_ports_taken(backend: Ipv4Addr) -> Vec<ConntrackKey> {
             src_port: port_be(UDP_TARGET_PORT),
             dst_port: port_be(port),
             proto: IPPROTO_UDP,
-            _pad: [0; 3],
+            _pad0: 0,
+            _pad1: 0,
         })
         .collect()
 }

@@ -257,7 +257,7 @@ pub struct AffinityKey {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct StickyBackend {
-    /// `bpf_ktime_get_ns` of the flow's last use.
+    /// CLOCK_MONOTONIC (`bpf_ktime_get_coarse_ns`) of the flow's last use.
     pub last_seen_ns: u64,
     pub backend: Backend,
     pub slot: u32,
@@ -278,7 +278,10 @@ pub struct ConntrackKey {
     /// Network byte order.
     pub dst_port: u16,
     pub proto: u8,
-    pub _pad: [u8; 3],
+    // Padding as scalars, not a byte array: the BPF target zeroes and copies arrays with
+    // byte-loop memset/memcpy calls, a cost on every packet.
+    pub _pad0: u8,
+    pub _pad1: u16,
 }
 
 /// Value of `CONNTRACK`: what a packet with that key is rewritten to. Each connection has two
@@ -289,7 +292,7 @@ pub struct ConntrackKey {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct ConntrackEntry {
-    /// `bpf_ktime_get_ns` of the last packet.
+    /// CLOCK_MONOTONIC (`bpf_ktime_get_coarse_ns`) of the last packet.
     pub last_seen_ns: u64,
     /// New source address, network byte order.
     pub src_addr: u32,
@@ -304,7 +307,9 @@ pub struct ConntrackEntry {
     pub state: u8,
     /// `CT_F_*`.
     pub flags: u8,
-    pub _pad: [u8; 6],
+    // Scalars, as in `ConntrackKey`.
+    pub _pad0: u16,
+    pub _pad1: u32,
 }
 
 /// The entry translates replies (backend → client).

@@ -67,7 +67,8 @@ fn rewrite_of(entry: &ConntrackEntry, proto: u8) -> ConntrackKey {
         src_port: entry.src_port,
         dst_port: entry.dst_port,
         proto,
-        _pad: [0; 3],
+        _pad0: 0,
+        _pad1: 0,
     }
 }
 
@@ -79,7 +80,8 @@ fn reversed(tuple: &ConntrackKey) -> ConntrackKey {
         src_port: tuple.dst_port,
         dst_port: tuple.src_port,
         proto: tuple.proto,
-        _pad: [0; 3],
+        _pad0: 0,
+        _pad1: 0,
     }
 }
 
@@ -109,7 +111,8 @@ impl Connection {
             src_port,
             dst_port: self.backend.port,
             proto: self.tuple.proto,
-            _pad: [0; 3],
+            _pad0: 0,
+            _pad1: 0,
         }
     }
 
@@ -128,7 +131,8 @@ impl Connection {
             service_id: self.service_id,
             state: CT_STATE_NEW,
             flags,
-            _pad: [0; 6],
+            _pad0: 0,
+            _pad1: 0,
         }
     }
 

@@ -79,7 +79,8 @@ fn try_translate(ctx: &SockAddrContext) -> Result<(), Untouched> {
         src_port: cookie as u16,
         dst_port,
         proto,
-        _pad: [0; 3],
+        _pad0: 0,
+        _pad1: 0,
     };
     let frontend = service::frontend(&tuple).map_err(|reason| match reason {
         Counter::Passed => Untouched::NotService,

@@ -80,7 +80,8 @@ mod tests {
             src_port: src.1,
             dst_port: dst.1,
             proto,
-            _pad: [0; 3],
+            _pad0: 0,
+            _pad1: 0,
         }
     }
 

@@ -241,7 +241,8 @@ fn ct_key(proto: Proto, src: SocketAddrV4, dst: SocketAddrV4) -> ConntrackKey {
         src_port: port_be(src.port()),
         dst_port: port_be(dst.port()),
         proto: proto.number(),
-        _pad: [0; 3],
+        _pad0: 0,
+        _pad1: 0,
     }
 }
 
@@ -1235,7 +1236,8 @@ fn expired_entry_is_replaced() {
         service_id: SERVICE_ID,
         state: CT_STATE_NEW,
         flags: 0,
-        _pad: [0; 6],
+        _pad0: 0,
+        _pad1: 0,
     };
     assert!(
         uptime_s() > CT_TIMEOUT_TCP_SYN_NS / 1_000_000_000,
