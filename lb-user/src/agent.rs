@@ -1,12 +1,14 @@
 //! `lb agent`: load and pin the datapath, attach it to the node's interfaces, and keep its maps in
 //! sync with the apiserver (or a manifest directory) until SIGTERM/SIGINT.
 use std::collections::BTreeSet;
+use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result};
 use aya::programs::{SchedClassifier, Xdp};
+use ipnet::Ipv4Net;
 use jiff::Timestamp;
 use lb_common::{
     CONFIG_F_MASQUERADE_ALL, CONFIG_F_READY, Config, SNAT_PORT_MAX, SNAT_PORT_MIN, ipv4_be,
@@ -181,8 +183,16 @@ pub async fn run(args: AgentArgs) -> Result<()> {
                     hooks.add(&mut state.datapath, index, &name)?;
                 }
                 Some(LinkEvent::Gone(index)) => hooks.remove(&mut state.datapath, index)?,
+                Some(LinkEvent::Addresses) => {
+                    if state.node_addresses_changed(&links, node_ip, &args.nodeport_addresses).await {
+                        coalescer.queue(Instant::now(), Duration::ZERO);
+                    }
+                }
                 Some(LinkEvent::Lost) => {
-                    warn!("netlink notifications lost: listing interfaces again");
+                    warn!("netlink notifications lost: listing interfaces and addresses again");
+                    if state.node_addresses_changed(&links, node_ip, &args.nodeport_addresses).await {
+                        coalescer.queue(Instant::now(), Duration::ZERO);
+                    }
                     let present = links.list().await?;
                     for index in hooks.tc.missing_from(&present) {
                         hooks.remove(&mut state.datapath, index)?;
@@ -450,6 +460,30 @@ struct Sync {
 }
 
 impl State {
+    /// Reads the node's addresses again after a netlink change; whether the NodePort addresses
+    /// changed (then a sync is due). A failed read keeps the current ones.
+    async fn node_addresses_changed(
+        &mut self,
+        links: &LinkWatcher,
+        node_ip: Ipv4Addr,
+        cidrs: &[Ipv4Net],
+    ) -> bool {
+        match links.ipv4_addresses().await {
+            Ok(present) => {
+                let addrs = node_addresses::node_port_addresses(&present, node_ip, cidrs);
+                let changed = self.reconciler.set_node_port_addresses(addrs.clone());
+                if changed {
+                    info!(addresses = ?addrs, "NodePorts now served on");
+                }
+                changed
+            }
+            Err(err) => {
+                warn!(error = %error_chain(&err), "reading the node's addresses: keeping the current ones");
+                false
+            }
+        }
+    }
+
     /// A change arrived: health and metrics know one is waiting.
     fn queued(&self, source: &Source) {
         let now = Timestamp::now();

@@ -1,7 +1,7 @@
 //! Interfaces where traffic enters the node: the external one and the pod-side ones matching the
 //! globs, those present at start and those created later (netlink RTM_NEWLINK), each with
 //! `lb_ingress` attached at tc ingress; with `--xdp`, the external one also with `lb_xdp` in
-//! native mode.
+//! native mode. Also the node's IPv4 addresses, which NodePorts answer on, and their changes.
 use std::collections::BTreeMap;
 use std::io;
 use std::net::{IpAddr, Ipv4Addr};
@@ -69,6 +69,8 @@ pub enum LinkEvent {
     /// Created, or changed (renamed, up/down): (index, name).
     Present(u32, String),
     Gone(u32),
+    /// An IPv4 address was added or removed: the addresses NodePorts answer on may change.
+    Addresses,
     /// The kernel dropped notifications (socket buffer overrun): list the interfaces again.
     Lost,
 }
@@ -83,12 +85,15 @@ pub struct LinkWatcher {
 }
 
 impl LinkWatcher {
-    /// Subscribes to link notifications; call [`LinkWatcher::list`] afterwards, so no interface
-    /// created in between is missed. Needs a tokio runtime.
+    /// Subscribes to link and IPv4 address notifications; call [`LinkWatcher::list`] and
+    /// [`LinkWatcher::ipv4_addresses`] afterwards, so no change in between is missed. Needs a
+    /// tokio runtime.
     pub fn start() -> Result<Self, LinkError> {
-        let (connection, handle, messages) =
-            rtnetlink::new_multicast_connection(&[MulticastGroup::Link])
-                .map_err(LinkError::Socket)?;
+        let (connection, handle, messages) = rtnetlink::new_multicast_connection(&[
+            MulticastGroup::Link,
+            MulticastGroup::Ipv4Ifaddr,
+        ])
+        .map_err(LinkError::Socket)?;
         tokio::spawn(connection);
         Ok(Self { handle, messages })
     }
@@ -126,6 +131,9 @@ impl LinkWatcher {
                 NetlinkPayload::InnerMessage(RouteNetlinkMessage::DelLink(link)) => {
                     return Some(LinkEvent::Gone(link.header.index));
                 }
+                NetlinkPayload::InnerMessage(
+                    RouteNetlinkMessage::NewAddress(_) | RouteNetlinkMessage::DelAddress(_),
+                ) => return Some(LinkEvent::Addresses),
                 NetlinkPayload::Overrun(_) => return Some(LinkEvent::Lost),
                 _ => {}
             }

@@ -148,6 +148,13 @@ impl Reconciler {
         self
     }
 
+    /// Serves NodePorts on `addrs` from the next sync on; whether that is a change.
+    pub fn set_node_port_addresses(&mut self, addrs: Vec<Ipv4Addr>) -> bool {
+        let changed = self.node_port_addrs != addrs;
+        self.node_port_addrs = addrs;
+        changed
+    }
+
     /// What the maps hold, as far as the reconciler knows.
     pub fn written(&self) -> &MapContents {
         &self.written

@@ -53,3 +53,53 @@ fn node_ports_answer_only_on_listed_addresses() -> Result<()> {
     }
     Ok(())
 }
+
+/// The addresses are the node's current ones: an address added while the agent runs serves the
+/// NodePort (without it the node's own stack would refuse), and once removed it no longer
+/// does. The client routes that address via the node throughout, so after the removal its
+/// requests still reach the node, which must not translate them any more.
+#[test]
+fn node_ports_follow_address_changes() -> Result<()> {
+    let topology = Topology::new(1)?;
+    let pod = topology.pod("pod-a");
+    let _server = EchoServer::start(&pod.ns, &pod.name, 8080)?;
+    let service = ServiceManifest::new("web", Ipv4Addr::new(10, 96, 0, 10), Proto::Tcp, 80, 8080)
+        .node_port(NODE_PORT)
+        .endpoints([pod.ip]);
+    let _agent = Agent::start(&topology, &yaml(&[service]), &[])?;
+    let second = format!("{SECOND_IP}/32");
+    topology
+        .client
+        .ip(&["route", "add", &second, "via", &NODE_IP.to_string()])?;
+    let to: SocketAddr = (SECOND_IP, NODE_PORT).into();
+    let answered = || {
+        request(&topology.client, Proto::Tcp, to).is_ok_and(|a| a.server == "pod-a" && a.peer == to)
+    };
+
+    topology
+        .node
+        .ip(&["addr", "add", &second, "dev", EXTERNAL_INTERFACE])?;
+    ensure!(
+        eventually(|| answered()),
+        "{to} not served after the address was added"
+    );
+    topology
+        .node
+        .ip(&["addr", "del", &second, "dev", EXTERNAL_INTERFACE])?;
+    ensure!(
+        eventually(|| !answered()),
+        "{to} still served after the address was removed"
+    );
+    Ok(())
+}
+
+/// Whether `condition` holds within 30 tries 100 ms apart.
+fn eventually(mut condition: impl FnMut() -> bool) -> bool {
+    (0..30).any(|_| {
+        let holds = condition();
+        if !holds {
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        holds
+    })
+}
