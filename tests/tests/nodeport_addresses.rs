@@ -80,7 +80,7 @@ fn node_ports_follow_address_changes() -> Result<()> {
         .node
         .ip(&["addr", "add", &second, "dev", EXTERNAL_INTERFACE])?;
     ensure!(
-        eventually(|| answered()),
+        eventually(&answered),
         "{to} not served after the address was added"
     );
     topology
