@@ -82,6 +82,7 @@ pub async fn run(args: AgentArgs) -> Result<()> {
             frontends: args.frontends_max,
             backends: args.backends_max,
             conntrack: args.conntrack_max,
+            affinity: args.affinity_max,
         },
     )?;
     // No program is attached yet, so nothing reads the config while it is written.

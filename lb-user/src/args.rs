@@ -120,6 +120,10 @@ pub struct AgentArgs {
     /// Conntrack map size: two entries per connection.
     #[arg(long, value_name = "N", default_value_t = default_size::CONNTRACK)]
     pub conntrack_max: u32,
+    /// sessionAffinity map size: one entry per (service port with ClientIP affinity, client)
+    /// within its timeout; when full, the least recently used client loses its affinity.
+    #[arg(long, value_name = "N", default_value_t = default_size::AFFINITY)]
+    pub affinity_max: u32,
 }
 
 #[derive(Debug, Args)]
@@ -226,6 +230,7 @@ mod tests {
         assert_eq!(a.nodeport_range, 30000..=32767);
         assert_eq!(a.bpffs, PathBuf::from(DEFAULT_BPFFS));
         assert_eq!(a.conntrack_max, default_size::CONNTRACK);
+        assert_eq!(a.affinity_max, default_size::AFFINITY);
         assert!(!a.masquerade_all);
         assert_eq!(
             a.healthz_bind_address,

@@ -50,6 +50,7 @@ pub struct MapSizes {
     pub frontends: u32,
     pub backends: u32,
     pub conntrack: u32,
+    pub affinity: u32,
 }
 
 /// The loaded object: its programs (the ingress one loaded, the XDP one on demand; not attached)
@@ -74,6 +75,7 @@ impl Datapath {
             (map_name::FRONTENDS, sizes.frontends),
             (map_name::BACKENDS, sizes.backends),
             (map_name::CONNTRACK, sizes.conntrack),
+            (map_name::AFFINITY, sizes.affinity),
         ];
         for (name, size) in wanted {
             loader.map_max_entries(name, size);

@@ -99,10 +99,22 @@ fn distinct_servers(answers: &[Answer]) -> BTreeSet<&str> {
 
 /// sessionAffinity ClientIP: every new connection of a client goes to one endpoint; switched off
 /// on the live service, they spread again; switched back on with a 1 s timeout, they stick, and
-/// after more than the timeout idle a client may land elsewhere.
+/// after more than the timeout idle a client may land elsewhere. The affinity map has the size
+/// `--affinity-max` asks for.
 #[test]
 fn session_affinity_client_ip() -> Result<()> {
-    let mut node = Node::start(4, &[], &[])?;
+    let mut node = Node::start(4, &[], &["--affinity-max", "4096"])?;
+    // The agent's bpffs, seen through its own mount namespace.
+    let pin = format!(
+        "/proc/{}/root/sys/fs/bpf/lb/{}",
+        node.agent.pid(),
+        lb_common::map_name::AFFINITY
+    );
+    let size = aya::maps::MapData::from_pin(&pin)
+        .and_then(|map| map.info())
+        .with_context(|| pin.clone())?
+        .max_entries();
+    ensure!(size == 4096, "{pin}: {size} entries");
     let pods = ["pod-b", "pod-c", "pod-d"];
     let affine = |n: &Node, timeout| n.service(Proto::Tcp, &pods).session_affinity(timeout);
     node.agent
