@@ -107,7 +107,7 @@ impl Deployment {
         let topology = BenchTopology::new()?;
         if variant == Variant::Xdp {
             // XDP frames enter a veth only where its receiving end runs NAPI, which GRO turns on:
-            // the CNI's part, which the agent is told of with --xdp-redirect-pods.
+            // the CNI's part; the agent sees it in the veths' XDP features.
             for pod in &topology.inner.pods {
                 pod.ns.exec("ethtool", &["-K", "eth0", "gro", "on"])?;
             }
@@ -186,7 +186,7 @@ impl Deployment {
                         let start = Instant::now();
                         let mut args = vec!["--bpffs", self.bpffs.to_str().expect("utf-8 path")];
                         if self.variant == Variant::Xdp {
-                            args.extend(["--xdp", "--xdp-redirect-pods"]);
+                            args.push("--xdp");
                         }
                         args.extend(self.agent_args.iter().map(String::as_str));
                         self.agent = Some(

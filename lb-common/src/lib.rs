@@ -70,8 +70,8 @@ pub mod default_size {
     pub const ROUND_ROBIN: u32 = 65_536;
     /// Allowed source prefixes: one per (service port, loadBalancerSourceRanges entry).
     pub const SOURCE_RANGES: u32 = 65_536;
-    /// Interfaces `lb_xdp` may redirect into: the external ones, and the pod ones with
-    /// `--xdp-redirect-pods`.
+    /// Interfaces `lb_xdp` may redirect into: those the agent serves whose XDP features take
+    /// redirects.
     pub const XDP_EGRESS: u32 = 16_384;
     /// Socket reverse translations: one per (node socket, backend it was sent to).
     pub const SOCK_REVNAT: u32 = 65_536;

@@ -29,6 +29,7 @@ use lb_user::nodeport::NodePortAllocator;
 use lb_user::reconcile::{Reconciler, SyncReport};
 use lb_user::service_health::{self, ServiceHealth};
 use lb_user::udp_flush::{self, UdpEndpoint};
+use lb_user::xdp_targets::XdpTargets;
 use notify::Watcher as _;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::mpsc;
@@ -154,9 +155,9 @@ pub async fn run(args: AgentArgs) -> Result<()> {
         info!(cgroup = %args.cgroup.display(), "socket hooks attached");
         Some(hooks)
     };
-    let mut hooks = Hooks::new(&args, &mut state.datapath)?;
+    let mut hooks = Hooks::new(&args, &mut state.datapath).await?;
     for (index, name) in links.list().await? {
-        hooks.add(&mut state.datapath, index, &name)?;
+        hooks.add(&mut state.datapath, index, &name).await?;
     }
     hooks.check_started(&args)?;
     let mut links_open = true;
@@ -179,9 +180,12 @@ pub async fn run(args: AgentArgs) -> Result<()> {
             () = async { tokio::time::sleep_until(deadline.expect("guarded")).await }, if deadline.is_some() => {
                 state.sync(&mut source, &mut coalescer);
             }
+            (index, accepts) = hooks.next_xdp_target() => {
+                hooks.xdp_target_changed(&mut state.datapath, index, accepts)?;
+            }
             event = links.next(), if links_open => match event {
                 Some(LinkEvent::Present(index, name)) => {
-                    hooks.add(&mut state.datapath, index, &name)?;
+                    hooks.add(&mut state.datapath, index, &name).await?;
                 }
                 Some(LinkEvent::Gone(index)) => hooks.remove(&mut state.datapath, index)?,
                 Some(LinkEvent::Addresses) => {
@@ -199,7 +203,7 @@ pub async fn run(args: AgentArgs) -> Result<()> {
                         hooks.remove(&mut state.datapath, index)?;
                     }
                     for (index, name) in present {
-                        hooks.add(&mut state.datapath, index, &name)?;
+                        hooks.add(&mut state.datapath, index, &name).await?;
                     }
                 }
                 None => {
@@ -228,16 +232,29 @@ pub async fn run(args: AgentArgs) -> Result<()> {
 struct Hooks {
     tc: Attachments<SchedClassifier>,
     tc_filter: InterfaceFilter,
-    xdp: Option<(Attachments<Xdp>, InterfaceFilter)>,
-    xdp_redirect_pods: bool,
+    xdp: Option<XdpHooks>,
+}
+
+/// With `--xdp`: `lb_xdp` on the external interface, and which of the interfaces `lb_ingress`
+/// serves it may redirect into (listed in `LB_XDP_EGRESS_V1`): those whose XDP features say
+/// they take redirects, followed as they change.
+struct XdpHooks {
+    attachments: Attachments<Xdp>,
+    external: InterfaceFilter,
+    targets: XdpTargets,
+    candidates: BTreeSet<u32>,
 }
 
 impl Hooks {
-    fn new(args: &AgentArgs, datapath: &mut Datapath) -> Result<Self> {
+    async fn new(args: &AgentArgs, datapath: &mut Datapath) -> Result<Self> {
         let xdp = if args.xdp {
             datapath.load_xdp()?;
-            let external = InterfaceFilter::new(&args.external_interface, &[])?;
-            Some((Attachments::default(), external))
+            Some(XdpHooks {
+                attachments: Attachments::default(),
+                external: InterfaceFilter::new(&args.external_interface, &[])?,
+                targets: XdpTargets::start().await?,
+                candidates: BTreeSet::new(),
+            })
         } else {
             None
         };
@@ -245,21 +262,30 @@ impl Hooks {
             tc: Attachments::default(),
             tc_filter: InterfaceFilter::new(&args.external_interface, &args.pod_interfaces)?,
             xdp,
-            xdp_redirect_pods: args.xdp_redirect_pods,
         })
     }
 
     /// Attaches what interface `index` named `name` gets. Only an XDP attach failure is an
     /// error: the external interface's driver cannot run XDP natively.
-    fn add(&mut self, datapath: &mut Datapath, index: u32, name: &str) -> Result<()> {
+    async fn add(&mut self, datapath: &mut Datapath, index: u32, name: &str) -> Result<()> {
         self.tc
             .add(datapath.ingress()?, &self.tc_filter, index, name);
-        if let Some((xdp, external)) = &mut self.xdp {
-            xdp.try_add(datapath.xdp()?, external, index, name)
+        if let Some(xdp) = &mut self.xdp {
+            xdp.attachments
+                .try_add(datapath.xdp()?, &xdp.external, index, name)
                 .with_context(|| format!("--xdp: attaching lb_xdp in native mode to {name}"))?;
-            let pod = self.xdp_redirect_pods && self.tc_filter.matches(name);
-            if external.matches(name) || pod {
-                datapath.set_xdp_egress(index, true)?;
+            if self.tc_filter.matches(name) {
+                xdp.candidates.insert(index);
+                let accepts = xdp
+                    .targets
+                    .accepts_redirects(index)
+                    .await
+                    .unwrap_or_else(|err| {
+                        warn!(interface = name, error = %error_chain(&err), "XDP features unknown: no XDP redirects into it");
+                        false
+                    });
+                info!(interface = name, accepts, "XDP redirect target");
+                datapath.set_xdp_egress(index, accepts)?;
             }
         }
         Ok(())
@@ -267,18 +293,52 @@ impl Hooks {
 
     fn remove(&mut self, datapath: &mut Datapath, index: u32) -> Result<()> {
         self.tc.remove(datapath.ingress()?, index);
-        if let Some((xdp, _)) = &mut self.xdp {
-            xdp.remove(datapath.xdp()?, index);
+        if let Some(xdp) = &mut self.xdp {
+            xdp.attachments.remove(datapath.xdp()?, index);
+            xdp.candidates.remove(&index);
             datapath.set_xdp_egress(index, false)?;
+        }
+        Ok(())
+    }
+
+    /// The next change of an interface's XDP features; pending forever without `--xdp` or once
+    /// the netlink socket is gone.
+    async fn next_xdp_target(&mut self) -> (u32, bool) {
+        match &mut self.xdp {
+            Some(xdp) => match xdp.targets.next().await {
+                Some(change) => change,
+                None => {
+                    error!(
+                        "netdev netlink connection closed: XDP redirect targets no longer follow changes"
+                    );
+                    std::future::pending().await
+                }
+            },
+            None => std::future::pending().await,
+        }
+    }
+
+    /// Interface `index` takes XDP redirects or no longer does.
+    fn xdp_target_changed(
+        &mut self,
+        datapath: &mut Datapath,
+        index: u32,
+        accepts: bool,
+    ) -> Result<()> {
+        if let Some(xdp) = &self.xdp
+            && xdp.candidates.contains(&index)
+        {
+            info!(index, accepts, "XDP redirect target changed");
+            datapath.set_xdp_egress(index, accepts)?;
         }
         Ok(())
     }
 
     /// After the interfaces present at start are attached.
     fn check_started(&self, args: &AgentArgs) -> Result<()> {
-        if let Some((xdp, _)) = &self.xdp {
+        if let Some(xdp) = &self.xdp {
             anyhow::ensure!(
-                !xdp.is_empty(),
+                !xdp.attachments.is_empty(),
                 "--xdp: no interface {} to attach lb_xdp to",
                 args.external_interface
             );
@@ -288,15 +348,15 @@ impl Hooks {
         }
         info!(
             interfaces = self.tc.len(),
-            xdp = self.xdp.as_ref().map_or(0, |(xdp, _)| xdp.len()),
+            xdp = self.xdp.as_ref().map_or(0, |xdp| xdp.attachments.len()),
             "attached to the existing interfaces"
         );
         Ok(())
     }
 
     fn detach_all(&mut self, datapath: &mut Datapath) -> Result<()> {
-        if let Some((xdp, _)) = &mut self.xdp {
-            xdp.detach_all(datapath.xdp()?);
+        if let Some(xdp) = &mut self.xdp {
+            xdp.attachments.detach_all(datapath.xdp()?);
         }
         self.tc.detach_all(datapath.ingress()?);
         Ok(())

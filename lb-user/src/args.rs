@@ -59,15 +59,11 @@ pub struct AgentArgs {
     pub external_interface: String,
     /// Also attach the XDP fast path to the external interface, in native (driver) mode: external
     /// service traffic is translated and forwarded before the kernel builds an skb. tc stays
-    /// attached for what XDP passes on. Fails if the driver has no native XDP.
+    /// attached for what XDP passes on. Fails if the driver has no native XDP. lb_xdp redirects
+    /// only into interfaces whose XDP features take redirects (a veth: while its pod-side end
+    /// has GRO or an XDP program on), and leaves the rest to tc.
     #[arg(long)]
     pub xdp: bool,
-    /// With --xdp, also redirect into the pod interfaces. The kernel takes XDP frames into a
-    /// veth only when its pod-side end has GRO or an XDP program on (the CNI's setup) and drops
-    /// them otherwise; without this flag, lb_xdp redirects only out of the external interface
-    /// and leaves traffic to local pods to tc.
-    #[arg(long, requires = "xdp")]
-    pub xdp_redirect_pods: bool,
     /// Pod-side interfaces (shell globs, comma-separated), also those created later.
     #[arg(
         long,

@@ -18,6 +18,7 @@ pub mod pins;
 pub mod reconcile;
 pub mod service_health;
 pub mod udp_flush;
+pub mod xdp_targets;
 
 /// `error: cause: cause`: aya's errors keep the OS error in their source, not their message.
 pub fn error_chain(err: &dyn std::error::Error) -> String {

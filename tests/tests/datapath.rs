@@ -390,7 +390,7 @@ impl Datapath {
     }
 
     /// Lets `lb_xdp` redirect into interface `name` of this namespace, as the agent does for
-    /// the external interface (and pod ones with --xdp-redirect-pods).
+    /// the interfaces whose XDP features take redirects.
     fn allow_xdp_egress(&mut self, name: &str, allowed: bool) {
         let ifindex = nix::net::if_::if_nametoindex(name).unwrap();
         let mut egress: HashMap<_, u32, u8> = self.map(map_name::XDP_EGRESS);

@@ -15,19 +15,16 @@ const NODE_PORT: u16 = 30080;
 const REQUESTS: u64 = 30;
 
 /// The client reaches pod-b / pod-c through node:nodePort, masqueraded (checked by
-/// `check_external_to_node_port`). With `--xdp-redirect-pods` the client's packets were
-/// redirected by XDP: all but the first to each backend, whose MAC the node has not resolved
-/// yet (those XDP passes to tc). Without it XDP passes every one to tc, which still serves them.
+/// `check_external_to_node_port`). With GRO on in the pods, turned on after the agent started,
+/// the client's packets were redirected by XDP: all but the first to each backend, whose MAC the
+/// node has not resolved yet (those XDP passes to tc). With it off, XDP passes every one to tc,
+/// which still serves them.
 fn external_to_node_port_via_xdp(proto: Proto, redirect_pods: bool) -> Result<()> {
-    let args: &[&str] = if redirect_pods {
-        &["--xdp", "--xdp-redirect-pods"]
-    } else {
-        &["--xdp"]
-    };
-    let mut node = Node::start(3, &[], args)?;
+    let mut node = Node::start(3, &[], &["--xdp"])?;
     // XDP_REDIRECT into a veth needs NAPI on its peer, here the pods' eth0: GRO on turns it on
-    // (veth_xdp_xmit; the node's CNI setup's part, see the README). Left off, a redirected
-    // frame would be dropped.
+    // (veth_xdp_xmit; the node's CNI setup's part, see the README) and gives the node's end the
+    // NDO_XMIT XDP feature, whose change notification the agent follows. Left off, a redirected
+    // frame would be dropped, so the agent does not list those veths.
     if redirect_pods {
         for pod in &node.topology.pods {
             pod.ns.exec("ethtool", &["-K", "eth0", "gro", "on"])?;
