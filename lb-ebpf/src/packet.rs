@@ -163,7 +163,7 @@ impl PacketAccess for XdpContext {
 
 /// RFC 1624 eqn. 3, HC' = ~(~HC + ~m + m'), over the changed field's 16-bit words. Ones'
 /// complement sums do not depend on byte order, so the words are used as loaded.
-fn updated(check: u16, change: Change) -> u16 {
+pub fn updated(check: u16, change: Change) -> u16 {
     let Change { old, new, size } = change;
     let mut sum = u32::from(!check) + (!old & 0xffff) + (new & 0xffff);
     if size == 4 {
