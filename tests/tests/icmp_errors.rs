@@ -1,7 +1,8 @@
 //! ICMP errors about service traffic reach the client reverse-translated, through a real node
 //! namespace with real sockets: a backend's port unreachable fails the client's connected UDP
 //! socket at once, and a router's fragmentation needed lets TCP's path MTU discovery finish a
-//! transfer through a service whose backend sits behind a link of a lower MTU. Without the
+//! transfer through a service whose backend sits behind a link of a lower MTU, and a router's
+//! time exceeded (traceroute) reaches the client as about the service. Without the
 //! translation the client's kernel cannot match either error to its socket (it quotes the
 //! backend's address, not the service's): the datagram's answer never comes, and the transfer
 //! stalls in a black hole.
@@ -24,6 +25,10 @@ use lb_tests::{
     netns::{Netns, unique_prefix},
     node::{CLUSTER_IP, Node, PORT, TARGET_PORT, serve_pods},
     topology::{NODE_IP, Topology},
+};
+use nix::{
+    errno::Errno,
+    sys::socket::{setsockopt, sockopt},
 };
 
 const NODE_PORT: u16 = 30080;
@@ -325,5 +330,58 @@ fn path_mtu_discovery_through_a_service() -> Result<()> {
     }
     let translated = counter(&topology.node, COUNTER)?;
     ensure!(translated >= cases.len() as u64, "{COUNTER}: {translated}");
+    Ok(())
+}
+
+/// Sends one datagram with TTL `ttl` from `ns` on a socket connected to `to`, with IP_RECVERR
+/// (without it Linux reports only hard errors to a UDP socket, and time exceeded is not one),
+/// and returns the errno the socket got and when; an error if nothing came back.
+fn udp_with_ttl(ns: &Netns, to: SocketAddr, ttl: u32) -> Result<(i32, Duration)> {
+    ns.run(move || -> Result<(i32, Duration)> {
+        let socket = UdpSocket::bind("0.0.0.0:0")?;
+        socket.connect(to)?;
+        socket.set_ttl(ttl)?;
+        setsockopt(&socket, sockopt::Ipv4RecvErr, &true)?;
+        socket.set_read_timeout(Some(ANSWER_WAIT))?;
+        let start = Instant::now();
+        socket.send(b"hello\n")?;
+        let mut buf = [0u8; 512];
+        match socket.recv(&mut buf) {
+            Ok(_) => bail!("UDP answer from {to}"),
+            Err(e) => {
+                let errno = e.raw_os_error().with_context(|| format!("{e}"))?;
+                Ok((errno, start.elapsed()))
+            }
+        }
+    })?
+}
+
+/// traceroute through a service: a datagram whose TTL runs out at the router behind the node
+/// (TTL 2: the node forwards it with TTL 1) gets the router's time exceeded back, translated, as
+/// EHOSTUNREACH on the client's socket; from a pod to the ClusterIP and from an external client
+/// to the NodePort (masqueraded: the router answers the node address).
+#[test]
+fn time_exceeded_beyond_the_node_reaches_the_client() -> Result<()> {
+    let topology = Topology::new(1)?;
+    let _remote = RemoteBackend::new(&topology.node)?;
+    let service = ServiceManifest::new("trace", CLUSTER_IP, Proto::Udp, PORT, TARGET_PORT)
+        .node_port(NODE_PORT)
+        .endpoints([REMOTE_BACKEND_IP]);
+    let _agent = Agent::start(&topology, &yaml(&[service]), &[])?;
+    let cases = [
+        ("pod-a", &topology.pod("pod-a").ns, CLUSTER_IP, PORT),
+        ("external client", &topology.client, NODE_IP, NODE_PORT),
+    ];
+    for (client, ns, addr, port) in cases {
+        let (errno, took) =
+            udp_with_ttl(ns, (addr, port).into(), 2).with_context(|| client.to_string())?;
+        ensure!(
+            errno == Errno::EHOSTUNREACH as i32 && took < FAST,
+            "{client}: {} after {took:?}, expected a fast EHOSTUNREACH",
+            Errno::from_raw(errno)
+        );
+    }
+    let translated = counter(&topology.node, COUNTER)?;
+    ensure!(translated == cases.len() as u64, "{COUNTER}: {translated}");
     Ok(())
 }
