@@ -3,7 +3,7 @@
 //! socket at once, and a router's fragmentation needed lets TCP's path MTU discovery finish a
 //! transfer through a service whose backend sits behind a link of a lower MTU, and a router's
 //! time exceeded (traceroute) reaches the client as about the service. Without the
-//! translation the client's kernel cannot match either error to its socket (it quotes the
+//! translation the client's kernel cannot match any of them to its socket (it quotes the
 //! backend's address, not the service's): the datagram's answer never comes, and the transfer
 //! stalls in a black hole.
 use std::{
