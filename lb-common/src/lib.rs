@@ -14,7 +14,7 @@ pub mod map_name {
     pub const BACKENDS: &str = "LB_BACKEND_V1";
     pub const CONNTRACK: &str = "LB_CT_V1";
     pub const CONFIG: &str = "LB_CONFIG_V2";
-    pub const COUNTERS: &str = "LB_COUNTER_V4";
+    pub const COUNTERS: &str = "LB_COUNTER_V5";
     pub const AFFINITY: &str = "LB_AFFINITY_V1";
     pub const ROUND_ROBIN: &str = "LB_RR_V1";
     pub const SOURCE_RANGES: &str = "LB_SOURCE_RANGE_V1";
@@ -439,14 +439,17 @@ pub enum Counter {
     /// XDP translated a packet and redirected it (counted with NewConnection or Translated).
     XdpForwarded,
     /// XDP left a packet untouched to the stack, where tc handles and counts it: not service
-    /// traffic, one tc must answer (REJECT, TTL 1), one whose next hop's MAC is unresolved, or
-    /// one whose egress interface is not in `XDP_EGRESS`.
+    /// traffic, one tc must answer (REJECT, TTL 1, ICMP), one whose next hop's MAC is unresolved,
+    /// or one whose egress interface is not in `XDP_EGRESS`.
     /// Such a packet of a new connection counts NewConnection in XDP, then Translated in tc.
     XdpPassed,
+    /// An ICMP error about a tracked connection was reverse-translated (outer and quoted
+    /// headers) and forwarded (tc only).
+    IcmpErrorTranslated,
 }
 
 impl Counter {
-    pub const COUNT: u32 = 15;
+    pub const COUNT: u32 = 16;
     pub const ALL: [Counter; Self::COUNT as usize] = [
         Counter::NewConnection,
         Counter::Masqueraded,
@@ -463,6 +466,7 @@ impl Counter {
         Counter::DropSourceRange,
         Counter::XdpForwarded,
         Counter::XdpPassed,
+        Counter::IcmpErrorTranslated,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -482,6 +486,7 @@ impl Counter {
             Counter::DropSourceRange => "drop_source_range",
             Counter::XdpForwarded => "xdp_forwarded",
             Counter::XdpPassed => "xdp_passed",
+            Counter::IcmpErrorTranslated => "icmp_error_translated",
         }
     }
 }

@@ -38,6 +38,19 @@ pub fn lookup(packet: &Packet, now: u64) -> Option<ConntrackKey> {
     Some(to)
 }
 
+/// What the packet quoted by an ICMP error (`quoted`, as it was when it failed) becomes,
+/// reverse-translated; `None` when it is not of a live connection. The error travels as the
+/// quoted packet's reply would, so it is looked up as that reply arrives: by the quote turned
+/// around. Neither entry is refreshed, as Linux's conntrack leaves a connection alone for the
+/// errors related to it.
+pub fn related(quoted: &ConntrackKey, now: u64) -> Option<ConntrackKey> {
+    let entry = maps::conntrack(&reversed(quoted))?;
+    if expired(entry, quoted.proto, now) {
+        return None;
+    }
+    Some(reversed(&rewrite_of(entry, quoted.proto)))
+}
+
 fn expired(entry: &ConntrackEntry, proto: u8, now: u64) -> bool {
     // Saturating: another CPU may have stored a later timestamp than our `now`.
     now.saturating_sub(entry.last_seen_ns) > conntrack_timeout_ns(proto, entry.state)

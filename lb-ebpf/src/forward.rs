@@ -58,7 +58,7 @@ pub fn next_hop<P: PacketAccess>(ctx: &P, packet: &Packet, to: &ConntrackKey) ->
     fib.l4_protocol = to.proto;
     fib.sport = to.src_port;
     fib.dport = to.dst_port;
-    fib.__bindgen_anon_1.tot_len = packet.tot_len;
+    fib.__bindgen_anon_1.tot_len = ctx.fib_tot_len(packet.tot_len);
     fib.__bindgen_anon_2.tos = packet.tos;
     fib.__bindgen_anon_3.ipv4_src = to.src_addr;
     fib.__bindgen_anon_4.ipv4_dst = to.dst_addr;

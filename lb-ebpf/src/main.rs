@@ -1,15 +1,16 @@
 //! The datapath: `lb_ingress`, a tc classifier at the ingress of every interface where traffic
 //! enters the node, and `lb_xdp`, its fast path on the external interface. Service traffic is
-//! translated in both directions and forwarded to its egress interface; everything else passes
-//! untouched. Both run the same translation core (translate.rs) over their own packet access
-//! (packet.rs). The node's own sockets are translated at connect and send time by the cgroup
-//! socket hooks (`sock`).
+//! translated in both directions and forwarded to its egress interface, as are ICMP errors about
+//! it (reverse-translated by tc only); everything else passes untouched. Both run the same
+//! translation core (translate.rs) over their own packet access (packet.rs). The node's own
+//! sockets are translated at connect and send time by the cgroup socket hooks (`sock`).
 #![no_std]
 #![no_main]
 
 mod affinity;
 mod conntrack;
 mod forward;
+mod icmp;
 mod maps;
 mod masquerade;
 mod nat;
@@ -56,6 +57,11 @@ fn try_ingress(ctx: &TcContext) -> Result<i32, Counter> {
         Translation::Reject(packet) => {
             maps::count(Counter::Rejected);
             reject::port_unreachable(ctx, &packet)
+        }
+        Translation::Icmp(packet) => {
+            let to = icmp::reverse_error(ctx, &packet)?;
+            maps::count(Counter::IcmpErrorTranslated);
+            forward::forward_tc(ctx, &packet, &to)
         }
     }
 }
@@ -118,6 +124,8 @@ fn try_xdp(ctx: &XdpContext) -> Result<u32, Counter> {
         }
         // The ICMP error is built by tc, which can resize the packet's skb.
         Translation::Reject(_) => Err(Counter::XdpPassed),
+        // ICMP errors are few: tc reverse-translates them, XDP has no fast path for them.
+        Translation::Icmp(_) => Err(Counter::XdpPassed),
     }
 }
 

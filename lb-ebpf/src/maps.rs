@@ -46,7 +46,7 @@ static SOCK_BACKEND: LruHashMap<SockBackendKey, StickyBackend> =
 #[map(name = "LB_CONFIG_V2")]
 static CONFIG: Array<Config> = Array::with_max_entries(1, 0);
 
-#[map(name = "LB_COUNTER_V4")]
+#[map(name = "LB_COUNTER_V5")]
 static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(Counter::COUNT, 0);
 
 /// The value is unused: a key's presence allows its prefix.

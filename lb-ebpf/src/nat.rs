@@ -12,8 +12,8 @@ use crate::{
 };
 
 pub const IP_CHECK_OFFSET: usize = ETH_HLEN + 10;
-const IP_SRC_OFFSET: usize = ETH_HLEN + 12;
-const IP_DST_OFFSET: usize = ETH_HLEN + 16;
+pub const IP_SRC_OFFSET: usize = ETH_HLEN + 12;
+pub const IP_DST_OFFSET: usize = ETH_HLEN + 16;
 const TCP_CHECK_OFFSET: usize = 16;
 const UDP_CHECK_OFFSET: usize = 6;
 

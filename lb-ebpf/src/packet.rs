@@ -51,6 +51,9 @@ pub trait PacketAccess: EbpfContext {
     ) -> Result<(), c_long>;
     /// The interface the packet arrived on.
     fn ingress_ifindex(&self) -> u32;
+    /// The length `bpf_fib_lookup` checks against the egress MTU for a packet whose IPv4 total
+    /// length is `tot_len`; 0 makes the kernel check the packet itself.
+    fn fib_tot_len(&self, tot_len: u16) -> u16;
 }
 
 impl PacketAccess for TcContext {
@@ -91,6 +94,13 @@ impl PacketAccess for TcContext {
     fn ingress_ifindex(&self) -> u32 {
         // SAFETY: the context pointer is the kernel's __sk_buff for this run, readable throughout.
         unsafe { (*self.skb.skb).ingress_ifindex }
+    }
+
+    fn fib_tot_len(&self, _tot_len: u16) -> u16 {
+        // The skb knows better than its IPv4 header: a GSO packet (an aggregate of a TSO sender
+        // or GRO) is segmented on egress, yet its length says up to 64 KiB; by that the FIB
+        // would refuse it, and the stack drop it if masqueraded (a martian source).
+        0
     }
 }
 
@@ -159,11 +169,15 @@ impl PacketAccess for XdpContext {
     fn ingress_ifindex(&self) -> u32 {
         XdpContext::ingress_ifindex(self) as u32
     }
+
+    fn fib_tot_len(&self, tot_len: u16) -> u16 {
+        tot_len
+    }
 }
 
 /// RFC 1624 eqn. 3, HC' = ~(~HC + ~m + m'), over the changed field's 16-bit words. Ones'
 /// complement sums do not depend on byte order, so the words are used as loaded.
-fn updated(check: u16, change: Change) -> u16 {
+pub fn updated(check: u16, change: Change) -> u16 {
     let Change { old, new, size } = change;
     let mut sum = u32::from(!check) + (!old & 0xffff) + (new & 0xffff);
     if size == 4 {

@@ -1,16 +1,20 @@
-//! Ethernet + IPv4 + TCP/UDP headers → the 5-tuple and the offsets the rewrite needs.
-use lb_common::{ConntrackKey, Counter, IPPROTO_TCP, IPPROTO_UDP};
+//! Ethernet + IPv4 + TCP/UDP headers → the 5-tuple and the offsets the rewrite needs; an ICMP
+//! message's IPv4 header, for the error translation (icmp.rs).
+use lb_common::{ConntrackKey, Counter, IPPROTO_ICMP, IPPROTO_TCP, IPPROTO_UDP};
 
 use crate::packet::PacketAccess;
 
 pub const ETH_HLEN: usize = 14;
 const ETH_TYPE_OFFSET: usize = 12;
 const ETH_P_IP: u16 = 0x0800;
-const IPV4_MIN_HLEN: usize = 20;
+pub const IPV4_MIN_HLEN: usize = 20;
 /// More-fragments flag and fragment offset; either set means this is a fragment.
 const IP_MF_AND_OFFSET: u16 = 0x3fff;
+/// The fragment offset alone: zero in the first fragment, which carries the ports.
+const IP_OFFSET: u16 = 0x1fff;
 const TCP_MIN_HLEN: usize = 20;
 const UDP_HLEN: usize = 8;
+const ICMP_HLEN: usize = 8;
 const TCP_FLAGS_OFFSET: usize = 13;
 
 pub const TCP_FIN: u8 = 0x01;
@@ -19,32 +23,46 @@ pub const TCP_RST: u8 = 0x04;
 /// The fixed part of an IPv4 header, fields in network order.
 #[repr(C)]
 #[derive(Clone, Copy)]
-struct Ipv4Header {
+pub struct Ipv4Header {
     version_ihl: u8,
     tos: u8,
     tot_len: u16,
     _id: u16,
     frag_off: u16,
     ttl: u8,
-    proto: u8,
-    _check: u16,
-    src_addr: u32,
-    dst_addr: u32,
+    pub proto: u8,
+    pub check: u16,
+    pub src_addr: u32,
+    pub dst_addr: u32,
+}
+
+impl Ipv4Header {
+    /// IHL * 4.
+    pub fn header_len(&self) -> usize {
+        usize::from(self.version_ihl & 0x0f) * 4
+    }
+
+    /// IPv4, a header length of at least 20, and the first (or only) fragment.
+    pub fn carries_ports(&self) -> bool {
+        self.version_ihl >> 4 == 4
+            && self.header_len() >= IPV4_MIN_HLEN
+            && u16::from_be(self.frag_off) & IP_OFFSET == 0
+    }
 }
 
 /// Source and destination port, the first four bytes of both TCP and UDP.
 #[repr(C)]
 #[derive(Clone, Copy)]
-struct Ports {
-    src: u16,
-    dst: u16,
+pub struct Ports {
+    pub src: u16,
+    pub dst: u16,
 }
 
-/// A parsed IPv4 TCP/UDP packet.
+/// A parsed IPv4 TCP/UDP packet, or an ICMP message (`tuple.proto` `IPPROTO_ICMP`, ports 0).
 pub struct Packet {
     /// As the packet arrived: the conntrack key of its direction.
     pub tuple: ConntrackKey,
-    /// Offset of the TCP/UDP header (Ethernet + IHL * 4).
+    /// Offset of the TCP/UDP (or ICMP) header (Ethernet + IHL * 4).
     pub l4: usize,
     /// TCP flags byte (0 for UDP).
     pub tcp_flags: u8,
@@ -54,8 +72,8 @@ pub struct Packet {
     pub tot_len: u16,
 }
 
-/// `Err(Passed)` for traffic that is not IPv4 TCP/UDP, `Err(PassedUnparsed)` for fragments and
-/// truncated or inconsistent headers.
+/// `Err(Passed)` for traffic that is not IPv4 TCP/UDP/ICMP, `Err(PassedUnparsed)` for fragments
+/// and truncated or inconsistent headers.
 pub fn packet<P: PacketAccess>(ctx: &P) -> Result<Packet, Counter> {
     let ether_type: u16 = ctx
         .load(ETH_TYPE_OFFSET)
@@ -64,7 +82,7 @@ pub fn packet<P: PacketAccess>(ctx: &P) -> Result<Packet, Counter> {
         return Err(Counter::Passed);
     }
     let ip: Ipv4Header = ctx.load(ETH_HLEN).map_err(|_| Counter::PassedUnparsed)?;
-    let header_len = usize::from(ip.version_ihl & 0x0f) * 4;
+    let header_len = ip.header_len();
     let tot_len = usize::from(u16::from_be(ip.tot_len));
     let available = ctx.len().saturating_sub(ETH_HLEN);
     if ip.version_ihl >> 4 != 4
@@ -81,13 +99,18 @@ pub fn packet<P: PacketAccess>(ctx: &P) -> Result<Packet, Counter> {
     let min_l4_len = match ip.proto {
         IPPROTO_TCP => TCP_MIN_HLEN,
         IPPROTO_UDP => UDP_HLEN,
+        IPPROTO_ICMP => ICMP_HLEN,
         _ => return Err(Counter::Passed),
     };
     if tot_len - header_len < min_l4_len {
         return Err(Counter::PassedUnparsed);
     }
     let l4 = ETH_HLEN + header_len;
-    let ports: Ports = ctx.load(l4).map_err(|_| Counter::PassedUnparsed)?;
+    let ports = if ip.proto == IPPROTO_ICMP {
+        Ports { src: 0, dst: 0 }
+    } else {
+        ctx.load(l4).map_err(|_| Counter::PassedUnparsed)?
+    };
     let tcp_flags = if ip.proto == IPPROTO_TCP {
         ctx.load(l4 + TCP_FLAGS_OFFSET)
             .map_err(|_| Counter::PassedUnparsed)?

@@ -1,7 +1,8 @@
 //! The translation core shared by `lb_ingress` (tc) and `lb_xdp`: parse, conntrack lookup, and
 //! for a new connection the frontend, its endpoint list, backend selection and tracking. What
-//! the packet becomes is decided here; rewriting and sending it is the programs' part.
-use lb_common::{CONFIG_F_READY, Config, ConntrackKey, Counter, Frontend};
+//! the packet becomes is decided here; rewriting and sending it is the programs' part. ICMP is
+//! only told apart here: its errors are tc's (icmp.rs).
+use lb_common::{CONFIG_F_READY, Config, ConntrackKey, Counter, Frontend, IPPROTO_ICMP};
 
 use crate::{
     conntrack::{self, Connection},
@@ -16,6 +17,8 @@ pub enum Translation {
     To { packet: Packet, to: ConntrackKey },
     /// A new connection to a service without endpoints: kube-proxy answers it with REJECT.
     Reject(Packet),
+    /// An ICMP message: an error about a tracked connection is reverse-translated (icmp.rs).
+    Icmp(Packet),
 }
 
 /// `Err` carries the counter of why the packet is not translated.
@@ -31,6 +34,9 @@ pub fn translation<P: PacketAccess>(ctx: &P) -> Result<Translation, Counter> {
     // used, so it must see the packet untranslated.
     if packet.ttl <= 1 {
         return Err(Counter::Passed);
+    }
+    if packet.tuple.proto == IPPROTO_ICMP {
+        return Ok(Translation::Icmp(packet));
     }
     let now = maps::now_ns();
     if let Some(to) = conntrack::lookup(&packet, now) {

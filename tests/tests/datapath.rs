@@ -1543,3 +1543,379 @@ fn verifier_cost_is_bounded() {
         );
     }
 }
+
+/// An ICMP error from `from` to `to` (type and code `kind`, bytes 4..8 `rest`) quoting the first
+/// `quote_len` bytes (all when `None`) of the IP packet in the frame `quoted`.
+fn icmp_error(
+    from: Ipv4Addr,
+    to: Ipv4Addr,
+    kind: [u8; 2],
+    rest: [u8; 4],
+    quoted: &[u8],
+    quote_len: Option<usize>,
+) -> Vec<u8> {
+    let quote = &quoted[ETH_HLEN..];
+    let quote = &quote[..quote_len.unwrap_or(quote.len())];
+    let mut bytes = Vec::new();
+    PacketBuilder::ethernet2(MAC_SRC, MAC_DST)
+        .ipv4(from.octets(), to.octets(), 64)
+        .icmpv4_raw(kind[0], kind[1], rest)
+        .write(&mut bytes, quote)
+        .unwrap();
+    bytes
+}
+
+const FRAG_NEEDED: [u8; 2] = [3, 4];
+const PORT_UNREACHABLE: [u8; 2] = [3, 3];
+const TTL_EXCEEDED: [u8; 2] = [11, 0];
+/// Frag-needed's next-hop MTU (1400) in bytes 6..8.
+const MTU_1400: [u8; 4] = [0, 0, 0x05, 0x78];
+
+/// An ICMP error that came out of the program, checked: same length; MACs kept unless
+/// redirected; outer IPv4 checksum valid, TTL decremented only when redirected, other fields
+/// kept; ICMP checksum valid over the whole message, type, code and bytes 4..8 kept; the quoted
+/// IPv4 header's checksum valid and only its addresses changed; the quoted TCP/UDP header's
+/// bytes past the ports kept but its checksum, which, when the whole segment is quoted, is
+/// valid for the new addresses (a UDP checksum of zero stays zero).
+/// Returns (outer source, outer destination, quoted source, quoted destination).
+fn verify_icmp_error(
+    input: &[u8],
+    verdict: u32,
+    output: &[u8],
+) -> (Ipv4Addr, Ipv4Addr, SocketAddrV4, SocketAddrV4) {
+    assert!(
+        verdict == TC_ACT_OK || verdict == TC_ACT_REDIRECT,
+        "verdict {verdict}"
+    );
+    let redirected = verdict == TC_ACT_REDIRECT;
+    assert_eq!(output.len(), input.len());
+    if !redirected {
+        assert_eq!(output[..ETH_HLEN], input[..ETH_HLEN], "MACs");
+    }
+    let (ip_in, icmp_in) = Ipv4Header::from_slice(&input[ETH_HLEN..]).unwrap();
+    let (ip, icmp) = Ipv4Header::from_slice(&output[ETH_HLEN..]).unwrap();
+    assert_eq!(
+        ip.calc_header_checksum(),
+        ip.header_checksum,
+        "outer IPv4 checksum"
+    );
+    let ttl = ip_in.time_to_live - u8::from(redirected);
+    let kept = |ip: &Ipv4Header| {
+        (
+            ip.total_len,
+            ip.protocol,
+            ip.identification,
+            ip.dont_fragment,
+        )
+    };
+    assert_eq!((ip.time_to_live, kept(&ip)), (ttl, kept(&ip_in)));
+    assert!(checksum_ok(icmp), "ICMP checksum");
+    assert_eq!(icmp[..2], icmp_in[..2], "type and code");
+    assert_eq!(icmp[4..8], icmp_in[4..8], "rest of the ICMP header");
+
+    let (quoted_in, l4_in) = Ipv4Header::from_slice(&icmp_in[8..]).unwrap();
+    let (quoted, l4) = Ipv4Header::from_slice(&icmp[8..]).unwrap();
+    assert_eq!(
+        quoted.calc_header_checksum(),
+        quoted.header_checksum,
+        "quoted IPv4 checksum"
+    );
+    let unchanged = Ipv4Header {
+        source: quoted.source,
+        destination: quoted.destination,
+        header_checksum: quoted.header_checksum,
+        ..quoted_in.clone()
+    };
+    assert_eq!(quoted, unchanged, "only the quoted addresses change");
+    let check_at = if quoted.protocol == IpNumber::UDP {
+        6
+    } else {
+        16
+    };
+    let past_ports = |l4: &[u8]| {
+        let mut bytes = l4[4..].to_vec();
+        if let Some(check) = bytes.get_mut(check_at - 4..check_at - 2) {
+            check.fill(0);
+        }
+        bytes
+    };
+    assert_eq!(
+        past_ports(l4),
+        past_ports(l4_in),
+        "only ports and checksum change"
+    );
+    let whole = usize::from(quoted.total_len) == quoted.header_len() + l4.len();
+    if whole {
+        match quoted.protocol {
+            IpNumber::TCP => {
+                let (tcp, payload) = TcpHeader::from_slice(l4).unwrap();
+                let expected = tcp.calc_checksum_ipv4(&quoted, payload).unwrap();
+                assert_eq!(tcp.checksum, expected, "quoted TCP checksum");
+            }
+            IpNumber::UDP => {
+                let (udp, payload) = UdpHeader::from_slice(l4).unwrap();
+                let (udp_in, _) = UdpHeader::from_slice(l4_in).unwrap();
+                if udp_in.checksum == 0 {
+                    assert_eq!(udp.checksum, 0, "no UDP checksum stays none");
+                } else {
+                    let expected = udp.calc_checksum_ipv4(&quoted, payload).unwrap();
+                    assert_eq!(udp.checksum, expected, "quoted UDP checksum");
+                }
+            }
+            other => panic!("unexpected quoted protocol {other:?}"),
+        }
+    }
+    let port = |at: usize| u16::from_be_bytes([l4[at], l4[at + 1]]);
+    (
+        ip.source.into(),
+        ip.destination.into(),
+        SocketAddrV4::new(quoted.source.into(), port(0)),
+        SocketAddrV4::new(quoted.destination.into(), port(2)),
+    )
+}
+
+/// A router between the node and the backends.
+const POD_ROUTER: Ipv4Addr = Ipv4Addr::new(10, 244, 0, 1);
+/// A router between an external client and the node.
+const CLIENT_ROUTER: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 1);
+
+/// ICMP errors about a tracked connection's packets, in both directions, are reverse-translated
+/// as Linux's NAT does: the quote back to what its sender sent, the outer destination that
+/// sender, the outer source the service address when the quote's destination was translated
+/// (else the hop that sent it). Masqueraded (NodePort) and DNAT-only (pod to ClusterIP), TCP and
+/// UDP, whole quotes (TCP/UDP checksums checked) and RFC 792's 8 bytes. No conntrack change.
+#[test]
+fn icmp_errors_about_tracked_flows_are_reverse_translated() {
+    let mut datapath = Datapath::with_cluster_ip(&[ENDPOINTS[0]]);
+    for proto in [Proto::Tcp, Proto::Udp] {
+        datapath.service(
+            proto,
+            NODE_PORT,
+            FRONTEND_F_MASQUERADE,
+            SERVICE_ID + 1,
+            &[ENDPOINTS[1]],
+        );
+    }
+    let mut translated = 0;
+    for proto in [Proto::Tcp, Proto::Udp] {
+        // Masqueraded: the backend sees node:port.
+        let request = Packet::new(proto, EXTERNAL_CLIENT, NODE_PORT);
+        let sent = datapath.translate(&request);
+        assert_eq!((*sent.src.ip(), sent.dst), (NODE, ENDPOINTS[1]));
+        let reply = Packet::new(proto, ENDPOINTS[1], sent.src);
+        assert_eq!(
+            (
+                datapath.translate(&reply).src,
+                datapath.translate(&reply).dst
+            ),
+            (NODE_PORT, EXTERNAL_CLIENT)
+        );
+        let entries = (
+            datapath.conntrack(&ct_key(proto, EXTERNAL_CLIENT, NODE_PORT)),
+            datapath.conntrack(&ct_key(proto, ENDPOINTS[1], sent.src)),
+        );
+
+        // From the backend side, about the masqueraded request (node:port → backend).
+        let as_sent = Packet {
+            src: sent.src,
+            dst: sent.dst,
+            ..request
+        };
+        for (from, kind, rest, quote_len) in [
+            (POD_ROUTER, FRAG_NEEDED, MTU_1400, None),
+            (*ENDPOINTS[1].ip(), PORT_UNREACHABLE, [0; 4], None),
+            (POD_ROUTER, TTL_EXCEEDED, [0; 4], Some(28)),
+        ] {
+            let input = icmp_error(from, NODE, kind, rest, &as_sent.build(), quote_len);
+            let (verdict, output) = datapath.run(&input);
+            assert_eq!(
+                verify_icmp_error(&input, verdict, &output),
+                (
+                    *NODE_PORT.ip(),
+                    *EXTERNAL_CLIENT.ip(),
+                    EXTERNAL_CLIENT,
+                    NODE_PORT
+                ),
+                "{proto:?} {kind:?} from {from}"
+            );
+            translated += 1;
+        }
+        // From the client side, about the reply (node port → client): back to the backend, from
+        // the masquerade address.
+        let as_replied = Packet {
+            src: NODE_PORT,
+            dst: EXTERNAL_CLIENT,
+            ..request
+        };
+        let input = icmp_error(
+            CLIENT_ROUTER,
+            NODE,
+            FRAG_NEEDED,
+            MTU_1400,
+            &as_replied.build(),
+            None,
+        );
+        let (verdict, output) = datapath.run(&input);
+        assert_eq!(
+            verify_icmp_error(&input, verdict, &output),
+            (NODE, *ENDPOINTS[1].ip(), ENDPOINTS[1], sent.src)
+        );
+        translated += 1;
+        assert_eq!(
+            (
+                datapath.conntrack(&ct_key(proto, EXTERNAL_CLIENT, NODE_PORT)),
+                datapath.conntrack(&ct_key(proto, ENDPOINTS[1], sent.src)),
+            ),
+            entries,
+            "errors leave the connection alone"
+        );
+
+        // DNAT only: a pod to the ClusterIP.
+        let request = Packet::new(proto, POD, CLUSTER_IP);
+        assert_eq!(datapath.translate(&request).dst, ENDPOINTS[0]);
+        let as_sent = Packet {
+            dst: ENDPOINTS[0],
+            ..request
+        };
+        let input = icmp_error(
+            *ENDPOINTS[0].ip(),
+            *POD.ip(),
+            PORT_UNREACHABLE,
+            [0; 4],
+            &as_sent.build(),
+            None,
+        );
+        let (verdict, output) = datapath.run(&input);
+        assert_eq!(
+            verify_icmp_error(&input, verdict, &output),
+            (*CLUSTER_IP.ip(), *POD.ip(), POD, CLUSTER_IP)
+        );
+        // The pod's kernel about the reply (ClusterIP → pod): to the backend, still from the pod.
+        let as_replied = Packet {
+            src: CLUSTER_IP,
+            dst: POD,
+            ..request
+        };
+        let input = icmp_error(
+            *POD.ip(),
+            *CLUSTER_IP.ip(),
+            PORT_UNREACHABLE,
+            [0; 4],
+            &as_replied.build(),
+            None,
+        );
+        let (verdict, output) = datapath.run(&input);
+        assert_eq!(
+            verify_icmp_error(&input, verdict, &output),
+            (*POD.ip(), *ENDPOINTS[0].ip(), ENDPOINTS[0], POD)
+        );
+        translated += 2;
+    }
+    // A quoted UDP datagram without a checksum, and a quoted header with options.
+    let request = Packet {
+        zero_udp_checksum: true,
+        ip_options: &ROUTER_ALERT,
+        ..Packet::new(Proto::Udp, POD, CLUSTER_IP)
+    };
+    let as_sent = Packet {
+        dst: ENDPOINTS[0],
+        ..request
+    };
+    let input = icmp_error(
+        POD_ROUTER,
+        *POD.ip(),
+        FRAG_NEEDED,
+        MTU_1400,
+        &as_sent.build(),
+        None,
+    );
+    let (verdict, output) = datapath.run(&input);
+    assert_eq!(
+        verify_icmp_error(&input, verdict, &output),
+        (*CLUSTER_IP.ip(), *POD.ip(), POD, CLUSTER_IP)
+    );
+    translated += 1;
+    assert_eq!(datapath.counter(Counter::IcmpErrorTranslated), translated);
+}
+
+/// Other ICMP, and errors not about a tracked flow, are left alone: an echo request, an error
+/// about an untracked flow, one whose quote is a later fragment, one sent to someone other than
+/// the quoted packet's sender (Linux's conntrack refuses it as related too), a truncated quote,
+/// a redirect. lb_xdp passes ICMP errors to tc.
+#[test]
+fn icmp_not_about_tracked_flows_is_untouched() {
+    let datapath = Datapath::with_cluster_ip(&[ENDPOINTS[0]]).with_xdp();
+    let request = Packet::new(Proto::Udp, POD, CLUSTER_IP);
+    assert_eq!(datapath.translate(&request).dst, ENDPOINTS[0]);
+    let as_sent = Packet {
+        dst: ENDPOINTS[0],
+        ..request
+    }
+    .build();
+    let untracked = Packet {
+        src: SocketAddrV4::new(*POD.ip(), 40001),
+        ..Packet::new(Proto::Udp, POD, ENDPOINTS[0])
+    }
+    .build();
+    let later_fragment = Packet {
+        dst: ENDPOINTS[0],
+        fragment_offset: 185,
+        ..request
+    }
+    .build();
+    let echo = {
+        let mut bytes = Vec::new();
+        PacketBuilder::ethernet2(MAC_SRC, MAC_DST)
+            .ipv4(ENDPOINTS[0].ip().octets(), POD.ip().octets(), 64)
+            .icmpv4_echo_request(1, 1)
+            .write(&mut bytes, PAYLOAD)
+            .unwrap();
+        bytes
+    };
+    let backend = *ENDPOINTS[0].ip();
+    let elsewhere = Ipv4Addr::new(10, 244, 1, 99);
+    let packets = [
+        echo,
+        icmp_error(
+            backend,
+            *POD.ip(),
+            PORT_UNREACHABLE,
+            [0; 4],
+            &untracked,
+            None,
+        ),
+        icmp_error(
+            backend,
+            *POD.ip(),
+            PORT_UNREACHABLE,
+            [0; 4],
+            &later_fragment,
+            None,
+        ),
+        icmp_error(backend, elsewhere, PORT_UNREACHABLE, [0; 4], &as_sent, None),
+        icmp_error(backend, *POD.ip(), [5, 1], [10, 244, 0, 1], &as_sent, None),
+    ];
+    for packet in &packets {
+        datapath.assert_untouched(packet);
+    }
+    assert_eq!(datapath.counter(Counter::Passed), packets.len() as u64);
+    let truncated = icmp_error(
+        backend,
+        *POD.ip(),
+        PORT_UNREACHABLE,
+        [0; 4],
+        &as_sent,
+        Some(24),
+    );
+    datapath.assert_untouched(&truncated);
+    assert_eq!(datapath.counter(Counter::PassedUnparsed), 1);
+    assert_eq!(datapath.counter(Counter::IcmpErrorTranslated), 0);
+
+    let tracked = icmp_error(backend, *POD.ip(), PORT_UNREACHABLE, [0; 4], &as_sent, None);
+    datapath.assert_xdp_passes(&tracked);
+    assert_eq!(datapath.counter(Counter::XdpPassed), 1);
+    assert_eq!(datapath.counter(Counter::IcmpErrorTranslated), 0);
+    let (verdict, output) = datapath.run(&tracked);
+    verify_icmp_error(&tracked, verdict, &output);
+    assert_eq!(datapath.counter(Counter::IcmpErrorTranslated), 1);
+}

@@ -1,0 +1,387 @@
+//! ICMP errors about service traffic reach the client reverse-translated, through a real node
+//! namespace with real sockets: a backend's port unreachable fails the client's connected UDP
+//! socket at once, and a router's fragmentation needed lets TCP's path MTU discovery finish a
+//! transfer through a service whose backend sits behind a link of a lower MTU, and a router's
+//! time exceeded (traceroute) reaches the client as about the service. Without the
+//! translation the client's kernel cannot match any of them to its socket (it quotes the
+//! backend's address, not the service's): the datagram's answer never comes, and the transfer
+//! stalls in a black hole.
+use std::{
+    io::{ErrorKind, Read as _, Write as _},
+    net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream, UdpSocket},
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    thread::JoinHandle,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, Result, bail, ensure};
+use lb_tests::{
+    agent::{Agent, counter},
+    echo::{EchoServer, Proto},
+    manifests::{ServiceManifest, yaml},
+    netns::{Netns, unique_prefix},
+    node::{CLUSTER_IP, Node, PORT, TARGET_PORT, serve_pods},
+    topology::{NODE_IP, Topology},
+};
+use nix::{
+    errno::Errno,
+    sys::socket::{setsockopt, sockopt},
+};
+
+const NODE_PORT: u16 = 30080;
+/// The backends listen on TARGET_PORT; nothing listens on this one.
+const CLOSED_PORT: u16 = 8081;
+/// A refused datagram fails well before the wait for an answer ends.
+const FAST: Duration = Duration::from_millis(500);
+const ANSWER_WAIT: Duration = Duration::from_secs(2);
+const COUNTER: &str = "icmp_error_translated";
+
+/// Sends one datagram from `ns` on a socket connected to `to` and waits (bounded) for what
+/// comes back: the error the socket got, and when.
+fn udp_exchange(ns: &Netns, to: SocketAddr) -> Result<(ErrorKind, Duration)> {
+    ns.run(move || -> Result<(ErrorKind, Duration)> {
+        let socket = UdpSocket::bind("0.0.0.0:0")?;
+        socket.connect(to)?;
+        socket.set_read_timeout(Some(ANSWER_WAIT))?;
+        let start = Instant::now();
+        socket.send(b"hello\n")?;
+        let mut buf = [0u8; 512];
+        match socket.recv(&mut buf) {
+            Ok(_) => bail!("UDP answer from {to}"),
+            Err(e) => Ok((e.kind(), start.elapsed())),
+        }
+    })?
+}
+
+/// A service port whose endpoint has no listener: the endpoint's kernel answers with ICMP port
+/// unreachable, which reaches the client as about the service address, so its connected UDP
+/// socket fails with ECONNREFUSED at once. From a pod (not masqueraded), from the endpoint
+/// itself (hairpin, masqueraded), and from an external client to the NodePort (masqueraded).
+#[test]
+fn port_unreachable_from_a_backend_refuses_the_client() -> Result<()> {
+    let mut node = Node::start(2, &[], &[])?;
+    let closed = ServiceManifest::new("closed", CLUSTER_IP, Proto::Udp, PORT, CLOSED_PORT)
+        .node_port(NODE_PORT)
+        .endpoints([node.ip("pod-b")]);
+    node.agent.update_manifests(&yaml(&[closed]))?;
+    let vip: SocketAddr = (CLUSTER_IP, PORT).into();
+    let cases = [
+        ("pod-a", node.pod_ns("pod-a"), vip),
+        ("pod-b (hairpin)", node.pod_ns("pod-b"), vip),
+        (
+            "external client",
+            &node.topology.client,
+            (NODE_IP, NODE_PORT).into(),
+        ),
+    ];
+    for (client, ns, to) in cases {
+        let (kind, took) = udp_exchange(ns, to)?;
+        ensure!(
+            kind == ErrorKind::ConnectionRefused && took < FAST,
+            "{client} to {to}: {kind:?} after {took:?}, expected a fast ECONNREFUSED"
+        );
+    }
+    let translated = counter(&node.topology.node, COUNTER)?;
+    ensure!(translated == cases.len() as u64, "{COUNTER}: {translated}");
+    Ok(())
+}
+
+/// The router between the node and the remote backend: `lbpr` on the node (a pod interface, so
+/// the agent attaches to it), 203.0.113.1 ↔ 203.0.113.2; the backend 10.244.9.2/32 behind it on
+/// a veth whose router end has MTU `ROUTER_MTU` and whose backend end keeps 1500, so that
+/// neither end's MSS reveals the narrow link and only the router's fragmentation needed can.
+struct RemoteBackend {
+    _router: Netns,
+    backend: Netns,
+}
+
+const NODE_ROUTER_SIDE: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 1);
+const ROUTER_IP: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 2);
+const ROUTER_GATEWAY: Ipv4Addr = Ipv4Addr::new(10, 244, 9, 1);
+const REMOTE_BACKEND_IP: Ipv4Addr = Ipv4Addr::new(10, 244, 9, 2);
+const ROUTER_MTU: u32 = 1280;
+
+impl RemoteBackend {
+    fn new(node: &Netns) -> Result<Self> {
+        let prefix = unique_prefix();
+        let router = Netns::new(format!("{prefix}rtr"))?;
+        let backend = Netns::new(format!("{prefix}rbe"))?;
+        router.sysctl("net.ipv4.ip_forward", "1")?;
+        node.ip(&[
+            "link",
+            "add",
+            "lbpr",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            router.name(),
+        ])?;
+        node.ip(&[
+            "addr",
+            "add",
+            &format!("{NODE_ROUTER_SIDE}/24"),
+            "dev",
+            "lbpr",
+        ])?;
+        node.ip(&["link", "set", "lbpr", "up"])?;
+        node.ip(&[
+            "route",
+            "add",
+            "10.244.9.0/24",
+            "via",
+            &ROUTER_IP.to_string(),
+        ])?;
+        router.ip(&["addr", "add", &format!("{ROUTER_IP}/24"), "dev", "eth0"])?;
+        router.ip(&["link", "set", "eth0", "up"])?;
+        router.ip(&[
+            "route",
+            "add",
+            "default",
+            "via",
+            &NODE_ROUTER_SIDE.to_string(),
+        ])?;
+        router.ip(&[
+            "link",
+            "add",
+            "narrow",
+            "mtu",
+            &ROUTER_MTU.to_string(),
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            backend.name(),
+        ])?;
+        router.ip(&[
+            "addr",
+            "add",
+            &format!("{ROUTER_GATEWAY}/32"),
+            "dev",
+            "narrow",
+        ])?;
+        router.ip(&["link", "set", "narrow", "up"])?;
+        router.ip(&[
+            "route",
+            "add",
+            &format!("{REMOTE_BACKEND_IP}/32"),
+            "dev",
+            "narrow",
+        ])?;
+        backend.ip(&[
+            "addr",
+            "add",
+            &format!("{REMOTE_BACKEND_IP}/32"),
+            "dev",
+            "eth0",
+        ])?;
+        backend.ip(&["link", "set", "eth0", "up"])?;
+        let gateway = ROUTER_GATEWAY.to_string();
+        backend.ip(&["route", "add", &gateway, "dev", "eth0", "scope", "link"])?;
+        backend.ip(&["route", "add", "default", "via", &gateway])?;
+        Ok(RemoteBackend {
+            _router: router,
+            backend,
+        })
+    }
+}
+
+/// How much each client uploads: dozens of full-size segments.
+const TRANSFER: usize = 64 * 1024;
+/// A transfer that PMTU discovery lets through takes milliseconds; a black hole never ends.
+const TRANSFER_WAIT: Duration = Duration::from_secs(10);
+/// Well below the retransmission timeouts a transfer would wait through if its large segments
+/// were lost on the way (seconds: 1 s, then 2 s, ...).
+const PROMPT: Duration = Duration::from_secs(3);
+
+/// Reads each connection to EOF and answers with the byte count; stopped on drop.
+struct CountingServer {
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl CountingServer {
+    fn start(ns: &Netns, port: u16) -> Result<Self> {
+        let listener = ns.run(move || -> Result<TcpListener> {
+            let listener = TcpListener::bind(("0.0.0.0", port))?;
+            listener.set_nonblocking(true)?;
+            Ok(listener)
+        })??;
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread = std::thread::spawn({
+            let stop = stop.clone();
+            move || {
+                while !stop.load(Ordering::Relaxed) {
+                    match listener.accept() {
+                        Ok((stream, _)) => count_to_eof(stream),
+                        Err(_) => std::thread::sleep(Duration::from_millis(5)),
+                    }
+                }
+            }
+        });
+        Ok(CountingServer {
+            stop,
+            thread: Some(thread),
+        })
+    }
+}
+
+fn count_to_eof(mut stream: TcpStream) {
+    let _ = stream.set_nonblocking(false);
+    let _ = stream.set_read_timeout(Some(TRANSFER_WAIT));
+    let mut buf = [0u8; 16 * 1024];
+    let mut total = 0usize;
+    loop {
+        match stream.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => total += n,
+            Err(_) => return,
+        }
+    }
+    let _ = stream.write_all(total.to_string().as_bytes());
+}
+
+impl Drop for CountingServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// Uploads TRANSFER bytes from `ns` to `to` and returns how long it took until the server's
+/// count came back; fails if it does not within TRANSFER_WAIT.
+fn upload(ns: &Netns, to: SocketAddr) -> Result<Duration> {
+    ns.run(move || -> Result<Duration> {
+        let start = Instant::now();
+        let mut stream = TcpStream::connect_timeout(&to, ANSWER_WAIT)
+            .with_context(|| format!("connect {to}"))?;
+        stream.set_write_timeout(Some(TRANSFER_WAIT))?;
+        stream.set_read_timeout(Some(TRANSFER_WAIT))?;
+        stream.write_all(&vec![0x5a; TRANSFER])?;
+        stream.shutdown(std::net::Shutdown::Write)?;
+        let mut answer = String::new();
+        stream
+            .read_to_string(&mut answer)
+            .with_context(|| format!("the count from {to} after {:?}", start.elapsed()))?;
+        ensure!(
+            answer == TRANSFER.to_string(),
+            "{to} counted {answer:?} bytes"
+        );
+        Ok(start.elapsed())
+    })?
+}
+
+/// The path MTU `ns` has learned towards `to` (`ip route get`: a cached exception).
+fn learned_mtu(ns: &Netns, to: Ipv4Addr) -> Result<Option<u32>> {
+    let output = ns.exec("ip", &["route", "get", &to.to_string()])?;
+    let text = String::from_utf8(output.stdout)?;
+    let mut words = text.split_whitespace();
+    while let Some(word) = words.next() {
+        if word == "mtu" {
+            return Ok(Some(words.next().context("mtu value")?.parse()?));
+        }
+    }
+    Ok(None)
+}
+
+/// PMTU discovery through a service: the backend sits behind a router whose link to it has MTU
+/// 1280. A pod's upload to the ClusterIP (not masqueraded) and an external client's to the
+/// NodePort (masqueraded: the router's error goes to the node address) both finish, and each
+/// client has learned MTU 1280 towards the address it connected to, which only the translated
+/// fragmentation needed can have taught it. Promptly: the masqueraded upload also shows that the
+/// client's large (GSO) segments are forwarded, not lost until retransmissions shrink them.
+#[test]
+fn path_mtu_discovery_through_a_service() -> Result<()> {
+    let topology = Topology::new(1)?;
+    let remote = RemoteBackend::new(&topology.node)?;
+    let _servers: Vec<EchoServer> = serve_pods(&topology, TARGET_PORT)?;
+    let _counting = CountingServer::start(&remote.backend, TARGET_PORT)?;
+    let service = ServiceManifest::new("upload", CLUSTER_IP, Proto::Tcp, PORT, TARGET_PORT)
+        .node_port(NODE_PORT)
+        .endpoints([REMOTE_BACKEND_IP]);
+    let _agent = Agent::start(&topology, &yaml(&[service]), &[])?;
+
+    let cases = [
+        ("pod-a", &topology.pod("pod-a").ns, CLUSTER_IP, PORT),
+        ("external client", &topology.client, NODE_IP, NODE_PORT),
+    ];
+    for (client, ns, addr, port) in cases {
+        ensure!(
+            learned_mtu(ns, addr)?.is_none(),
+            "{client}: a path MTU before any traffic"
+        );
+        let took = upload(ns, (addr, port).into()).with_context(|| client.to_string())?;
+        ensure!(took < PROMPT, "{client}: {TRANSFER} bytes took {took:?}");
+        let mtu = learned_mtu(ns, addr)?;
+        ensure!(
+            mtu == Some(ROUTER_MTU),
+            "{client}: path MTU towards {addr} {mtu:?}, expected {ROUTER_MTU}"
+        );
+        println!("{client}: {TRANSFER} bytes to {addr}:{port} in {took:?}");
+    }
+    let translated = counter(&topology.node, COUNTER)?;
+    ensure!(translated >= cases.len() as u64, "{COUNTER}: {translated}");
+    Ok(())
+}
+
+/// Sends one datagram with TTL `ttl` from `ns` on a socket connected to `to`, with IP_RECVERR
+/// (without it Linux reports only hard errors to a UDP socket, and time exceeded is not one),
+/// and returns the errno the socket got and when; an error if nothing came back.
+fn udp_with_ttl(ns: &Netns, to: SocketAddr, ttl: u32) -> Result<(i32, Duration)> {
+    ns.run(move || -> Result<(i32, Duration)> {
+        let socket = UdpSocket::bind("0.0.0.0:0")?;
+        socket.connect(to)?;
+        socket.set_ttl(ttl)?;
+        setsockopt(&socket, sockopt::Ipv4RecvErr, &true)?;
+        socket.set_read_timeout(Some(ANSWER_WAIT))?;
+        let start = Instant::now();
+        socket.send(b"hello\n")?;
+        let mut buf = [0u8; 512];
+        match socket.recv(&mut buf) {
+            Ok(_) => bail!("UDP answer from {to}"),
+            Err(e) => {
+                let errno = e.raw_os_error().with_context(|| format!("{e}"))?;
+                Ok((errno, start.elapsed()))
+            }
+        }
+    })?
+}
+
+/// traceroute through a service: a datagram whose TTL runs out at the router behind the node
+/// (TTL 2: the node forwards it with TTL 1) gets the router's time exceeded back, translated, as
+/// EHOSTUNREACH on the client's socket; from a pod to the ClusterIP and from an external client
+/// to the NodePort (masqueraded: the router answers the node address).
+#[test]
+fn time_exceeded_beyond_the_node_reaches_the_client() -> Result<()> {
+    let topology = Topology::new(1)?;
+    let _remote = RemoteBackend::new(&topology.node)?;
+    let service = ServiceManifest::new("trace", CLUSTER_IP, Proto::Udp, PORT, TARGET_PORT)
+        .node_port(NODE_PORT)
+        .endpoints([REMOTE_BACKEND_IP]);
+    let _agent = Agent::start(&topology, &yaml(&[service]), &[])?;
+    let cases = [
+        ("pod-a", &topology.pod("pod-a").ns, CLUSTER_IP, PORT),
+        ("external client", &topology.client, NODE_IP, NODE_PORT),
+    ];
+    for (client, ns, addr, port) in cases {
+        let (errno, took) =
+            udp_with_ttl(ns, (addr, port).into(), 2).with_context(|| client.to_string())?;
+        ensure!(
+            errno == Errno::EHOSTUNREACH as i32 && took < FAST,
+            "{client}: {} after {took:?}, expected a fast EHOSTUNREACH",
+            Errno::from_raw(errno)
+        );
+    }
+    let translated = counter(&topology.node, COUNTER)?;
+    ensure!(translated == cases.len() as u64, "{COUNTER}: {translated}");
+    Ok(())
+}
