@@ -663,12 +663,15 @@ impl State {
             self.ready_endpoints += ready(model.services.get(name));
             self.ready_endpoints -= ready(before.as_ref());
         }
-        // The source's changes, and the services whose nodePort moved with them.
-        let joined_again: BTreeSet<ServiceName> = previous.keys().cloned().collect();
-        let changed = desired.changed.is_some().then_some(&joined_again);
-        let report = self
-            .reconciler
-            .sync_changed(&model, changed, &mut self.datapath.service_maps);
+        // Only these differ from what the reconciler synced last.
+        let changed: BTreeSet<ServiceName> = previous
+            .iter()
+            .filter(|(name, before)| model.services.get(*name) != before.as_ref())
+            .map(|(name, _)| name.clone())
+            .collect();
+        let report =
+            self.reconciler
+                .sync_changed(&model, Some(&changed), &mut self.datapath.service_maps);
         let reconciled = start.elapsed();
         self.flush_udp(&report.removed_udp);
         // Few services have a healthCheckNodePort: the others' changes leave the servers alone.

@@ -12,7 +12,7 @@ use tracing::{error, warn};
 
 use crate::error_chain;
 use crate::maglev;
-use crate::model::{Endpoint, Model, Scheduler, Service, ServiceName, ServicePortId};
+use crate::model::{Endpoint, Model, Protocol, Scheduler, Service, ServiceName, ServicePortId};
 use crate::udp_flush::{self, UdpEndpoint};
 
 /// The two service maps, as the reconciler writes them: the aya maps, or a fake in tests. Each
@@ -80,13 +80,13 @@ impl SyncReport {
     }
 }
 
-/// A sync's desired contents and what each service put there, so that the next sync recomputes
-/// only the services that changed.
+/// What each service put in the maps at the last sync, so that the next one recomputes only the
+/// services that changed. A sync without failures leaves the maps holding exactly the desired
+/// contents, so these are the keys of `written`.
 #[derive(Debug)]
 struct LastSync {
     /// What every service's contents depend on besides the service.
     settings: Settings,
-    desired: MapContents,
     services: BTreeMap<ServiceName, Contribution>,
     /// How many services have each ClusterIP catch-all (services may share a ClusterIP).
     catch_alls: BTreeMap<FrontendKey, usize>,
@@ -95,10 +95,11 @@ struct LastSync {
 }
 
 impl LastSync {
-    fn add_catch_all(&mut self, cluster_ip: Ipv4Addr) -> FrontendKey {
+    /// Counts a service with this ClusterIP; puts its catch-all in `desired`.
+    fn add_catch_all(&mut self, cluster_ip: Ipv4Addr, desired: &mut MapContents) -> FrontendKey {
         let key = FrontendKey::any_port(ipv4_be(cluster_ip.octets()));
         *self.catch_alls.entry(key).or_default() += 1;
-        self.desired.frontends.entry(key).or_default();
+        desired.frontends.entry(key).or_default();
         key
     }
 
@@ -111,7 +112,6 @@ impl LastSync {
             return None;
         }
         self.catch_alls.remove(&key);
-        self.desired.frontends.remove(&key);
         Some(key)
     }
 }
@@ -124,10 +124,12 @@ struct Settings {
     default_scheduler: Scheduler,
 }
 
-/// What one service put into the desired contents, and the service as it was then.
+/// What one service put into the desired contents.
 #[derive(Debug)]
 struct Contribution {
-    service: Service,
+    cluster_ip: Ipv4Addr,
+    /// Its ports' names and protocols.
+    ports: Vec<(String, Protocol)>,
     frontends: Vec<FrontendKey>,
     backends: Vec<BackendKey>,
     source_ranges: Vec<SourceRange>,
@@ -169,7 +171,7 @@ pub struct Reconciler {
     written: MapContents,
     /// Failed map writes since start.
     pub failed_total: u64,
-    /// The last sync's desired contents, when the next sync may start from them.
+    /// What the last sync put in the maps, when the next sync may start from it.
     last: Option<LastSync>,
 }
 
@@ -238,11 +240,11 @@ impl Reconciler {
 
     /// The map contents for `model`; gives new service ports their ids.
     pub fn desired(&mut self, model: &Model) -> MapContents {
-        self.full(model).desired
+        self.full(model).0
     }
 
     /// The map contents for `model` computed whole, and what each service put there.
-    fn full(&mut self, model: &Model) -> LastSync {
+    fn full(&mut self, model: &Model) -> (MapContents, LastSync) {
         let mut ids = BTreeMap::new();
         let mut taken = BTreeSet::new();
         let mut fresh = Vec::new();
@@ -271,23 +273,23 @@ impl Reconciler {
         }
         self.ids = ids;
 
+        let mut desired = MapContents::default();
         let mut last = LastSync {
             settings: self.settings(),
-            desired: MapContents::default(),
             services: BTreeMap::new(),
             catch_alls: BTreeMap::new(),
             conflicted: false,
         };
         for (name, service) in &model.services {
-            let (contribution, conflicted) = self.put_service(name, service, &mut last.desired);
+            let (contribution, conflicted) = self.put_service(name, service, &mut desired);
             last.conflicted |= conflicted;
             last.services.insert(name.clone(), contribution);
         }
         // Ports a ClusterIP does not define are rejected, as by kube-proxy.
         for service in model.services.values() {
-            last.add_catch_all(service.cluster_ip);
+            last.add_catch_all(service.cluster_ip, &mut desired);
         }
-        last
+        (desired, last)
     }
 
     /// Puts the map contents of service `name` into `desired`; returns what it put there, and
@@ -299,7 +301,12 @@ impl Reconciler {
         desired: &mut MapContents,
     ) -> (Contribution, bool) {
         let mut contribution = Contribution {
-            service: service.clone(),
+            cluster_ip: service.cluster_ip,
+            ports: service
+                .ports
+                .iter()
+                .map(|p| (p.name.clone(), p.protocol))
+                .collect(),
             frontends: Vec::new(),
             backends: Vec::new(),
             source_ranges: Vec::new(),
@@ -395,51 +402,28 @@ impl Reconciler {
         (contribution, conflicted)
     }
 
-    /// Updates `last` to `model` for the services that changed since; returns the keys whose
-    /// desired contents may have changed, or None when the whole state must be recomputed (a
-    /// frontend claimed by two services).
+    /// Updates `last` to `model`, where only the services in `changed` differ from the last
+    /// sync's; returns their desired contents and the keys they had or have, or None when the
+    /// whole state must be recomputed (a frontend claimed by two services).
     fn update(
         &mut self,
         model: &Model,
-        changed: Option<&BTreeSet<ServiceName>>,
+        changed: &BTreeSet<ServiceName>,
         last: &mut LastSync,
-    ) -> Option<Scope> {
-        let differs = |name: &ServiceName| {
-            model.services.get(name) != last.services.get(name).map(|c| &c.service)
-        };
-        let changed: Vec<ServiceName> = match changed {
-            Some(changed) => changed.iter().filter(|n| differs(n)).cloned().collect(),
-            None => model
-                .services
-                .keys()
-                .chain(last.services.keys())
-                .filter(|n| differs(n))
-                .cloned()
-                .collect::<BTreeSet<_>>()
-                .into_iter()
-                .collect(),
-        };
+    ) -> Option<(MapContents, Scope)> {
+        let mut desired = MapContents::default();
         let mut scope = Scope::default();
-        for name in &changed {
+        for name in changed {
             let mut old_ids = BTreeMap::new();
             if let Some(old) = last.services.remove(name) {
-                for key in &old.frontends {
-                    last.desired.frontends.remove(key);
-                }
-                for key in &old.backends {
-                    last.desired.backends.remove(key);
-                }
-                for range in &old.source_ranges {
-                    last.desired.source_ranges.remove(range);
-                }
-                if let Some(key) = last.remove_catch_all(old.service.cluster_ip) {
+                if let Some(key) = last.remove_catch_all(old.cluster_ip) {
                     scope.frontends.insert(key);
                 }
-                for port in &old.service.ports {
+                for (port_name, protocol) in &old.ports {
                     let id = ServicePortId {
                         service: name.clone(),
-                        port_name: port.name.clone(),
-                        protocol: port.protocol,
+                        port_name: port_name.clone(),
+                        protocol: *protocol,
                     };
                     if let Some(sid) = self.ids.remove(&id) {
                         old_ids.insert(id, sid);
@@ -462,17 +446,24 @@ impl Reconciler {
                 });
                 self.ids.insert(id, sid);
             }
-            let (contribution, conflicted) = self.put_service(name, service, &mut last.desired);
-            if conflicted {
+            let (contribution, conflicted) = self.put_service(name, service, &mut desired);
+            // Another service's frontend: unchanged services are not in `desired`.
+            let taken = contribution.frontends.iter().any(|key| {
+                self.written
+                    .frontends
+                    .get(key)
+                    .is_some_and(|f| !scope.frontends.contains(key) && f.service_id != 0)
+            });
+            if conflicted || taken {
                 return None;
             }
             scope.add(&contribution);
             scope
                 .frontends
-                .insert(last.add_catch_all(service.cluster_ip));
+                .insert(last.add_catch_all(service.cluster_ip, &mut desired));
             last.services.insert(name.clone(), contribution);
         }
-        Some(scope)
+        Some((desired, scope))
     }
 
     fn settings(&self) -> Settings {
@@ -546,7 +537,7 @@ impl Reconciler {
     }
 
     /// [`Reconciler::sync`] when only the services in `changed` may differ from the last
-    /// sync's model (None: any).
+    /// sync's model (None: any, which computes the whole state).
     pub fn sync_changed<W: MapWriter>(
         &mut self,
         model: &Model,
@@ -558,12 +549,16 @@ impl Reconciler {
             .last
             .take()
             .filter(|last| last.settings == settings && !last.conflicted);
-        let scope = last
-            .as_mut()
-            .and_then(|last| self.update(model, changed, last));
-        let (last, scope) = match (last, scope) {
-            (Some(last), Some(scope)) => (last, Some(scope)),
-            _ => (self.full(model), None),
+        let partial = match (&mut last, changed) {
+            (Some(last), Some(changed)) => self.update(model, changed, last),
+            _ => None,
+        };
+        let (desired, last, scope) = match (last, partial) {
+            (Some(last), Some((desired, scope))) => (desired, last, Some(scope)),
+            _ => {
+                let (desired, last) = self.full(model);
+                (desired, last, None)
+            }
         };
         self.adopt_ids = false;
         let udp_endpoints = |written: &MapContents| match &scope {
@@ -571,7 +566,7 @@ impl Reconciler {
             Some(scope) => udp_flush::udp_endpoints_of(written, &scope.frontends),
         };
         let udp_before = udp_endpoints(&self.written);
-        let mut report = self.apply(&last.desired, scope.as_ref(), maps);
+        let mut report = self.apply(&desired, scope.as_ref(), maps);
         let udp_after = udp_endpoints(&self.written);
         report.removed_udp = udp_before.difference(&udp_after).copied().collect();
         if report.failed == 0 {
@@ -581,7 +576,7 @@ impl Reconciler {
     }
 
     /// Writes the difference between `desired` and the maps, for the keys in `scope` (None:
-    /// every key).
+    /// every key; else `desired` holds what the keys of the scope are to hold).
     fn apply<W: MapWriter>(
         &mut self,
         desired: &MapContents,
@@ -1150,6 +1145,7 @@ mod tests {
         };
         r.sync(&m, &mut maps);
         check(&mut r, &maps, &m);
+        let changed = |names: &[&str]| names.iter().map(|n| name(n)).collect::<BTreeSet<_>>();
 
         // One endpoint more for a: its new slot, then its frontend with the new count.
         maps.ops.clear();
@@ -1157,7 +1153,7 @@ mod tests {
         m.services.get_mut(&a).unwrap().ports[0]
             .endpoints
             .push(endpoint(5, true));
-        let report = r.sync(&m, &mut maps);
+        let report = r.sync_changed(&m, Some(&changed(&["a"])), &mut maps);
         let a_id = r
             .ids
             .iter()
@@ -1193,10 +1189,10 @@ mod tests {
         let mut d = m.services[&name("c")].clone();
         d.ports[0].port = 8080;
         m.services.insert(name("d"), d);
-        r.sync(&m, &mut maps);
+        r.sync_changed(&m, Some(&changed(&["b", "d"])), &mut maps);
         check(&mut r, &maps, &m);
         m.services.remove(&name("c"));
-        r.sync(&m, &mut maps);
+        r.sync_changed(&m, Some(&changed(&["c"])), &mut maps);
         check(&mut r, &maps, &m);
         assert!(
             maps.contents
@@ -1208,7 +1204,7 @@ mod tests {
         let mut e = m.services[&name("d")].clone();
         e.ports[0].endpoints = vec![endpoint(9, true)];
         m.services.insert(name("e"), e);
-        r.sync(&m, &mut maps);
+        r.sync_changed(&m, Some(&changed(&["e"])), &mut maps);
         check(&mut r, &maps, &m);
         let d_frontend = maps.contents.frontends[&fk(Ipv4Addr::new(10, 96, 0, 12), 8080)];
         let d_id = r
@@ -1218,7 +1214,7 @@ mod tests {
             .map(|(_, sid)| *sid);
         assert_eq!(Some(d_frontend.service_id), d_id);
         m.services.get_mut(&name("e")).unwrap().cluster_ip = Ipv4Addr::new(10, 96, 0, 13);
-        r.sync(&m, &mut maps);
+        r.sync_changed(&m, Some(&changed(&["e"])), &mut maps);
         check(&mut r, &maps, &m);
         assert!(
             maps.contents
@@ -1239,9 +1235,10 @@ mod tests {
             .endpoints
             .push(endpoint(3, true));
         maps.fail_backends_of = Some(a_id);
-        assert!(r.sync(&m, &mut maps).failed > 0);
+        let a = BTreeSet::from([name("a")]);
+        assert!(r.sync_changed(&m, Some(&a), &mut maps).failed > 0);
         maps.fail_backends_of = None;
-        let report = r.sync(&m, &mut maps);
+        let report = r.sync_changed(&m, Some(&BTreeSet::new()), &mut maps);
         assert_eq!((report.failed, report.backends_added), (0, 1));
         assert_eq!(&maps.contents, r.written());
         let whole = r.desired(&m);
