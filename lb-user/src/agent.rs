@@ -760,3 +760,90 @@ fn log_sync(sync: &Sync) {
         "sync done"
     );
 }
+
+#[cfg(test)]
+mod tests {
+    use notify::event::{
+        AccessKind, AccessMode, CreateKind, DataChange, EventKind, ModifyKind, RemoveKind,
+        RenameMode,
+    };
+
+    use super::*;
+
+    fn event(kind: EventKind, paths: &[&str]) -> notify::Event {
+        paths.iter().fold(notify::Event::new(kind), |e, p| {
+            e.add_path(PathBuf::from(p))
+        })
+    }
+
+    #[test]
+    fn a_file_being_written_waits_longer_than_a_complete_change() {
+        let mut writing = BTreeSet::new();
+        let created = event(EventKind::Create(CreateKind::File), &["/m/a.yaml"]);
+        assert_eq!(manifest_event_settle(&created, &mut writing), Some(SETTLE));
+        let written = event(
+            EventKind::Modify(ModifyKind::Data(DataChange::Content)),
+            &["/m/a.yaml"],
+        );
+        assert_eq!(manifest_event_settle(&written, &mut writing), Some(SETTLE));
+        // Another file renamed into place meanwhile: a.yaml is still being written.
+        let renamed = event(
+            EventKind::Modify(ModifyKind::Name(RenameMode::To)),
+            &["/m/b.yaml"],
+        );
+        assert_eq!(manifest_event_settle(&renamed, &mut writing), Some(SETTLE));
+        let closed = event(
+            EventKind::Access(AccessKind::Close(AccessMode::Write)),
+            &["/m/a.yaml"],
+        );
+        assert_eq!(
+            manifest_event_settle(&closed, &mut writing),
+            Some(COMPLETE_SETTLE)
+        );
+        assert_eq!(
+            manifest_event_settle(&renamed, &mut writing),
+            Some(COMPLETE_SETTLE)
+        );
+        let removed = event(EventKind::Remove(RemoveKind::File), &["/m/b.yaml"]);
+        assert_eq!(
+            manifest_event_settle(&removed, &mut writing),
+            Some(COMPLETE_SETTLE)
+        );
+    }
+
+    #[test]
+    fn events_that_change_no_manifest_are_ignored() {
+        let mut writing = BTreeSet::new();
+        let ignored = [
+            event(EventKind::Create(CreateKind::File), &["/m/.a.yaml.swp"]),
+            event(
+                EventKind::Modify(ModifyKind::Data(DataChange::Content)),
+                &["/m/notes.txt"],
+            ),
+            // Our own reads.
+            event(
+                EventKind::Access(AccessKind::Open(AccessMode::Any)),
+                &["/m/a.yaml"],
+            ),
+            event(
+                EventKind::Access(AccessKind::Close(AccessMode::Read)),
+                &["/m/a.yaml"],
+            ),
+        ];
+        for e in &ignored {
+            assert_eq!(manifest_event_settle(e, &mut writing), None, "{e:?}");
+        }
+        assert!(writing.is_empty());
+        // kubelet's ConfigMap volume swaps its `..data` link; a lost-events rescan may be anything.
+        let swapped = event(
+            EventKind::Modify(ModifyKind::Name(RenameMode::To)),
+            &["/m/..data"],
+        );
+        assert_eq!(
+            manifest_event_settle(&swapped, &mut writing),
+            Some(COMPLETE_SETTLE)
+        );
+        let rescan = notify::Event::new(EventKind::Other).set_flag(notify::event::Flag::Rescan);
+        assert_eq!(manifest_event_settle(&rescan, &mut writing), Some(SETTLE));
+    }
+}
