@@ -1,6 +1,7 @@
 //! B6: control-plane latency. With `services` Services programmed, the measured Service's
 //! endpoints go {a} → {a,b} → {b} → {a,b} → {a} → ... one change at a time, each a rename of the
-//! agent's manifest file. A probe in the client pod opens a new connection to the ClusterIP about
+//! measured Service's own manifest file (MEASURED_FILE; the others stay in services.yaml, as one
+//! object changing is one file changing in a directory kept by a tool). A probe in the client pod opens a new connection to the ClusterIP about
 //! every PROBE_INTERVAL; the latency of a change is from the rename to the send time of the first
 //! probe that shows it: for an added endpoint, the first answer from it; for a removed one, the
 //! first of STREAK answers in a row from the endpoint that stays (before the change, each answer
@@ -19,7 +20,7 @@ use crate::{
     Plan, Progress, interrupt,
     services::ServiceSet,
     traffic::{CLIENT_CPU, one_connection, percentile, pin},
-    variants::{Deployment, Variant, replace_manifests, wait_for_sync},
+    variants::{Deployment, Variant, replace_manifest_file, replace_manifests, wait_for_sync},
 };
 
 /// `--min-sync-period` values: the agent's default, and none.
@@ -34,6 +35,8 @@ const MAX_PROBES: u32 = 300_000;
 const SYNC_TIMEOUT: Duration = Duration::from_secs(120);
 /// Between a change being seen and the next one.
 const GAP: Duration = Duration::from_millis(100);
+/// The measured Service's manifest file while its changes are measured.
+const MEASURED_FILE: &str = "bench.yaml";
 
 #[derive(Debug, Serialize)]
 pub struct ControlPoint {
@@ -88,7 +91,22 @@ fn measure(plan: &Plan, deployment: &mut Deployment, point: &mut ControlPoint) -
         deployment.topology.second_backend().ip,
     );
     let mut set = ServiceSet::new(point.services, 1, a);
+    // The previous count's measured Service leaves its own file first: `program` writes every
+    // Service to services.yaml.
+    if let Some(agent) = deployment.agent() {
+        let measured_file = agent.manifest_dir().join(MEASURED_FILE);
+        if measured_file.exists() {
+            std::fs::remove_file(measured_file)?;
+            wait_for_sync(agent, SYNC_TIMEOUT)?;
+        }
+    }
     point.program_s = deployment.program(&set)?.as_secs_f64();
+    // Then into a file of its own: out of services.yaml, then into MEASURED_FILE, each synced.
+    let agent = deployment.agent().context("the agent is not running")?;
+    replace_manifests(agent, &set.filler_yaml())?;
+    wait_for_sync(agent, SYNC_TIMEOUT)?;
+    replace_manifest_file(agent, MEASURED_FILE, &set.measured_yaml())?;
+    wait_for_sync(agent, SYNC_TIMEOUT)?;
     let steps: [(Vec<Ipv4Addr>, Shows); 4] = [
         (vec![a, b], Shows::AnswerFrom(b'b')),
         (vec![b], Shows::OnlyFrom(b'b')),
@@ -99,11 +117,11 @@ fn measure(plan: &Plan, deployment: &mut Deployment, point: &mut ControlPoint) -
     for (endpoints, shows) in steps.iter().cycle().take(plan.control_changes) {
         interrupt::check()?;
         set.measured_endpoints = endpoints.clone();
-        let yaml = set.yaml();
+        let yaml = set.measured_yaml();
         let to = deployment.target(&set);
         let agent = deployment.agent().context("the agent is not running")?;
         let changed = Instant::now();
-        replace_manifests(agent, &yaml)?;
+        replace_manifest_file(agent, MEASURED_FILE, &yaml)?;
         let shows = *shows;
         let latency = deployment
             .topology

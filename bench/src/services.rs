@@ -112,6 +112,11 @@ impl ServiceSet {
 
     /// Service and EndpointSlice manifests for the agent.
     pub fn yaml(&self) -> String {
+        self.filler_yaml() + &self.measured_yaml()
+    }
+
+    /// The manifests of the filler Services.
+    pub fn filler_yaml(&self) -> String {
         let mut yaml = String::with_capacity(self.count * 700);
         let filler = self.filler_endpoint_ips();
         for i in 0..self.count - 1 {
@@ -129,6 +134,12 @@ impl ServiceSet {
                 &filler,
             );
         }
+        yaml
+    }
+
+    /// The manifests of the measured Service.
+    pub fn measured_yaml(&self) -> String {
+        let mut yaml = String::new();
         write_service(
             &mut yaml,
             "bench",

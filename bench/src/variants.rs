@@ -224,9 +224,15 @@ pub fn wait_for_sync(agent: &mut Agent, timeout: Duration) -> Result<()> {
 
 /// Replaces the agent's services.yaml atomically (a rename), without waiting for the sync.
 pub fn replace_manifests(agent: &Agent, yaml: &str) -> Result<()> {
+    replace_manifest_file(agent, "services.yaml", yaml)
+}
+
+/// Replaces (or creates) the agent's manifest file `name` atomically (a rename of a file
+/// written beside its directory), without waiting for the sync.
+pub fn replace_manifest_file(agent: &Agent, name: &str, yaml: &str) -> Result<()> {
     let dir = agent.manifest_dir();
-    let tmp = dir.with_file_name("services.yaml.bench");
+    let tmp = dir.with_file_name(format!("{name}.bench"));
     fs::write(&tmp, yaml)?;
-    fs::rename(&tmp, dir.join("services.yaml"))?;
+    fs::rename(&tmp, dir.join(name))?;
     Ok(())
 }

@@ -21,14 +21,14 @@ use lb_user::datapath::{Datapath, MapSizes};
 use lb_user::error_chain;
 use lb_user::health::{self, Health, Routes};
 use lb_user::links::{Attachments, InterfaceFilter, LinkEvent, LinkWatcher};
-use lb_user::manifests;
+use lb_user::manifests::{self, ManifestCache};
 use lb_user::metrics::Metrics;
-use lb_user::model::{Model, ServiceSpec, SliceSpec};
+use lb_user::model::{Model, Service, ServiceName, Specs};
 use lb_user::node_addresses;
 use lb_user::nodeport::NodePortAllocator;
 use lb_user::reconcile::{Reconciler, SyncReport};
 use lb_user::service_health::{self, ServiceHealth};
-use lb_user::udp_flush::{self, UdpEndpoint};
+use lb_user::udp_flush::UdpEndpoint;
 use lb_user::xdp_targets::XdpTargets;
 use notify::Watcher as _;
 use tokio::signal::unix::{SignalKind, signal};
@@ -37,8 +37,12 @@ use tracing::{error, info, warn};
 
 use crate::args::AgentArgs;
 
-/// Editors and `kubectl`-style tools write a file in several steps: wait for them to settle.
+/// Editors write a file in several steps: while a manifest file is being written (created or
+/// modified and not yet closed), a change waits this long for more.
 const SETTLE: Duration = Duration::from_millis(100);
+/// A change that is complete (a file closed after writing, renamed into place, removed) waits
+/// this long, so a burst of them (a tool writing several files) is one sync.
+const COMPLETE_SETTLE: Duration = Duration::from_millis(5);
 /// A sync with failed map writes is retried after this long even if nothing changes.
 const RETRY: Duration = Duration::from_secs(5);
 
@@ -68,7 +72,8 @@ pub async fn run(args: AgentArgs) -> Result<()> {
             Source::manifests(dir)?
         }
         None => {
-            Source::Api(ApiSource::start(args.kubeconfig.as_deref(), &node_name(&args)?).await?)
+            let api = ApiSource::start(args.kubeconfig.as_deref(), &node_name(&args)?).await?;
+            Source::Api(api, Specs::default())
         }
     };
     let node_ip = match args.node_ip {
@@ -124,6 +129,8 @@ pub async fn run(args: AgentArgs) -> Result<()> {
     );
     info!(addresses = ?node_port_addrs, "NodePorts served on");
     let mut state = State {
+        model: Model::default(),
+        ready_endpoints: 0,
         zone_flag: args.zone.clone(),
         reconciler: Reconciler::new(node_ip, existing)
             .with_node_port_addresses(node_port_addrs)
@@ -171,9 +178,9 @@ pub async fn run(args: AgentArgs) -> Result<()> {
         tokio::select! {
             _ = sigterm.recv() => break,
             _ = sigint.recv() => break,
-            next = source.next() => {
-                if next == Next::Changed {
-                    coalescer.queue(Instant::now(), source.settle());
+            settle = source.next() => {
+                if let Some(settle) = settle {
+                    coalescer.queue(Instant::now(), settle);
                     state.queued(&source);
                 }
             }
@@ -383,16 +390,20 @@ fn node_name(args: &AgentArgs) -> Result<String> {
 enum Source {
     Manifests {
         dir: PathBuf,
+        cache: ManifestCache,
+        /// Manifest files created or modified and not yet closed.
+        writing: BTreeSet<PathBuf>,
         _watcher: notify::RecommendedWatcher,
         events: mpsc::UnboundedReceiver<notify::Result<notify::Event>>,
     },
-    Api(ApiSource),
+    /// With the specs of its last snapshot.
+    Api(ApiSource, Specs),
 }
 
-/// The desired state a source holds now.
+/// What changed in the desired state a source holds (see [`Source::specs`]).
 struct Desired {
-    services: Vec<ServiceSpec>,
-    slices: Vec<SliceSpec>,
+    /// The services whose spec or slices changed; None: any may have.
+    changed: Option<BTreeSet<ServiceName>>,
     triggers: Vec<Timestamp>,
 }
 
@@ -401,53 +412,48 @@ impl Source {
         let (tx, events) = mpsc::unbounded_channel();
         let mut watcher =
             notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
-                // Our own reads of the directory are no change.
-                if !matches!(event, Ok(ref e) if e.kind.is_access()) {
-                    let _ = tx.send(event);
-                }
+                let _ = tx.send(event);
             })?;
         watcher
             .watch(dir, notify::RecursiveMode::NonRecursive)
             .with_context(|| format!("watching {}", dir.display()))?;
         Ok(Source::Manifests {
             dir: dir.to_owned(),
+            cache: ManifestCache::default(),
+            writing: BTreeSet::new(),
             _watcher: watcher,
             events,
         })
     }
 
-    async fn next(&mut self) -> Next {
+    /// Waits for a change; returns how long it should wait for more, or None when nothing
+    /// changed.
+    async fn next(&mut self) -> Option<Duration> {
         match self {
-            Source::Manifests { events, .. } => match events.recv().await {
+            Source::Manifests {
+                events, writing, ..
+            } => match events.recv().await {
                 Some(Err(err)) => {
                     warn!(error = %err, "manifest directory watch");
-                    Next::Changed
+                    Some(SETTLE)
                 }
-                Some(Ok(_)) => Next::Changed,
+                Some(Ok(event)) => manifest_event_settle(&event, writing),
                 None => std::future::pending().await,
             },
-            Source::Api(api) => api.next().await,
-        }
-    }
-
-    /// How long a change waits for more of its kind.
-    fn settle(&self) -> Duration {
-        match self {
-            Source::Manifests { .. } => SETTLE,
-            Source::Api(_) => Duration::ZERO,
+            Source::Api(api, _) => (api.next().await == Next::Changed).then_some(Duration::ZERO),
         }
     }
 
     fn whole(&self) -> bool {
         match self {
             Source::Manifests { .. } => true,
-            Source::Api(api) => api.whole(),
+            Source::Api(api, _) => api.whole(),
         }
     }
 
     /// Waits for this node's Node and its address.
     async fn node_ip(&mut self) -> std::net::Ipv4Addr {
-        let Source::Api(api) = self else {
+        let Source::Api(api, _) = self else {
             unreachable!("--manifests requires --node-ip")
         };
         let mut logged = false;
@@ -467,7 +473,7 @@ impl Source {
 
     /// This node's zone label as the Node has it now ("" without one, or from manifests).
     fn node_zone(&self) -> String {
-        let Source::Api(api) = self else {
+        let Source::Api(api, _) = self else {
             return String::new();
         };
         let node = api.node();
@@ -475,13 +481,13 @@ impl Source {
         zone.unwrap_or_default().to_string()
     }
 
-    /// None (and an error logged) when the source's state is unusable: the maps stay as they are.
+    /// Brings [`Source::specs`] to the source's state; None (and an error logged) when that
+    /// is unusable: the maps stay as they are.
     fn desired(&mut self) -> Option<Desired> {
         match self {
-            Source::Manifests { dir, .. } => match manifests::load_dir(dir) {
-                Ok(loaded) => Some(Desired {
-                    services: loaded.services,
-                    slices: loaded.slices,
+            Source::Manifests { dir, cache, .. } => match cache.load(dir) {
+                Ok(changed) => Some(Desired {
+                    changed: Some(changed),
                     triggers: Vec::new(),
                 }),
                 Err(err) => {
@@ -489,19 +495,91 @@ impl Source {
                     None
                 }
             },
-            Source::Api(api) => {
+            Source::Api(api, specs) => {
                 let snapshot = api.snapshot();
+                *specs = Specs::from_lists(snapshot.services, snapshot.slices);
                 Some(Desired {
-                    services: snapshot.services,
-                    slices: snapshot.slices,
+                    changed: None,
                     triggers: snapshot.triggers,
                 })
             }
         }
     }
+
+    /// The desired state as of the last [`Source::desired`].
+    fn specs(&self) -> &Specs {
+        match self {
+            Source::Manifests { cache, .. } => cache.specs(),
+            Source::Api(_, specs) => specs,
+        }
+    }
+}
+
+/// How long a change of the manifest directory waits for more, or None for an event that
+/// changes no manifest (our own reads, a tool's temporary file). `writing` follows the manifest
+/// files being written: while any is, a change waits the longer SETTLE.
+fn manifest_event_settle(
+    event: &notify::Event,
+    writing: &mut BTreeSet<PathBuf>,
+) -> Option<Duration> {
+    use notify::event::{AccessKind, AccessMode, EventKind, ModifyKind, RenameMode};
+    // kubelet's ConfigMap volumes swap a `..data` symlink to the files' new directory.
+    let relevant = |path: &PathBuf| {
+        manifests::is_manifest_name(path)
+            || path
+                .file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with(".."))
+    };
+    if event.need_rescan() || event.paths.is_empty() {
+        return Some(SETTLE);
+    }
+    if !event.paths.iter().any(relevant) {
+        return None;
+    }
+    match event.kind {
+        EventKind::Access(AccessKind::Close(AccessMode::Write)) => {
+            for path in &event.paths {
+                writing.remove(path);
+            }
+        }
+        EventKind::Access(_) => return None,
+        EventKind::Create(_) | EventKind::Modify(ModifyKind::Data(_) | ModifyKind::Any) => {
+            writing.extend(
+                event
+                    .paths
+                    .iter()
+                    .filter(|p| manifests::is_manifest_name(p))
+                    .cloned(),
+            );
+        }
+        // A file renamed away or removed is no longer being written; one renamed into place is
+        // whole.
+        EventKind::Modify(ModifyKind::Name(RenameMode::To)) => {}
+        EventKind::Modify(ModifyKind::Name(RenameMode::Both)) => {
+            if let Some(from) = event.paths.first() {
+                writing.remove(from);
+            }
+        }
+        EventKind::Modify(ModifyKind::Name(_)) | EventKind::Remove(_) => {
+            for path in &event.paths {
+                writing.remove(path);
+            }
+        }
+        _ => {}
+    }
+    Some(if writing.is_empty() {
+        COMPLETE_SETTLE
+    } else {
+        SETTLE
+    })
 }
 
 struct State {
+    /// The desired state joined, as of the last sync.
+    model: Model,
+    /// Its ready endpoints.
+    ready_endpoints: usize,
     reconciler: Reconciler,
     /// --zone; "" takes the Node's label at each sync.
     zone_flag: String,
@@ -517,6 +595,9 @@ struct Sync {
     services: usize,
     endpoints: usize,
     failed_total: u64,
+    /// Reading the source, the join, the reconcile (diff and map writes), the rest (UDP
+    /// conntrack flush, health servers).
+    stages: [Duration; 4],
     took: Duration,
 }
 
@@ -550,7 +631,7 @@ impl State {
         let now = Timestamp::now();
         let mut health = self.health.lock().expect("health lock");
         health.queued(now);
-        if let Source::Api(api) = source {
+        if let Source::Api(api, _) = source {
             health.set_node_eligible(api.node_eligible());
         }
         self.metrics.last_queued_timestamp.set(unix_seconds(now));
@@ -564,26 +645,54 @@ impl State {
             coalescer.ran(start, false);
             return;
         };
+        let read = start.elapsed();
         let zone = match self.zone_flag.as_str() {
             "" => source.node_zone(),
             flag => flag.to_string(),
         };
         self.reconciler.set_zone(zone);
-        let model = Model::join(desired.services, &desired.slices, &mut self.node_ports);
-        let udp_before = udp_flush::udp_endpoints(self.reconciler.written());
-        let report = self
-            .reconciler
-            .sync(&model, &mut self.datapath.service_maps);
-        self.flush_udp(&udp_before);
-        self.service_health
-            .update(service_health::wanted(&model, self.reconciler.node_name()));
+        let previous = self.model.update(
+            source.specs(),
+            desired.changed.as_ref(),
+            &mut self.node_ports,
+        );
+        let model = std::mem::take(&mut self.model);
+        let joined = start.elapsed();
+        for (name, before) in &previous {
+            let ready = |s: Option<&Service>| s.map_or(0, Service::ready_endpoints);
+            self.ready_endpoints += ready(model.services.get(name));
+            self.ready_endpoints -= ready(before.as_ref());
+        }
+        // Only these differ from what the reconciler synced last.
+        let changed: BTreeSet<ServiceName> = previous
+            .iter()
+            .filter(|(name, before)| model.services.get(*name) != before.as_ref())
+            .map(|(name, _)| name.clone())
+            .collect();
+        let report =
+            self.reconciler
+                .sync_changed(&model, Some(&changed), &mut self.datapath.service_maps);
+        let reconciled = start.elapsed();
+        self.flush_udp(&report.removed_udp);
+        // Few services have a healthCheckNodePort: the others' changes leave the servers alone.
+        let health_checked = previous.iter().any(|(name, before)| {
+            let now = model.services.get(name);
+            now.into_iter()
+                .chain(before)
+                .any(Service::has_health_check_node_port)
+        });
+        if desired.changed.is_none() || health_checked {
+            self.service_health
+                .update(service_health::wanted(&model, self.reconciler.node_name()));
+        }
         let took = start.elapsed();
         let now = Timestamp::now();
         let m = &self.metrics;
         m.sync_duration.observe(took.as_secs_f64());
         m.last_sync_timestamp.set(unix_seconds(now));
+        let endpoints = self.ready_endpoints;
         m.services.set(model.services.len() as i64);
-        m.endpoints.set(model.ready_endpoints() as i64);
+        m.endpoints.set(endpoints as i64);
         m.map_write_failures.inc_by(report.failed as u64);
         for trigger in &desired.triggers {
             let latency = now.duration_since(*trigger).as_secs_f64();
@@ -596,22 +705,22 @@ impl State {
         log_sync(&Sync {
             report,
             services: model.services.len(),
-            endpoints: model.ready_endpoints(),
+            endpoints,
             failed_total: self.reconciler.failed_total,
+            stages: [read, joined - read, reconciled - joined, took - reconciled],
             took,
         });
+        self.model = model;
     }
 
-    /// kube-proxy's UDP conntrack flush: the connections to UDP endpoints that this sync
-    /// removed from the maps (`before`: those the maps held before it) are forgotten, so their
-    /// clients' next datagrams pick a live endpoint.
-    fn flush_udp(&mut self, before: &BTreeSet<UdpEndpoint>) {
-        let after = udp_flush::udp_endpoints(self.reconciler.written());
-        let removed: BTreeSet<UdpEndpoint> = before.difference(&after).copied().collect();
+    /// kube-proxy's UDP conntrack flush: the connections to UDP endpoints that the sync
+    /// removed from the maps are forgotten, so their clients' next datagrams pick a live
+    /// endpoint.
+    fn flush_udp(&mut self, removed: &BTreeSet<UdpEndpoint>) {
         if removed.is_empty() {
             return;
         }
-        match self.datapath.flush_udp(&removed) {
+        match self.datapath.flush_udp(removed) {
             Ok(entries) => info!(
                 endpoints = removed.len(),
                 entries, "UDP conntrack of removed endpoints flushed"
@@ -623,6 +732,10 @@ impl State {
 
 fn unix_seconds(t: Timestamp) -> f64 {
     t.as_nanosecond() as f64 / 1e9
+}
+
+fn ms(d: Duration) -> String {
+    format!("{:.1}", d.as_secs_f64() * 1000.0)
 }
 
 /// Logs the one line per sync.
@@ -639,7 +752,98 @@ fn log_sync(sync: &Sync) {
         backends_removed = r.backends_removed,
         failed_writes = r.failed,
         failed_writes_total = sync.failed_total,
-        took_ms = format!("{:.1}", sync.took.as_secs_f64() * 1000.0),
+        took_ms = ms(sync.took),
+        read_ms = ms(sync.stages[0]),
+        join_ms = ms(sync.stages[1]),
+        reconcile_ms = ms(sync.stages[2]),
+        rest_ms = ms(sync.stages[3]),
         "sync done"
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use notify::event::{
+        AccessKind, AccessMode, CreateKind, DataChange, EventKind, ModifyKind, RemoveKind,
+        RenameMode,
+    };
+
+    use super::*;
+
+    fn event(kind: EventKind, paths: &[&str]) -> notify::Event {
+        paths.iter().fold(notify::Event::new(kind), |e, p| {
+            e.add_path(PathBuf::from(p))
+        })
+    }
+
+    #[test]
+    fn a_file_being_written_waits_longer_than_a_complete_change() {
+        let mut writing = BTreeSet::new();
+        let created = event(EventKind::Create(CreateKind::File), &["/m/a.yaml"]);
+        assert_eq!(manifest_event_settle(&created, &mut writing), Some(SETTLE));
+        let written = event(
+            EventKind::Modify(ModifyKind::Data(DataChange::Content)),
+            &["/m/a.yaml"],
+        );
+        assert_eq!(manifest_event_settle(&written, &mut writing), Some(SETTLE));
+        // Another file renamed into place meanwhile: a.yaml is still being written.
+        let renamed = event(
+            EventKind::Modify(ModifyKind::Name(RenameMode::To)),
+            &["/m/b.yaml"],
+        );
+        assert_eq!(manifest_event_settle(&renamed, &mut writing), Some(SETTLE));
+        let closed = event(
+            EventKind::Access(AccessKind::Close(AccessMode::Write)),
+            &["/m/a.yaml"],
+        );
+        assert_eq!(
+            manifest_event_settle(&closed, &mut writing),
+            Some(COMPLETE_SETTLE)
+        );
+        assert_eq!(
+            manifest_event_settle(&renamed, &mut writing),
+            Some(COMPLETE_SETTLE)
+        );
+        let removed = event(EventKind::Remove(RemoveKind::File), &["/m/b.yaml"]);
+        assert_eq!(
+            manifest_event_settle(&removed, &mut writing),
+            Some(COMPLETE_SETTLE)
+        );
+    }
+
+    #[test]
+    fn events_that_change_no_manifest_are_ignored() {
+        let mut writing = BTreeSet::new();
+        let ignored = [
+            event(EventKind::Create(CreateKind::File), &["/m/.a.yaml.swp"]),
+            event(
+                EventKind::Modify(ModifyKind::Data(DataChange::Content)),
+                &["/m/notes.txt"],
+            ),
+            // Our own reads.
+            event(
+                EventKind::Access(AccessKind::Open(AccessMode::Any)),
+                &["/m/a.yaml"],
+            ),
+            event(
+                EventKind::Access(AccessKind::Close(AccessMode::Read)),
+                &["/m/a.yaml"],
+            ),
+        ];
+        for e in &ignored {
+            assert_eq!(manifest_event_settle(e, &mut writing), None, "{e:?}");
+        }
+        assert!(writing.is_empty());
+        // kubelet's ConfigMap volume swaps its `..data` link; a lost-events rescan may be anything.
+        let swapped = event(
+            EventKind::Modify(ModifyKind::Name(RenameMode::To)),
+            &["/m/..data"],
+        );
+        assert_eq!(
+            manifest_event_settle(&swapped, &mut writing),
+            Some(COMPLETE_SETTLE)
+        );
+        let rescan = notify::Event::new(EventKind::Other).set_flag(notify::event::Flag::Rescan);
+        assert_eq!(manifest_event_settle(&rescan, &mut writing), Some(SETTLE));
+    }
 }

@@ -1,10 +1,14 @@
 //! The manifest directory as a source: every `*.yaml`/`*.yml` file, several documents per file,
 //! v1 Services and discovery.k8s.io/v1 EndpointSlices. The directory is read as a whole: one bad
-//! document fails the whole read, so the caller keeps its last good state.
-use std::collections::BTreeMap;
+//! document fails the whole read, so the caller keeps its last good state. [`ManifestCache`]
+//! keeps each file's parse, so a load parses only the files that changed.
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
+use std::hash::{DefaultHasher, Hash as _, Hasher as _};
 use std::io;
+use std::os::unix::fs::MetadataExt as _;
 use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
@@ -13,10 +17,10 @@ use serde::de::DeserializeOwned;
 use tracing::debug;
 
 use crate::k8s::{self, InvalidField};
-use crate::model::{ServiceSpec, SliceSpec};
+use crate::model::{ServiceName, ServiceSpec, SliceSpec, Specs};
 
 /// Where in the directory: a file name and a 1-based document index.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Location {
     pub file: String,
     pub document: usize,
@@ -58,47 +62,304 @@ pub enum ManifestError {
     },
 }
 
-/// What the directory holds, in file and document order.
+/// The manifest directory as last loaded, file by file: a load parses again only the files
+/// that changed since, and tells which services changed with them.
 #[derive(Debug, Default)]
-pub struct Manifests {
-    pub services: Vec<ServiceSpec>,
-    pub slices: Vec<SliceSpec>,
+pub struct ManifestCache {
+    files: BTreeMap<PathBuf, CachedFile>,
+    specs: Specs,
+    /// Where each object is (kind, namespace/name): a name is unique across the directory.
+    names: BTreeMap<(&'static str, String), Location>,
+    /// Files parsed since the cache was made.
+    parses: u64,
 }
 
-/// Reads and validates every manifest file in `dir`.
-pub fn load_dir(dir: &Path) -> Result<Manifests, ManifestError> {
-    let read_dir_err = |source| ManifestError::ReadDir {
-        dir: dir.to_owned(),
-        source,
-    };
-    let mut files = Vec::new();
-    for entry in std::fs::read_dir(dir).map_err(read_dir_err)? {
-        let path = entry.map_err(read_dir_err)?.path();
-        if is_manifest(&path) {
-            files.push(path);
+/// A file as last parsed, and how to tell it has not changed since.
+#[derive(Debug)]
+struct CachedFile {
+    stamp: Stamp,
+    /// The stamp was taken so soon after the file's last change that a change right after it
+    /// may have left it as it is (timestamps are coarse): then the content hash decides.
+    racy: bool,
+    hash: u64,
+    objects: Vec<ObjectKey>,
+}
+
+/// What changes whenever the file's content does, unless `racy`: a rename gives another inode,
+/// a write a later mtime (and ctime).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Stamp {
+    dev: u64,
+    ino: u64,
+    len: u64,
+    mtime: (i64, i64),
+    ctime: (i64, i64),
+}
+
+/// A change within this much of a stamp's mtime or ctime may not move them.
+const RACY_MARGIN: Duration = Duration::from_secs(1);
+
+impl Stamp {
+    fn of(meta: &std::fs::Metadata) -> Stamp {
+        Stamp {
+            dev: meta.dev(),
+            ino: meta.ino(),
+            len: meta.len(),
+            mtime: (meta.mtime(), meta.mtime_nsec()),
+            ctime: (meta.ctime(), meta.ctime_nsec()),
         }
     }
-    files.sort();
 
-    let mut loader = Loader::default();
-    for path in files {
+    /// Whether a change made at `read_at` or later could leave this stamp as it is.
+    fn racy(&self, read_at: SystemTime) -> bool {
+        let newest = self.mtime.max(self.ctime);
+        let since_epoch = read_at.duration_since(UNIX_EPOCH).unwrap_or_default();
+        let margin = since_epoch.saturating_sub(RACY_MARGIN);
+        (margin.as_secs() as i64, i64::from(margin.subsec_nanos())) <= newest
+    }
+}
+
+/// A Service or EndpointSlice document of a file.
+#[derive(Debug)]
+struct ObjectKey {
+    at: Location,
+    kind: &'static str,
+    name: String,
+    /// The service its spec belongs to; None when it is not ours to use.
+    service: Option<ServiceName>,
+}
+
+/// A document of a file, validated.
+#[derive(Debug)]
+struct Object {
+    key: ObjectKey,
+    spec: Option<Spec>,
+}
+
+#[derive(Debug)]
+enum Spec {
+    Service(ServiceSpec),
+    Slice(SliceSpec),
+}
+
+/// What a load found of one file.
+enum Refresh {
+    Unchanged,
+    /// The same content under a new stamp.
+    Restamped {
+        stamp: Stamp,
+        racy: bool,
+    },
+    Parsed {
+        file: CachedFile,
+        objects: Vec<Object>,
+    },
+    /// Removed since it was listed.
+    Vanished,
+}
+
+impl ManifestCache {
+    /// What the directory held at the last load that succeeded.
+    pub fn specs(&self) -> &Specs {
+        &self.specs
+    }
+
+    /// Files parsed since the cache was made.
+    pub fn parses(&self) -> u64 {
+        self.parses
+    }
+
+    /// Reads and validates the manifest files of `dir` that changed since the last load;
+    /// returns the services whose spec or slices changed. On an error the cache stays as it
+    /// was (the next load reads the changed files again), so its specs are the last good state.
+    pub fn load(&mut self, dir: &Path) -> Result<BTreeSet<ServiceName>, ManifestError> {
+        let read_dir_err = |source| ManifestError::ReadDir {
+            dir: dir.to_owned(),
+            source,
+        };
+        let mut listed = BTreeMap::new();
+        for entry in std::fs::read_dir(dir).map_err(read_dir_err)? {
+            let path = entry.map_err(read_dir_err)?.path();
+            if !is_manifest_name(&path) {
+                continue;
+            }
+            match std::fs::metadata(&path) {
+                Ok(meta) if meta.is_file() => {
+                    listed.insert(path, Stamp::of(&meta));
+                }
+                // Removed since the listing, or not a file.
+                _ => {}
+            }
+        }
+
+        let mut replaced: BTreeSet<PathBuf> = self
+            .files
+            .keys()
+            .filter(|path| !listed.contains_key(*path))
+            .cloned()
+            .collect();
+        let mut parsed = Vec::new();
+        let mut restamped = Vec::new();
+        for (path, stamp) in listed {
+            match self.refresh(&path, stamp)? {
+                Refresh::Unchanged => {}
+                Refresh::Restamped { stamp, racy } => restamped.push((path, stamp, racy)),
+                Refresh::Parsed { file, objects } => {
+                    replaced.insert(path.clone());
+                    parsed.push((path, file, objects));
+                }
+                Refresh::Vanished => {
+                    replaced.insert(path);
+                }
+            }
+        }
+        self.check_unique(&parsed, &replaced)?;
+
+        let mut changed = BTreeSet::new();
+        for path in &replaced {
+            for key in self
+                .files
+                .remove(path)
+                .map(|f| f.objects)
+                .unwrap_or_default()
+            {
+                self.remove(&key);
+                changed.extend(key.service);
+            }
+        }
+        for (path, mut file, objects) in parsed {
+            for object in objects {
+                changed.extend(object.key.service.clone());
+                file.objects.push(self.insert(object));
+            }
+            self.files.insert(path, file);
+        }
+        for (path, stamp, racy) in restamped {
+            if let Some(file) = self.files.get_mut(&path) {
+                file.stamp = stamp;
+                file.racy = racy;
+            }
+        }
+        Ok(changed)
+    }
+
+    /// Reads and parses `path` unless its cached parse is of the same content.
+    fn refresh(&mut self, path: &Path, stamp: Stamp) -> Result<Refresh, ManifestError> {
+        let cached = self.files.get(path);
+        if cached.is_some_and(|c| c.stamp == stamp && !c.racy) {
+            return Ok(Refresh::Unchanged);
+        }
         let file = path
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default();
-        let text = match std::fs::read_to_string(&path) {
+        let read_at = SystemTime::now();
+        let text = match std::fs::read_to_string(path) {
             Ok(text) => text,
-            // Removed between listing and reading: the next event re-reads the directory.
-            Err(err) if err.kind() == io::ErrorKind::NotFound => continue,
+            // Removed since it was listed: the event of its removal brings another load.
+            Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(Refresh::Vanished),
             Err(source) => return Err(ManifestError::ReadFile { file, source }),
         };
-        loader.add_file(&file, &text)?;
+        let hash = content_hash(&text);
+        let racy = stamp.racy(read_at);
+        if cached.is_some_and(|c| c.hash == hash) {
+            return Ok(Refresh::Restamped { stamp, racy });
+        }
+        debug!(file, "parsing");
+        self.parses += 1;
+        let objects = parse_file(&file, &text)?;
+        Ok(Refresh::Parsed {
+            file: CachedFile {
+                stamp,
+                racy,
+                hash,
+                objects: Vec::new(),
+            },
+            objects,
+        })
     }
-    Ok(loader.manifests)
+
+    /// Fails when a name of `parsed` (in file order) is given twice, among them or by a file
+    /// that stays (not in `replaced`).
+    fn check_unique(
+        &self,
+        parsed: &[(PathBuf, CachedFile, Vec<Object>)],
+        replaced: &BTreeSet<PathBuf>,
+    ) -> Result<(), ManifestError> {
+        let mut seen: BTreeMap<(&'static str, &str), &Location> = BTreeMap::new();
+        let stays = |at: &Location| {
+            !replaced
+                .iter()
+                .any(|p| p.file_name() == Some(std::ffi::OsStr::new(&at.file)))
+        };
+        for (_, _, objects) in parsed {
+            for ObjectKey { at, kind, name, .. } in objects.iter().map(|o| &o.key) {
+                let held = self
+                    .names
+                    .get(&(*kind, name.clone()))
+                    .filter(|held| stays(held));
+                if let Some(other) = seen.get(&(*kind, name.as_str())).copied().or(held) {
+                    let (first, at) = if other < at { (other, at) } else { (at, other) };
+                    return Err(ManifestError::Duplicate {
+                        at: at.clone(),
+                        kind,
+                        name: name.clone(),
+                        first: first.clone(),
+                    });
+                }
+                seen.insert((*kind, name), at);
+            }
+        }
+        Ok(())
+    }
+
+    fn remove(&mut self, key: &ObjectKey) {
+        self.names.remove(&(key.kind, key.name.clone()));
+        let Some(service) = &key.service else {
+            return;
+        };
+        if key.kind == SERVICE {
+            self.specs.services.remove(service);
+        } else if let Some(slices) = self.specs.slices.get_mut(service) {
+            slices.remove(&(key.at.file.clone(), key.at.document));
+            if slices.is_empty() {
+                self.specs.slices.remove(service);
+            }
+        }
+    }
+
+    fn insert(&mut self, object: Object) -> ObjectKey {
+        let key = object.key;
+        self.names
+            .insert((key.kind, key.name.clone()), key.at.clone());
+        match object.spec {
+            Some(Spec::Service(spec)) => {
+                self.specs.services.insert(spec.name.clone(), spec);
+            }
+            Some(Spec::Slice(spec)) => {
+                self.specs
+                    .slices
+                    .entry(spec.service.clone())
+                    .or_default()
+                    .insert((key.at.file.clone(), key.at.document), spec);
+            }
+            None => {}
+        }
+        key
+    }
+}
+
+const SERVICE: &str = "Service";
+const ENDPOINT_SLICE: &str = "EndpointSlice";
+
+fn content_hash(text: &str) -> u64 {
+    let mut hasher = DefaultHasher::new();
+    text.hash(&mut hasher);
+    hasher.finish()
 }
 
 /// `*.yaml` and `*.yml`, but not hidden files (editors' and tools' temporaries).
-fn is_manifest(path: &Path) -> bool {
+pub fn is_manifest_name(path: &Path) -> bool {
     let hidden = path
         .file_name()
         .and_then(|n| n.to_str())
@@ -107,98 +368,81 @@ fn is_manifest(path: &Path) -> bool {
         .extension()
         .and_then(|e| e.to_str())
         .is_some_and(|e| e == "yaml" || e == "yml");
-    path.is_file() && yaml && !hidden
+    yaml && !hidden
 }
 
-#[derive(Default)]
-struct Loader {
-    manifests: Manifests,
-    seen: BTreeMap<(&'static str, String), Location>,
-}
-
-impl Loader {
-    fn add_file(&mut self, file: &str, text: &str) -> Result<(), ManifestError> {
-        for (i, document) in serde_yaml::Deserializer::from_str(text).enumerate() {
-            let at = Location {
-                file: file.to_owned(),
-                document: i + 1,
-            };
-            let value =
-                serde_yaml::Value::deserialize(document).map_err(|source| ManifestError::Yaml {
-                    at: at.clone(),
-                    source,
-                })?;
-            self.add_document(at, value)?;
-        }
-        Ok(())
-    }
-
-    fn add_document(
-        &mut self,
-        at: Location,
-        value: serde_yaml::Value,
-    ) -> Result<(), ManifestError> {
-        if value.is_null() {
-            return Ok(());
-        }
-        let api_version = value.get("apiVersion").and_then(|v| v.as_str());
-        let kind = value.get("kind").and_then(|v| v.as_str());
-        let (Some(api_version), Some(kind)) = (api_version, kind) else {
-            return Err(ManifestError::MissingKind {
-                field: if api_version.is_none() {
-                    "apiVersion: missing"
-                } else {
-                    "kind: missing"
-                },
-                at,
-            });
+/// Every Service and EndpointSlice document of one file, validated.
+fn parse_file(file: &str, text: &str) -> Result<Vec<Object>, ManifestError> {
+    let mut objects = Vec::new();
+    for (i, document) in serde_yaml::Deserializer::from_str(text).enumerate() {
+        let at = Location {
+            file: file.to_owned(),
+            document: i + 1,
         };
-        match (api_version, kind) {
-            ("v1", "Service") => {
-                let svc: Service = decode(&at, value)?;
-                let name = object_key(&svc.metadata);
-                self.check_unique(&at, "Service", name)?;
-                let spec = k8s::service(&svc).map_err(|source| ManifestError::Invalid {
-                    at: at.clone(),
-                    source,
-                })?;
-                self.manifests.services.extend(spec);
-            }
-            ("discovery.k8s.io/v1", "EndpointSlice") => {
-                let slice: EndpointSlice = decode(&at, value)?;
-                let name = object_key(&slice.metadata);
-                self.check_unique(&at, "EndpointSlice", name)?;
-                let spec =
-                    k8s::endpoint_slice(&slice).map_err(|source| ManifestError::Invalid {
-                        at: at.clone(),
-                        source,
-                    })?;
-                self.manifests.slices.extend(spec);
-            }
-            (api_version, kind) => {
-                debug!(%at, api_version, kind, "ignored: not a Service or EndpointSlice")
-            }
-        }
-        Ok(())
-    }
-
-    fn check_unique(
-        &mut self,
-        at: &Location,
-        kind: &'static str,
-        name: String,
-    ) -> Result<(), ManifestError> {
-        if let Some(first) = self.seen.get(&(kind, name.clone())) {
-            return Err(ManifestError::Duplicate {
+        let value =
+            serde_yaml::Value::deserialize(document).map_err(|source| ManifestError::Yaml {
                 at: at.clone(),
-                kind,
-                name,
-                first: first.clone(),
-            });
-        }
-        self.seen.insert((kind, name), at.clone());
-        Ok(())
+                source,
+            })?;
+        objects.extend(parse_document(at, value)?);
     }
+    Ok(objects)
+}
+
+fn parse_document(at: Location, value: serde_yaml::Value) -> Result<Option<Object>, ManifestError> {
+    if value.is_null() {
+        return Ok(None);
+    }
+    let api_version = value.get("apiVersion").and_then(|v| v.as_str());
+    let kind = value.get("kind").and_then(|v| v.as_str());
+    let (Some(api_version), Some(kind)) = (api_version, kind) else {
+        return Err(ManifestError::MissingKind {
+            field: if api_version.is_none() {
+                "apiVersion: missing"
+            } else {
+                "kind: missing"
+            },
+            at,
+        });
+    };
+    let invalid = |at: &Location| {
+        let at = at.clone();
+        move |source| ManifestError::Invalid { at, source }
+    };
+    let (kind, name, spec) = match (api_version, kind) {
+        ("v1", "Service") => {
+            let svc: Service = decode(&at, value)?;
+            let spec = k8s::service(&svc).map_err(invalid(&at))?;
+            (SERVICE, object_key(&svc.metadata), spec.map(Spec::Service))
+        }
+        ("discovery.k8s.io/v1", "EndpointSlice") => {
+            let slice: EndpointSlice = decode(&at, value)?;
+            let spec = k8s::endpoint_slice(&slice).map_err(invalid(&at))?;
+            (
+                ENDPOINT_SLICE,
+                object_key(&slice.metadata),
+                spec.map(Spec::Slice),
+            )
+        }
+        (api_version, kind) => {
+            debug!(%at, api_version, kind, "ignored: not a Service or EndpointSlice");
+            return Ok(None);
+        }
+    };
+    let service = spec.as_ref().map(|spec| match spec {
+        Spec::Service(s) => s.name.clone(),
+        Spec::Slice(s) => s.service.clone(),
+    });
+    let object = Object {
+        key: ObjectKey {
+            at,
+            kind,
+            name,
+            service,
+        },
+        spec,
+    };
+    Ok(Some(object))
 }
 
 fn object_key(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> String {
@@ -223,6 +467,8 @@ fn decode<T: DeserializeOwned>(
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
     use super::*;
 
     const SERVICES: &str = "\
@@ -249,20 +495,33 @@ ports: [{name: http, port: 8080}]
 endpoints: [{addresses: [10.244.1.2]}]
 ";
 
-    fn load(files: &[(&str, &str)]) -> Result<Manifests, ManifestError> {
-        let mut loader = Loader::default();
+    /// What a directory of `files` holds: its services, and its slices in order.
+    fn load(files: &[(&str, &str)]) -> Result<(Vec<ServiceSpec>, Vec<SliceSpec>), ManifestError> {
+        let dir = TempDir::new(&format!("load-{}", COUNTER.fetch_add(1, Ordering::Relaxed)));
         for (file, text) in files {
-            loader.add_file(file, text)?;
+            std::fs::write(dir.0.join(file), text).unwrap();
         }
-        Ok(loader.manifests)
+        let mut cache = ManifestCache::default();
+        cache.load(&dir.0)?;
+        let specs = cache.specs();
+        Ok((
+            specs.services.values().cloned().collect(),
+            specs
+                .slices
+                .values()
+                .flat_map(|s| s.values().cloned())
+                .collect(),
+        ))
     }
+
+    static COUNTER: AtomicUsize = AtomicUsize::new(0);
 
     #[test]
     fn several_documents_and_kinds() {
-        let m = load(&[("services.yaml", SERVICES)]).unwrap();
-        assert_eq!(m.services.len(), 1);
-        assert_eq!(m.slices.len(), 1);
-        assert_eq!(m.services[0].ports[0].node_port, Some(30080));
+        let (services, slices) = load(&[("services.yaml", SERVICES)]).unwrap();
+        assert_eq!(services.len(), 1);
+        assert_eq!(slices.len(), 1);
+        assert_eq!(services[0].ports[0].node_port, Some(30080));
     }
 
     #[test]
@@ -306,16 +565,180 @@ endpoints: [{addresses: [10.244.1.2]}]
         );
     }
 
+    struct TempDir(PathBuf);
+
+    impl TempDir {
+        fn new(test: &str) -> TempDir {
+            let dir = std::env::temp_dir().join(format!("lb-{test}-{}", std::process::id()));
+            std::fs::create_dir_all(&dir).unwrap();
+            TempDir(dir)
+        }
+
+        /// As tools write: a whole file renamed into place.
+        fn replace(&self, file: &str, text: &str) {
+            let tmp = self.0.join(format!(".{file}.tmp"));
+            std::fs::write(&tmp, text).unwrap();
+            std::fs::rename(tmp, self.0.join(file)).unwrap();
+        }
+    }
+
+    impl Drop for TempDir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn service_yaml(name: &str, ip: &str) -> String {
+        format!(
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}}}\nspec:\n  clusterIP: {ip}\n  \
+             ports: [{{port: 80}}]\n"
+        )
+    }
+
+    fn names(cache: &ManifestCache) -> Vec<(String, std::net::Ipv4Addr)> {
+        cache
+            .specs()
+            .services
+            .values()
+            .map(|s| (s.name.name.clone(), s.cluster_ip))
+            .collect()
+    }
+
+    fn service_name(name: &str) -> ServiceName {
+        ServiceName {
+            namespace: "default".into(),
+            name: name.into(),
+        }
+    }
+
+    #[test]
+    fn cache_parses_only_changed_files() {
+        let dir = TempDir::new("cache-changed");
+        dir.replace("a.yaml", &service_yaml("a", "10.96.0.1"));
+        dir.replace("b.yaml", &service_yaml("b", "10.96.0.2"));
+        let mut cache = ManifestCache::default();
+        let changed = cache.load(&dir.0).unwrap();
+        assert_eq!(changed, [service_name("a"), service_name("b")].into());
+        assert_eq!(cache.parses(), 2);
+
+        let changed = cache.load(&dir.0).unwrap();
+        assert!(changed.is_empty());
+        assert_eq!(names(&cache).len(), 2);
+        assert_eq!(cache.parses(), 2, "nothing changed, nothing parsed");
+
+        dir.replace("b.yaml", &service_yaml("b", "10.96.0.22"));
+        let changed = cache.load(&dir.0).unwrap();
+        assert_eq!(changed, [service_name("b")].into());
+        assert_eq!(cache.parses(), 3, "b only");
+        assert_eq!(
+            names(&cache),
+            [
+                ("a".to_string(), "10.96.0.1".parse().unwrap()),
+                ("b".to_string(), "10.96.0.22".parse().unwrap())
+            ]
+        );
+    }
+
+    /// Timestamps are coarse: a file rewritten in place to the same length right after a load
+    /// may keep its mtime, and is still seen to change.
+    #[test]
+    fn cache_sees_an_in_place_rewrite_of_the_same_length() {
+        let dir = TempDir::new("cache-in-place");
+        let path = dir.0.join("a.yaml");
+        std::fs::write(&path, service_yaml("a", "10.96.0.1")).unwrap();
+        let mut cache = ManifestCache::default();
+        cache.load(&dir.0).unwrap();
+        std::fs::write(&path, service_yaml("a", "10.96.0.2")).unwrap();
+        assert_eq!(cache.load(&dir.0).unwrap(), [service_name("a")].into());
+        assert_eq!(
+            names(&cache),
+            [("a".to_string(), "10.96.0.2".parse().unwrap())]
+        );
+    }
+
+    /// A removed file's services go; a Service that moves to another file stays.
+    #[test]
+    fn cache_forgets_a_removed_file() {
+        let dir = TempDir::new("cache-removed");
+        dir.replace("a.yaml", &service_yaml("a", "10.96.0.1"));
+        dir.replace("b.yaml", &service_yaml("b", "10.96.0.2"));
+        let mut cache = ManifestCache::default();
+        cache.load(&dir.0).unwrap();
+        std::fs::remove_file(dir.0.join("a.yaml")).unwrap();
+        assert_eq!(cache.load(&dir.0).unwrap(), [service_name("a")].into());
+        assert_eq!(
+            names(&cache),
+            [("b".to_string(), "10.96.0.2".parse().unwrap())]
+        );
+        assert_eq!(cache.parses(), 2);
+
+        dir.replace("c.yaml", &service_yaml("b", "10.96.0.2"));
+        std::fs::remove_file(dir.0.join("b.yaml")).unwrap();
+        cache.load(&dir.0).unwrap();
+        assert_eq!(
+            names(&cache),
+            [("b".to_string(), "10.96.0.2".parse().unwrap())]
+        );
+    }
+
+    /// A broken file fails the whole load, naming the file, and leaves the cache's specs as
+    /// they were (the agent keeps the maps as they are); once it is fixed, the load succeeds.
+    #[test]
+    fn cache_keeps_the_last_good_state_while_a_file_is_broken() {
+        let dir = TempDir::new("cache-broken");
+        dir.replace("a.yaml", &service_yaml("a", "10.96.0.1"));
+        dir.replace("b.yaml", &service_yaml("b", "10.96.0.2"));
+        let mut cache = ManifestCache::default();
+        cache.load(&dir.0).unwrap();
+        let good = names(&cache);
+        dir.replace("b.yaml", &service_yaml("b", "10.96.0.999"));
+        let err = cache.load(&dir.0).unwrap_err().to_string();
+        assert!(
+            err.starts_with("b.yaml: document 1: spec.clusterIP: "),
+            "{err}"
+        );
+        assert_eq!(names(&cache), good);
+        let err = cache.load(&dir.0).unwrap_err().to_string();
+        assert!(
+            err.starts_with("b.yaml: document 1: "),
+            "still broken: {err}"
+        );
+        dir.replace("b.yaml", &service_yaml("b", "10.96.0.3"));
+        assert_eq!(cache.load(&dir.0).unwrap(), [service_name("b")].into());
+        assert_eq!(
+            names(&cache)[1],
+            ("b".to_string(), "10.96.0.3".parse().unwrap())
+        );
+        assert_eq!(cache.parses(), 5, "a once, b four times");
+    }
+
+    /// A name given again by a changed file fails, whichever file comes first.
+    #[test]
+    fn cache_rejects_a_name_another_file_holds() {
+        let dir = TempDir::new("cache-duplicate");
+        dir.replace("b.yaml", &service_yaml("x", "10.96.0.1"));
+        let mut cache = ManifestCache::default();
+        cache.load(&dir.0).unwrap();
+        dir.replace("a.yaml", &service_yaml("x", "10.96.0.2"));
+        let err = cache.load(&dir.0).unwrap_err().to_string();
+        assert_eq!(
+            err,
+            "b.yaml: document 1: duplicate Service default/x (first at a.yaml: document 1)"
+        );
+        assert_eq!(
+            names(&cache),
+            [("x".to_string(), "10.96.0.1".parse().unwrap())]
+        );
+    }
+
     #[test]
     fn directory_filters_manifest_files() {
-        let dir = std::env::temp_dir().join(format!("lb-manifests-test-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        std::fs::write(dir.join("svc.yaml"), SERVICES).unwrap();
-        std::fs::write(dir.join("notes.txt"), "not yaml: [").unwrap();
-        std::fs::write(dir.join(".svc.yaml.swp"), "not yaml: [").unwrap();
-        let loaded = load_dir(&dir);
-        std::fs::remove_dir_all(&dir).unwrap();
-        let m = loaded.unwrap();
-        assert_eq!((m.services.len(), m.slices.len()), (1, 1));
+        let (services, slices) = load(&[
+            ("svc.yaml", SERVICES),
+            ("notes.txt", "not yaml: ["),
+            (".svc.yaml.swp", "not yaml: ["),
+        ])
+        .unwrap();
+        assert_eq!((services.len(), slices.len()), (1, 1));
     }
 }

@@ -305,6 +305,21 @@ pub enum Topology {
     SameZone,
 }
 
+impl Service {
+    /// Ready endpoints over its ports.
+    pub fn ready_endpoints(&self) -> usize {
+        self.ports
+            .iter()
+            .map(|p| p.endpoints.iter().filter(|e| e.ready()).count())
+            .sum()
+    }
+
+    /// Whether it has a healthCheckNodePort to serve.
+    pub fn has_health_check_node_port(&self) -> bool {
+        self.traffic.health_check_node_port.is_some()
+    }
+}
+
 impl ServicePort {
     /// kube-proxy's CategorizeEndpoints: the endpoints traffic policy Cluster uses (ready ones,
     /// narrowed by [`ServicePort::topology`]; else serving terminating ones, without topology),
@@ -359,6 +374,35 @@ impl ServicePort {
     }
 }
 
+/// The desired state as a source holds it, indexed by service, so that a sync joins only the
+/// services that changed.
+#[derive(Debug, Default)]
+pub struct Specs {
+    pub services: BTreeMap<ServiceName, ServiceSpec>,
+    /// Each service's slices in the source's order, which decides where two slices give one
+    /// address different node names or hints: (file, document) for manifests.
+    pub slices: BTreeMap<ServiceName, BTreeMap<(String, usize), SliceSpec>>,
+}
+
+impl Specs {
+    /// From lists: a later service of the same name replaces an earlier one; slices keep their
+    /// order.
+    pub fn from_lists(services: Vec<ServiceSpec>, slices: Vec<SliceSpec>) -> Specs {
+        let mut specs = Specs {
+            services: services.into_iter().map(|s| (s.name.clone(), s)).collect(),
+            slices: BTreeMap::new(),
+        };
+        for (i, slice) in slices.into_iter().enumerate() {
+            specs
+                .slices
+                .entry(slice.service.clone())
+                .or_default()
+                .insert((String::new(), i), slice);
+        }
+        specs
+    }
+}
+
 impl Model {
     /// Joins slices to services (same namespace, `kubernetes.io/service-name`) and gives every
     /// node-exposed port without a nodePort one from `node_ports`.
@@ -371,22 +415,29 @@ impl Model {
         slices: &[SliceSpec],
         node_ports: &mut NodePortAllocator,
     ) -> Model {
-        let mut slices_by_service: BTreeMap<&ServiceName, Vec<&SliceSpec>> = BTreeMap::new();
-        for slice in slices {
-            slices_by_service
-                .entry(&slice.service)
-                .or_default()
-                .push(slice);
-        }
+        let mut model = Model::default();
+        model.update(
+            &Specs::from_lists(services, slices.to_vec()),
+            None,
+            node_ports,
+        );
+        model
+    }
 
-        let explicit: BTreeSet<u16> = services
-            .iter()
-            .filter(|s| s.node_ports)
+    /// Brings the model to `specs` as [`Model::join`] would, joining again only the services in
+    /// `changed` (None: every one) and those whose allocated nodePort moved; returns the
+    /// services joined again, each with what it was before (None: it is new).
+    pub fn update(
+        &mut self,
+        specs: &Specs,
+        changed: Option<&BTreeSet<ServiceName>>,
+        node_ports: &mut NodePortAllocator,
+    ) -> BTreeMap<ServiceName, Option<Service>> {
+        let node_exposed = || specs.services.values().filter(|s| s.node_ports);
+        let explicit: BTreeSet<u16> = node_exposed()
             .flat_map(|s| s.ports.iter().filter_map(|p| p.node_port))
             .collect();
-        let wanted: Vec<ServicePortId> = services
-            .iter()
-            .filter(|s| s.node_ports)
+        let wanted: Vec<ServicePortId> = node_exposed()
             .flat_map(|s| {
                 s.ports
                     .iter()
@@ -398,55 +449,44 @@ impl Model {
                     })
             })
             .collect();
+        let before = node_ports.assigned().clone();
         let allocated = node_ports.assign(&explicit, &wanted);
 
-        let mut model = Model::default();
-        for spec in services {
-            let service_slices = slices_by_service
-                .get(&spec.name)
-                .map(Vec::as_slice)
-                .unwrap_or_default();
-            let ports = spec
-                .ports
-                .into_iter()
-                .map(|p| {
-                    let node_port = if spec.node_ports {
-                        p.node_port.or_else(|| {
-                            allocated
-                                .get(&ServicePortId {
-                                    service: spec.name.clone(),
-                                    port_name: p.name.clone(),
-                                    protocol: p.protocol,
-                                })
-                                .copied()
-                        })
-                    } else {
-                        None
-                    };
-                    let endpoints = endpoints_of(&p, service_slices);
-                    ServicePort {
-                        name: p.name,
-                        protocol: p.protocol,
-                        port: p.port,
-                        node_port,
-                        target_port: p.target_port,
-                        endpoints,
-                    }
-                })
-                .collect();
-            model.services.insert(
-                spec.name,
-                Service {
-                    cluster_ip: spec.cluster_ip,
-                    affinity_timeout_s: spec.affinity_timeout_s,
-                    traffic: spec.traffic,
-                    scheduler: spec.scheduler,
-                    external: spec.external,
-                    ports,
-                },
-            );
+        let mut dirty: BTreeSet<ServiceName> = match changed {
+            Some(changed) => changed.clone(),
+            None => specs
+                .services
+                .keys()
+                .chain(self.services.keys())
+                .cloned()
+                .collect(),
+        };
+        let moved = |a: &BTreeMap<ServicePortId, u16>, b: &BTreeMap<ServicePortId, u16>| {
+            a.iter()
+                .filter(|(id, port)| b.get(*id) != Some(*port))
+                .map(|(id, _)| id.service.clone())
+                .collect::<Vec<_>>()
+        };
+        dirty.extend(moved(&before, &allocated));
+        dirty.extend(moved(&allocated, &before));
+
+        let mut previous = BTreeMap::new();
+        for name in dirty {
+            let before = match specs.services.get(&name) {
+                Some(spec) => {
+                    let slices: Vec<&SliceSpec> = specs
+                        .slices
+                        .get(&name)
+                        .map(|slices| slices.values().collect())
+                        .unwrap_or_default();
+                    self.services
+                        .insert(name.clone(), join_service(spec, &slices, &allocated))
+                }
+                None => self.services.remove(&name),
+            };
+            previous.insert(name, before);
         }
-        model
+        previous
     }
 
     /// Every service port with its identity.
@@ -468,9 +508,50 @@ impl Model {
 
     /// Ready endpoints over all service ports.
     pub fn ready_endpoints(&self) -> usize {
-        self.ports()
-            .map(|(_, _, p)| p.endpoints.iter().filter(|e| e.ready()).count())
-            .sum()
+        self.services.values().map(Service::ready_endpoints).sum()
+    }
+}
+
+/// One service joined with its slices.
+fn join_service(
+    spec: &ServiceSpec,
+    slices: &[&SliceSpec],
+    allocated: &BTreeMap<ServicePortId, u16>,
+) -> Service {
+    let ports = spec
+        .ports
+        .iter()
+        .map(|p| {
+            let node_port = if spec.node_ports {
+                p.node_port.or_else(|| {
+                    allocated
+                        .get(&ServicePortId {
+                            service: spec.name.clone(),
+                            port_name: p.name.clone(),
+                            protocol: p.protocol,
+                        })
+                        .copied()
+                })
+            } else {
+                None
+            };
+            ServicePort {
+                name: p.name.clone(),
+                protocol: p.protocol,
+                port: p.port,
+                node_port,
+                target_port: p.target_port.clone(),
+                endpoints: endpoints_of(p, slices),
+            }
+        })
+        .collect();
+    Service {
+        cluster_ip: spec.cluster_ip,
+        affinity_timeout_s: spec.affinity_timeout_s,
+        traffic: spec.traffic,
+        scheduler: spec.scheduler,
+        external: spec.external.clone(),
+        ports,
     }
 }
 

@@ -25,6 +25,11 @@ impl NodePortAllocator {
         }
     }
 
+    /// The ports given by the last [`NodePortAllocator::assign`].
+    pub fn assigned(&self) -> &BTreeMap<ServicePortId, u16> {
+        &self.assigned
+    }
+
     /// Gives each of `wanted` a port in the range that is not in `explicit` (the nodePorts the
     /// manifests name) nor given to another. Ports of service ports no longer wanted are freed.
     /// A port that cannot get one (range exhausted) is left out, with a warning.

@@ -12,7 +12,8 @@ use tracing::{error, warn};
 
 use crate::error_chain;
 use crate::maglev;
-use crate::model::{Endpoint, Model, Scheduler, ServicePortId};
+use crate::model::{Endpoint, Model, Protocol, Scheduler, Service, ServiceName, ServicePortId};
+use crate::udp_flush::{self, UdpEndpoint};
 
 /// The two service maps, as the reconciler writes them: the aya maps, or a fake in tests. Each
 /// call writes one phase of a sync, in order (one batch syscall on the aya maps), and returns
@@ -60,6 +61,9 @@ pub struct SyncReport {
     pub source_ranges_removed: usize,
     /// Map writes that failed in this sync; they are retried by the next one.
     pub failed: usize,
+    /// The endpoints of UDP service ports that this sync removed from the maps: their
+    /// conntrack entries are to be flushed.
+    pub removed_udp: BTreeSet<UdpEndpoint>,
 }
 
 impl SyncReport {
@@ -73,6 +77,77 @@ impl SyncReport {
             + self.source_ranges_added
             + self.source_ranges_removed
             > 0
+    }
+}
+
+/// What each service put in the maps at the last sync, so that the next one recomputes only the
+/// services that changed. A sync without failures leaves the maps holding exactly the desired
+/// contents, so these are the keys of `written`.
+#[derive(Debug)]
+struct LastSync {
+    /// What every service's contents depend on besides the service.
+    settings: Settings,
+    services: BTreeMap<ServiceName, Contribution>,
+    /// How many services have each ClusterIP catch-all (services may share a ClusterIP).
+    catch_alls: BTreeMap<FrontendKey, usize>,
+    /// A frontend was claimed by two services: which one has it depends on every service.
+    conflicted: bool,
+}
+
+impl LastSync {
+    /// Counts a service with this ClusterIP; puts its catch-all in `desired`.
+    fn add_catch_all(&mut self, cluster_ip: Ipv4Addr, desired: &mut MapContents) -> FrontendKey {
+        let key = FrontendKey::any_port(ipv4_be(cluster_ip.octets()));
+        *self.catch_alls.entry(key).or_default() += 1;
+        desired.frontends.entry(key).or_default();
+        key
+    }
+
+    /// Returns the key if no other service has it.
+    fn remove_catch_all(&mut self, cluster_ip: Ipv4Addr) -> Option<FrontendKey> {
+        let key = FrontendKey::any_port(ipv4_be(cluster_ip.octets()));
+        let count = self.catch_alls.get_mut(&key)?;
+        *count -= 1;
+        if *count > 0 {
+            return None;
+        }
+        self.catch_alls.remove(&key);
+        Some(key)
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Settings {
+    node_port_addrs: Vec<Ipv4Addr>,
+    node_name: String,
+    zone: String,
+    default_scheduler: Scheduler,
+}
+
+/// What one service put into the desired contents.
+#[derive(Debug)]
+struct Contribution {
+    cluster_ip: Ipv4Addr,
+    /// Its ports' names and protocols.
+    ports: Vec<(String, Protocol)>,
+    frontends: Vec<FrontendKey>,
+    backends: Vec<BackendKey>,
+    source_ranges: Vec<SourceRange>,
+}
+
+/// The keys a sync diffs.
+#[derive(Debug, Default)]
+struct Scope {
+    frontends: BTreeSet<FrontendKey>,
+    backends: BTreeSet<BackendKey>,
+    source_ranges: BTreeSet<SourceRange>,
+}
+
+impl Scope {
+    fn add(&mut self, contribution: &Contribution) {
+        self.frontends.extend(&contribution.frontends);
+        self.backends.extend(&contribution.backends);
+        self.source_ranges.extend(&contribution.source_ranges);
     }
 }
 
@@ -96,6 +171,8 @@ pub struct Reconciler {
     written: MapContents,
     /// Failed map writes since start.
     pub failed_total: u64,
+    /// What the last sync put in the maps, when the next sync may start from it.
+    last: Option<LastSync>,
 }
 
 impl Reconciler {
@@ -118,6 +195,7 @@ impl Reconciler {
             adopt_ids: true,
             written: existing,
             failed_total: 0,
+            last: None,
         }
     }
 
@@ -162,6 +240,11 @@ impl Reconciler {
 
     /// The map contents for `model`; gives new service ports their ids.
     pub fn desired(&mut self, model: &Model) -> MapContents {
+        self.full(model).0
+    }
+
+    /// The map contents for `model` computed whole, and what each service put there.
+    fn full(&mut self, model: &Model) -> (MapContents, LastSync) {
         let mut ids = BTreeMap::new();
         let mut taken = BTreeSet::new();
         let mut fresh = Vec::new();
@@ -191,7 +274,50 @@ impl Reconciler {
         self.ids = ids;
 
         let mut desired = MapContents::default();
-        for (id, service, port) in model.ports() {
+        let mut last = LastSync {
+            settings: self.settings(),
+            services: BTreeMap::new(),
+            catch_alls: BTreeMap::new(),
+            conflicted: false,
+        };
+        for (name, service) in &model.services {
+            let (contribution, conflicted) = self.put_service(name, service, &mut desired);
+            last.conflicted |= conflicted;
+            last.services.insert(name.clone(), contribution);
+        }
+        // Ports a ClusterIP does not define are rejected, as by kube-proxy.
+        for service in model.services.values() {
+            last.add_catch_all(service.cluster_ip, &mut desired);
+        }
+        (desired, last)
+    }
+
+    /// Puts the map contents of service `name` into `desired`; returns what it put there, and
+    /// whether a frontend was skipped as another service's.
+    fn put_service(
+        &self,
+        name: &ServiceName,
+        service: &Service,
+        desired: &mut MapContents,
+    ) -> (Contribution, bool) {
+        let mut contribution = Contribution {
+            cluster_ip: service.cluster_ip,
+            ports: service
+                .ports
+                .iter()
+                .map(|p| (p.name.clone(), p.protocol))
+                .collect(),
+            frontends: Vec::new(),
+            backends: Vec::new(),
+            source_ranges: Vec::new(),
+        };
+        let mut conflicted = false;
+        for port in &service.ports {
+            let id = ServicePortId {
+                service: name.clone(),
+                port_name: port.name.clone(),
+                protocol: port.protocol,
+            };
             let service_id = self.ids[&id];
             let traffic = &service.traffic;
             let external = &service.external;
@@ -201,13 +327,18 @@ impl Reconciler {
             let scheduler = service.scheduler.unwrap_or(self.default_scheduler);
             let maglev = scheduler == Scheduler::Maglev;
             let (cluster, local) = port.policy_endpoints(&self.node_name, &self.zone);
-            let backend_count = self.list(service_id, 0, &cluster, maglev, &mut desired);
+            let backend_count = self.list(service_id, 0, &cluster, maglev, desired);
             // The Local list is only written for a port whose traffic uses it.
             let local_count = if traffic.internal_local || external_local {
-                self.list(service_id, LOCAL_SLOT, &local, maglev, &mut desired)
+                self.list(service_id, LOCAL_SLOT, &local, maglev, desired)
             } else {
                 0
             };
+            contribution.backends.extend(
+                (0..backend_count)
+                    .chain((0..local_count).map(|slot| LOCAL_SLOT + slot))
+                    .map(|slot| BackendKey { service_id, slot }),
+            );
             let proto = port.protocol.ipproto();
             let cluster_ip_flags = if traffic.internal_local {
                 FRONTEND_F_LOCAL
@@ -243,12 +374,12 @@ impl Reconciler {
                 frontends.push((frontend_key(*addr, port.port, proto), load_balancer_flags));
             }
             if firewalled && !external.load_balancer_ips.is_empty() {
-                desired.source_ranges.extend(
-                    external
-                        .source_ranges
-                        .iter()
-                        .map(|&net| SourceRange { service_id, net }),
-                );
+                for &net in &external.source_ranges {
+                    let range = SourceRange { service_id, net };
+                    if desired.source_ranges.insert(range) {
+                        contribution.source_ranges.push(range);
+                    }
+                }
             }
             for (key, flags) in frontends {
                 let value = Frontend {
@@ -261,17 +392,87 @@ impl Reconciler {
                 };
                 if let Some(other) = desired.frontends.get(&key) {
                     warn!(service_port = %id, addr = %Ipv4Addr::from(key.addr.to_ne_bytes()), port = u16::from_be(key.port), proto = key.proto, other_service_id = other.service_id, "frontend already taken by another service port: skipped");
+                    conflicted = true;
                     continue;
                 }
                 desired.frontends.insert(key, value);
+                contribution.frontends.push(key);
             }
         }
-        // Ports a ClusterIP does not define are rejected, as by kube-proxy.
-        for service in model.services.values() {
-            let key = FrontendKey::any_port(ipv4_be(service.cluster_ip.octets()));
-            desired.frontends.entry(key).or_default();
+        (contribution, conflicted)
+    }
+
+    /// Updates `last` to `model`, where only the services in `changed` differ from the last
+    /// sync's; returns their desired contents and the keys they had or have, or None when the
+    /// whole state must be recomputed (a frontend claimed by two services).
+    fn update(
+        &mut self,
+        model: &Model,
+        changed: &BTreeSet<ServiceName>,
+        last: &mut LastSync,
+    ) -> Option<(MapContents, Scope)> {
+        let mut desired = MapContents::default();
+        let mut scope = Scope::default();
+        for name in changed {
+            let mut old_ids = BTreeMap::new();
+            if let Some(old) = last.services.remove(name) {
+                if let Some(key) = last.remove_catch_all(old.cluster_ip) {
+                    scope.frontends.insert(key);
+                }
+                for (port_name, protocol) in &old.ports {
+                    let id = ServicePortId {
+                        service: name.clone(),
+                        port_name: port_name.clone(),
+                        protocol: *protocol,
+                    };
+                    if let Some(sid) = self.ids.remove(&id) {
+                        old_ids.insert(id, sid);
+                    }
+                }
+                scope.add(&old);
+            }
+            let Some(service) = model.services.get(name) else {
+                continue;
+            };
+            for port in &service.ports {
+                let id = ServicePortId {
+                    service: name.clone(),
+                    port_name: port.name.clone(),
+                    protocol: port.protocol,
+                };
+                let sid = old_ids.get(&id).copied().unwrap_or_else(|| {
+                    self.next_id += 1;
+                    self.next_id - 1
+                });
+                self.ids.insert(id, sid);
+            }
+            let (contribution, conflicted) = self.put_service(name, service, &mut desired);
+            // Another service's frontend: unchanged services are not in `desired`.
+            let taken = contribution.frontends.iter().any(|key| {
+                self.written
+                    .frontends
+                    .get(key)
+                    .is_some_and(|f| !scope.frontends.contains(key) && f.service_id != 0)
+            });
+            if conflicted || taken {
+                return None;
+            }
+            scope.add(&contribution);
+            scope
+                .frontends
+                .insert(last.add_catch_all(service.cluster_ip, &mut desired));
+            last.services.insert(name.clone(), contribution);
         }
-        desired
+        Some((desired, scope))
+    }
+
+    fn settings(&self) -> Settings {
+        Settings {
+            node_port_addrs: self.node_port_addrs.clone(),
+            node_name: self.node_name.clone(),
+            zone: self.zone.clone(),
+            default_scheduler: self.default_scheduler,
+        }
     }
 
     /// Puts the list of `service_id` at slots `base..` (0 or `LOCAL_SLOT`) into `desired`: the
@@ -326,12 +527,68 @@ impl Reconciler {
     /// ranges and slots no frontend uses any more. A service whose backend or source range
     /// writes failed keeps its old frontend and old slots, so it stays consistent; the next sync
     /// retries.
+    ///
+    /// Only the services that changed since the last sync are recomputed and diffed against the
+    /// maps, unless what every service's contents depend on changed (node addresses, name,
+    /// zone, default scheduler), the last sync had failed writes (to retry them) or two
+    /// services claimed one frontend (the first in order keeps it).
     pub fn sync<W: MapWriter>(&mut self, model: &Model, maps: &mut W) -> SyncReport {
-        let desired = self.desired(model);
+        self.sync_changed(model, None, maps)
+    }
+
+    /// [`Reconciler::sync`] when only the services in `changed` may differ from the last
+    /// sync's model (None: any, which computes the whole state).
+    pub fn sync_changed<W: MapWriter>(
+        &mut self,
+        model: &Model,
+        changed: Option<&BTreeSet<ServiceName>>,
+        maps: &mut W,
+    ) -> SyncReport {
+        let settings = self.settings();
+        let mut last = self
+            .last
+            .take()
+            .filter(|last| last.settings == settings && !last.conflicted);
+        let partial = match (&mut last, changed) {
+            (Some(last), Some(changed)) => self.update(model, changed, last),
+            _ => None,
+        };
+        let (desired, last, scope) = match (last, partial) {
+            (Some(last), Some((desired, scope))) => (desired, last, Some(scope)),
+            _ => {
+                let (desired, last) = self.full(model);
+                (desired, last, None)
+            }
+        };
         self.adopt_ids = false;
+        let udp_endpoints = |written: &MapContents| match &scope {
+            None => udp_flush::udp_endpoints(written),
+            Some(scope) => udp_flush::udp_endpoints_of(written, &scope.frontends),
+        };
+        let udp_before = udp_endpoints(&self.written);
+        let mut report = self.apply(&desired, scope.as_ref(), maps);
+        let udp_after = udp_endpoints(&self.written);
+        report.removed_udp = udp_before.difference(&udp_after).copied().collect();
+        if report.failed == 0 {
+            self.last = Some(last);
+        }
+        report
+    }
+
+    /// Writes the difference between `desired` and the maps, for the keys in `scope` (None:
+    /// every key; else `desired` holds what the keys of the scope are to hold).
+    fn apply<W: MapWriter>(
+        &mut self,
+        desired: &MapContents,
+        scope: Option<&Scope>,
+        maps: &mut W,
+    ) -> SyncReport {
         let mut report = SyncReport::default();
 
-        let backends = changed(&desired.backends, &self.written.backends);
+        let backends = match scope {
+            None => changed(&desired.backends, &self.written.backends),
+            Some(scope) => changed_in(&scope.backends, &desired.backends, &self.written.backends),
+        };
         let failures = maps.insert_backends(&backends);
         let failed = self.failures(&mut report, "backend insert", &backends, failures);
         let mut broken: BTreeSet<u32> = failed.iter().map(|&i| backends[i].0.service_id).collect();
@@ -342,7 +599,15 @@ impl Reconciler {
             }
         }
 
-        for range in &desired.source_ranges {
+        let wanted_ranges: Vec<SourceRange> = match scope {
+            None => desired.source_ranges.iter().copied().collect(),
+            Some(scope) => scope
+                .source_ranges
+                .intersection(&desired.source_ranges)
+                .copied()
+                .collect(),
+        };
+        for range in &wanted_ranges {
             if self.written.source_ranges.contains(range) {
                 continue;
             }
@@ -364,11 +629,18 @@ impl Reconciler {
         }
 
         // Catch-alls last: a new service's ports are not rejected while it is being written.
-        let (ports, catch_alls): (Vec<_>, Vec<_>) =
-            changed(&desired.frontends, &self.written.frontends)
-                .into_iter()
-                .filter(|(_, value)| !broken.contains(&value.service_id))
-                .partition(|(key, _)| key.port != 0);
+        let frontends = match scope {
+            None => changed(&desired.frontends, &self.written.frontends),
+            Some(scope) => changed_in(
+                &scope.frontends,
+                &desired.frontends,
+                &self.written.frontends,
+            ),
+        };
+        let (ports, catch_alls): (Vec<_>, Vec<_>) = frontends
+            .into_iter()
+            .filter(|(_, value)| !broken.contains(&value.service_id))
+            .partition(|(key, _)| key.port != 0);
         let frontends: Vec<(FrontendKey, Frontend)> = ports.into_iter().chain(catch_alls).collect();
         let failures = maps.insert_frontends(&frontends);
         let failed = self.failures(&mut report, "frontend insert", &frontends, failures);
@@ -379,13 +651,16 @@ impl Reconciler {
             }
         }
 
-        let gone: Vec<FrontendKey> = self
-            .written
-            .frontends
-            .keys()
-            .filter(|k| !desired.frontends.contains_key(k))
-            .copied()
-            .collect();
+        let gone: Vec<FrontendKey> = match scope {
+            None => gone(&desired.frontends, self.written.frontends.keys()),
+            Some(scope) => gone(
+                &desired.frontends,
+                scope
+                    .frontends
+                    .iter()
+                    .filter(|k| self.written.frontends.contains_key(k)),
+            ),
+        };
         let failures = maps.remove_frontends(&gone);
         let failed = self.failures(&mut report, "frontend remove", &gone, failures);
         for key in skip_indices(&gone, &failed) {
@@ -395,12 +670,22 @@ impl Reconciler {
 
         // A range that is no longer wanted only narrows who is served: removed even while a
         // frontend of its service could not be updated.
-        let stale: Vec<SourceRange> = self
-            .written
-            .source_ranges
-            .difference(&desired.source_ranges)
-            .copied()
-            .collect();
+        let stale: Vec<SourceRange> = match scope {
+            None => self
+                .written
+                .source_ranges
+                .difference(&desired.source_ranges)
+                .copied()
+                .collect(),
+            Some(scope) => scope
+                .source_ranges
+                .iter()
+                .filter(|r| {
+                    self.written.source_ranges.contains(r) && !desired.source_ranges.contains(r)
+                })
+                .copied()
+                .collect(),
+        };
         for range in stale {
             match maps.remove_source_range(range) {
                 Ok(()) => {
@@ -416,9 +701,19 @@ impl Reconciler {
             }
         }
 
-        // A slot stays while any frontend we could not update still counts it.
+        // A slot stays while any frontend we could not update still counts it. A service
+        // port's frontends are all in the scope when its slots are.
+        let written_frontends: Box<dyn Iterator<Item = &Frontend>> = match scope {
+            None => Box::new(self.written.frontends.values()),
+            Some(scope) => Box::new(
+                scope
+                    .frontends
+                    .iter()
+                    .filter_map(|k| self.written.frontends.get(k)),
+            ),
+        };
         let mut counted: BTreeMap<u32, (u32, u32)> = BTreeMap::new();
-        for f in self.written.frontends.values() {
+        for f in written_frontends {
             let c = counted.entry(f.service_id).or_default();
             *c = (c.0.max(f.backend_count), c.1.max(f.local_count));
         }
@@ -432,10 +727,16 @@ impl Reconciler {
                 k.slot & !LOCAL_SLOT < count
             })
         };
-        let stale: Vec<BackendKey> = self
-            .written
-            .backends
-            .keys()
+        let candidates: Box<dyn Iterator<Item = &BackendKey>> = match scope {
+            None => Box::new(self.written.backends.keys()),
+            Some(scope) => Box::new(
+                scope
+                    .backends
+                    .iter()
+                    .filter(|k| self.written.backends.contains_key(k)),
+            ),
+        };
+        let stale: Vec<BackendKey> = candidates
             .filter(|k| !desired.backends.contains_key(k) && !still_counted(k))
             .copied()
             .collect();
@@ -487,6 +788,29 @@ fn changed<K: Ord + Copy, V: PartialEq + Copy>(
         .iter()
         .filter(|(key, value)| written.get(key) != Some(value))
         .map(|(key, value)| (*key, *value))
+        .collect()
+}
+
+/// The entries of `desired` among `keys` that `written` does not hold as they are.
+fn changed_in<K: Ord + Copy, V: PartialEq + Copy>(
+    keys: &BTreeSet<K>,
+    desired: &BTreeMap<K, V>,
+    written: &BTreeMap<K, V>,
+) -> Vec<(K, V)> {
+    keys.iter()
+        .filter_map(|key| desired.get(key).map(|value| (*key, *value)))
+        .filter(|(key, value)| written.get(key) != Some(value))
+        .collect()
+}
+
+/// The keys among `written` that `desired` does not hold.
+fn gone<'a, K: Ord + Copy + 'a, V>(
+    desired: &BTreeMap<K, V>,
+    written: impl Iterator<Item = &'a K>,
+) -> Vec<K> {
+    written
+        .filter(|k| !desired.contains_key(k))
+        .copied()
         .collect()
 }
 
@@ -649,6 +973,13 @@ mod tests {
         m
     }
 
+    fn name(n: &str) -> ServiceName {
+        ServiceName {
+            namespace: "default".into(),
+            name: n.into(),
+        }
+    }
+
     fn fk(ip: Ipv4Addr, port: u16) -> FrontendKey {
         frontend_key(ip, port, lb_common::IPPROTO_TCP)
     }
@@ -793,6 +1124,125 @@ mod tests {
             2,
             "no catch-all for the node address"
         );
+    }
+
+    /// A sync after a change writes only what the changed service needs, and leaves the maps
+    /// as a sync computed whole would, across additions, removals, a ClusterIP shared by two
+    /// services and a frontend claimed twice.
+    #[test]
+    fn a_change_writes_only_the_changed_service_and_matches_a_whole_sync() {
+        let mut r = Reconciler::new(NODE, MapContents::default());
+        let mut maps = FakeMaps::default();
+        let mut m = model(&[
+            ("a", 10, None, vec![endpoint(2, true)]),
+            ("b", 11, Some(30080), vec![endpoint(3, true)]),
+            ("c", 12, None, vec![endpoint(4, true)]),
+        ]);
+        let check = |r: &mut Reconciler, maps: &FakeMaps, m: &Model| {
+            assert_eq!(&maps.contents, r.written());
+            let whole = r.desired(m);
+            assert_eq!(r.written(), &whole);
+        };
+        r.sync(&m, &mut maps);
+        check(&mut r, &maps, &m);
+        let changed = |names: &[&str]| names.iter().map(|n| name(n)).collect::<BTreeSet<_>>();
+
+        // One endpoint more for a: its new slot, then its frontend with the new count.
+        maps.ops.clear();
+        let a = name("a");
+        m.services.get_mut(&a).unwrap().ports[0]
+            .endpoints
+            .push(endpoint(5, true));
+        let report = r.sync_changed(&m, Some(&changed(&["a"])), &mut maps);
+        let a_id = r
+            .ids
+            .iter()
+            .find(|(id, _)| id.service == a)
+            .map(|(_, sid)| *sid);
+        let a_id = a_id.expect("a has an id");
+        assert_eq!(
+            maps.ops,
+            [
+                Op::InsertBackend(
+                    BackendKey {
+                        service_id: a_id,
+                        slot: 1
+                    },
+                    backend(5)
+                ),
+                Op::InsertFrontend(
+                    fk(Ipv4Addr::new(10, 96, 0, 10), 80),
+                    Frontend {
+                        service_id: a_id,
+                        backend_count: 2,
+                        ..Frontend::default()
+                    }
+                ),
+            ]
+        );
+        assert_eq!((report.backends_added, report.frontends_updated), (1, 1));
+        check(&mut r, &maps, &m);
+
+        // b goes, d comes with c's ClusterIP (another port), then c goes: the catch-all stays
+        // while d has it.
+        m.services.remove(&name("b"));
+        let mut d = m.services[&name("c")].clone();
+        d.ports[0].port = 8080;
+        m.services.insert(name("d"), d);
+        r.sync_changed(&m, Some(&changed(&["b", "d"])), &mut maps);
+        check(&mut r, &maps, &m);
+        m.services.remove(&name("c"));
+        r.sync_changed(&m, Some(&changed(&["c"])), &mut maps);
+        check(&mut r, &maps, &m);
+        assert!(
+            maps.contents
+                .frontends
+                .contains_key(&FrontendKey::any_port(ipv4_be([10, 96, 0, 12])))
+        );
+
+        // e claims d's frontend: d, first in order, keeps it; once e moves, both are served.
+        let mut e = m.services[&name("d")].clone();
+        e.ports[0].endpoints = vec![endpoint(9, true)];
+        m.services.insert(name("e"), e);
+        r.sync_changed(&m, Some(&changed(&["e"])), &mut maps);
+        check(&mut r, &maps, &m);
+        let d_frontend = maps.contents.frontends[&fk(Ipv4Addr::new(10, 96, 0, 12), 8080)];
+        let d_id = r
+            .ids
+            .iter()
+            .find(|(id, _)| id.service == name("d"))
+            .map(|(_, sid)| *sid);
+        assert_eq!(Some(d_frontend.service_id), d_id);
+        m.services.get_mut(&name("e")).unwrap().cluster_ip = Ipv4Addr::new(10, 96, 0, 13);
+        r.sync_changed(&m, Some(&changed(&["e"])), &mut maps);
+        check(&mut r, &maps, &m);
+        assert!(
+            maps.contents
+                .frontends
+                .contains_key(&fk(Ipv4Addr::new(10, 96, 0, 13), 8080))
+        );
+    }
+
+    /// A write that failed is retried by the next sync, though nothing changed.
+    #[test]
+    fn failed_writes_are_retried_by_the_next_sync() {
+        let mut r = Reconciler::new(NODE, MapContents::default());
+        let mut maps = FakeMaps::default();
+        let mut m = model(&[("a", 10, None, vec![endpoint(2, true)])]);
+        r.sync(&m, &mut maps);
+        let a_id = r.ids.values().copied().next().expect("a has an id");
+        m.services.get_mut(&name("a")).unwrap().ports[0]
+            .endpoints
+            .push(endpoint(3, true));
+        maps.fail_backends_of = Some(a_id);
+        let a = BTreeSet::from([name("a")]);
+        assert!(r.sync_changed(&m, Some(&a), &mut maps).failed > 0);
+        maps.fail_backends_of = None;
+        let report = r.sync_changed(&m, Some(&BTreeSet::new()), &mut maps);
+        assert_eq!((report.failed, report.backends_added), (0, 1));
+        assert_eq!(&maps.contents, r.written());
+        let whole = r.desired(&m);
+        assert_eq!(r.written(), &whole);
     }
 
     #[test]

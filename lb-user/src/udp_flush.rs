@@ -3,7 +3,9 @@
 //! entry, and a dead backend, until the entry times out.
 use std::collections::BTreeSet;
 
-use lb_common::{Backend, CT_F_REPLY, ConntrackEntry, ConntrackKey, IPPROTO_UDP};
+use lb_common::{
+    Backend, BackendKey, CT_F_REPLY, ConntrackEntry, ConntrackKey, FrontendKey, IPPROTO_UDP,
+};
 
 use crate::reconcile::MapContents;
 
@@ -29,6 +31,37 @@ pub fn udp_endpoints(contents: &MapContents) -> BTreeSet<UdpEndpoint> {
         .map(|(key, backend)| UdpEndpoint {
             service_id: key.service_id,
             backend: *backend,
+        })
+        .collect()
+}
+
+/// [`udp_endpoints`] of the service ports that have a frontend among `frontends`.
+pub fn udp_endpoints_of<'a>(
+    contents: &MapContents,
+    frontends: impl IntoIterator<Item = &'a FrontendKey>,
+) -> BTreeSet<UdpEndpoint> {
+    let udp: BTreeSet<u32> = frontends
+        .into_iter()
+        .filter(|key| key.proto == IPPROTO_UDP)
+        .filter_map(|key| contents.frontends.get(key))
+        .map(|frontend| frontend.service_id)
+        .collect();
+    udp.into_iter()
+        .flat_map(|service_id| {
+            let slots = BackendKey {
+                service_id,
+                slot: 0,
+            }..=BackendKey {
+                service_id,
+                slot: u32::MAX,
+            };
+            contents
+                .backends
+                .range(slots)
+                .map(move |(_, backend)| UdpEndpoint {
+                    service_id,
+                    backend: *backend,
+                })
         })
         .collect()
 }
@@ -145,6 +178,12 @@ mod tests {
             backend: backend(2),
         }]);
         assert_eq!(udp_endpoints(&contents), want);
+        let keys: Vec<FrontendKey> = contents.frontends.keys().copied().collect();
+        assert_eq!(udp_endpoints_of(&contents, &keys), want);
+        assert!(
+            udp_endpoints_of(&contents, &keys[1..]).is_empty(),
+            "TCP only"
+        );
     }
 
     #[test]
