@@ -64,15 +64,7 @@ pub fn reverse_error<P: PacketAccess>(ctx: &P, outer: &Packet) -> Result<Conntra
         return Err(Counter::PassedUnparsed);
     }
     let ports: Ports = ctx.load(l4).map_err(|_| Counter::PassedUnparsed)?;
-    let quoted = ConntrackKey {
-        src_addr: ip.src_addr,
-        dst_addr: ip.dst_addr,
-        src_port: ports.src,
-        dst_port: ports.dst,
-        proto: ip.proto,
-        _pad0: 0,
-        _pad1: 0,
-    };
+    let quoted = ip.tuple(ports);
     // As Linux's conntrack: an error is about a connection only if it goes to the quoted
     // packet's sender; otherwise a quote of any tracked flow would steer errors anywhere.
     if outer.tuple.dst_addr != quoted.src_addr {

@@ -48,6 +48,19 @@ impl Ipv4Header {
             && self.header_len() >= IPV4_MIN_HLEN
             && u16::from_be(self.frag_off) & IP_OFFSET == 0
     }
+
+    /// The 5-tuple of this header with the TCP/UDP `ports` after it.
+    pub fn tuple(&self, ports: Ports) -> ConntrackKey {
+        ConntrackKey {
+            src_addr: self.src_addr,
+            dst_addr: self.dst_addr,
+            src_port: ports.src,
+            dst_port: ports.dst,
+            proto: self.proto,
+            _pad0: 0,
+            _pad1: 0,
+        }
+    }
 }
 
 /// Source and destination port, the first four bytes of both TCP and UDP.
@@ -118,15 +131,7 @@ pub fn packet<P: PacketAccess>(ctx: &P) -> Result<Packet, Counter> {
         0
     };
     Ok(Packet {
-        tuple: ConntrackKey {
-            src_addr: ip.src_addr,
-            dst_addr: ip.dst_addr,
-            src_port: ports.src,
-            dst_port: ports.dst,
-            proto: ip.proto,
-            _pad0: 0,
-            _pad1: 0,
-        },
+        tuple: ip.tuple(ports),
         l4,
         tcp_flags,
         ttl: ip.ttl,

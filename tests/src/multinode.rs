@@ -58,18 +58,7 @@ impl Cluster {
         net.ip(&["link", "add", "br0", "type", "bridge"])?;
         net.ip(&["link", "set", "br0", "up"])?;
         let plug = |ns: &Netns, inside: &str, port: &str, addr: &str| -> Result<()> {
-            net.ip(&[
-                "link",
-                "add",
-                port,
-                "type",
-                "veth",
-                "peer",
-                "name",
-                inside,
-                "netns",
-                ns.name(),
-            ])?;
+            net.add_veth(port, ns, inside)?;
             net.ip(&["link", "set", port, "master", "br0", "up"])?;
             ns.ip(&["addr", "add", addr, "dev", inside])?;
             ns.ip(&["link", "set", inside, "up"])

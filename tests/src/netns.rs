@@ -42,6 +42,13 @@ impl Netns {
         run(Command::new("ip").arg("-n").arg(&self.name).args(args))
     }
 
+    /// Adds veth `name` here with its peer `peer_name` in `peer`, both down and unaddressed.
+    pub fn add_veth(&self, name: &str, peer: &Netns, peer_name: &str) -> Result<()> {
+        self.ip(&[
+            "link", "add", name, "type", "veth", "peer", "name", peer_name, "netns", &peer.name,
+        ])
+    }
+
     /// Runs a command inside the namespace.
     pub fn exec(&self, program: &str, args: &[&str]) -> Result<Output> {
         run_output(

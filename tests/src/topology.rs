@@ -49,18 +49,7 @@ impl Topology {
         node_sysctls(&node)?;
 
         let client = Netns::new(format!("{prefix}client"))?;
-        node.ip(&[
-            "link",
-            "add",
-            EXTERNAL_INTERFACE,
-            "type",
-            "veth",
-            "peer",
-            "name",
-            "eth0",
-            "netns",
-            client.name(),
-        ])?;
+        node.add_veth(EXTERNAL_INTERFACE, &client, "eth0")?;
         node.ip(&[
             "addr",
             "add",
@@ -82,18 +71,7 @@ impl Topology {
             DOCKER_BRIDGE,
         ])?;
         node.ip(&["link", "set", DOCKER_BRIDGE, "up"])?;
-        node.ip(&[
-            "link",
-            "add",
-            "vethc",
-            "type",
-            "veth",
-            "peer",
-            "name",
-            "eth0",
-            "netns",
-            container.name(),
-        ])?;
+        node.add_veth("vethc", &container, "eth0")?;
         node.ip(&["link", "set", "vethc", "master", DOCKER_BRIDGE, "up"])?;
         container.ip(&["addr", "add", &format!("{CONTAINER_IP}/16"), "dev", "eth0"])?;
         container.ip(&["link", "set", "eth0", "up"])?;
@@ -170,18 +148,7 @@ pub(crate) fn add_pod(
     let name = format!("pod-{letter}");
     let host_interface = format!("lbp{letter}");
     let ns = Netns::new(format!("{prefix}{name}"))?;
-    node.ip(&[
-        "link",
-        "add",
-        &host_interface,
-        "type",
-        "veth",
-        "peer",
-        "name",
-        "eth0",
-        "netns",
-        ns.name(),
-    ])?;
+    node.add_veth(&host_interface, &ns, "eth0")?;
     node.ip(&[
         "addr",
         "add",

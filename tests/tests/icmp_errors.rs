@@ -110,18 +110,7 @@ impl RemoteBackend {
         let router = Netns::new(format!("{prefix}rtr"))?;
         let backend = Netns::new(format!("{prefix}rbe"))?;
         router.sysctl("net.ipv4.ip_forward", "1")?;
-        node.ip(&[
-            "link",
-            "add",
-            "lbpr",
-            "type",
-            "veth",
-            "peer",
-            "name",
-            "eth0",
-            "netns",
-            router.name(),
-        ])?;
+        node.add_veth("lbpr", &router, "eth0")?;
         node.ip(&[
             "addr",
             "add",
@@ -146,20 +135,8 @@ impl RemoteBackend {
             "via",
             &NODE_ROUTER_SIDE.to_string(),
         ])?;
-        router.ip(&[
-            "link",
-            "add",
-            "narrow",
-            "mtu",
-            &ROUTER_MTU.to_string(),
-            "type",
-            "veth",
-            "peer",
-            "name",
-            "eth0",
-            "netns",
-            backend.name(),
-        ])?;
+        router.add_veth("narrow", &backend, "eth0")?;
+        router.ip(&["link", "set", "narrow", "mtu", &ROUTER_MTU.to_string()])?;
         router.ip(&[
             "addr",
             "add",

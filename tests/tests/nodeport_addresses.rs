@@ -2,6 +2,7 @@
 use std::{
     io::ErrorKind,
     net::{Ipv4Addr, SocketAddr},
+    time::Duration,
 };
 
 use anyhow::{Result, bail, ensure};
@@ -14,6 +15,7 @@ use lb_tests::{
 
 const SECOND_IP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 3);
 const NODE_PORT: u16 = 30080;
+const SYNC_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The external interface holds two addresses, the flag covers one: the NodePort answers there,
 /// and on the other address the node's own stack refuses (no socket holds the port).
@@ -66,7 +68,7 @@ fn node_ports_follow_address_changes() -> Result<()> {
     let service = ServiceManifest::new("web", Ipv4Addr::new(10, 96, 0, 10), Proto::Tcp, 80, 8080)
         .node_port(NODE_PORT)
         .endpoints([pod.ip]);
-    let _agent = Agent::start(&topology, &yaml(&[service]), &[])?;
+    let mut agent = Agent::start(&topology, &yaml(&[service]), &[])?;
     let second = format!("{SECOND_IP}/32");
     topology
         .client
@@ -76,30 +78,19 @@ fn node_ports_follow_address_changes() -> Result<()> {
         request(&topology.client, Proto::Tcp, to).is_ok_and(|a| a.server == "pod-a" && a.peer == to)
     };
 
+    // Each change makes the agent sync once its netlink notification arrives.
     topology
         .node
         .ip(&["addr", "add", &second, "dev", EXTERNAL_INTERFACE])?;
-    ensure!(
-        eventually(&answered),
-        "{to} not served after the address was added"
-    );
+    agent.wait_for_sync(SYNC_TIMEOUT)?;
+    ensure!(answered(), "{to} not served after the address was added");
     topology
         .node
         .ip(&["addr", "del", &second, "dev", EXTERNAL_INTERFACE])?;
+    agent.wait_for_sync(SYNC_TIMEOUT)?;
     ensure!(
-        eventually(|| !answered()),
+        !answered(),
         "{to} still served after the address was removed"
     );
     Ok(())
-}
-
-/// Whether `condition` holds within 30 tries 100 ms apart.
-fn eventually(mut condition: impl FnMut() -> bool) -> bool {
-    (0..30).any(|_| {
-        let holds = condition();
-        if !holds {
-            std::thread::sleep(std::time::Duration::from_millis(100));
-        }
-        holds
-    })
 }
