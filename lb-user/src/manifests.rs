@@ -150,9 +150,11 @@ enum Refresh {
         stamp: Stamp,
         racy: bool,
     },
-    Parsed {
+    /// New content, to be parsed.
+    Read {
         file: CachedFile,
-        objects: Vec<Object>,
+        name: String,
+        text: String,
     },
     /// Removed since it was listed.
     Vanished,
@@ -198,20 +200,39 @@ impl ManifestCache {
             .filter(|path| !listed.contains_key(*path))
             .cloned()
             .collect();
-        let mut parsed = Vec::new();
+        let mut read = Vec::new();
         let mut restamped = Vec::new();
+        // A file that cannot be read fails the load, unless a file before it fails to parse.
+        let mut read_error = None;
         for (path, stamp) in listed {
-            match self.refresh(&path, stamp)? {
-                Refresh::Unchanged => {}
-                Refresh::Restamped { stamp, racy } => restamped.push((path, stamp, racy)),
-                Refresh::Parsed { file, objects } => {
-                    replaced.insert(path.clone());
-                    parsed.push((path, file, objects));
+            match self.refresh(&path, stamp) {
+                Err(err) => {
+                    read_error = Some(err);
+                    break;
                 }
-                Refresh::Vanished => {
+                Ok(Refresh::Unchanged) => {}
+                Ok(Refresh::Restamped { stamp, racy }) => restamped.push((path, stamp, racy)),
+                Ok(Refresh::Read { file, name, text }) => {
+                    replaced.insert(path.clone());
+                    read.push((path, file, name, text));
+                }
+                Ok(Refresh::Vanished) => {
                     replaced.insert(path);
                 }
             }
+        }
+        let texts: Vec<(&str, &str)> = read
+            .iter()
+            .map(|(_, _, name, text)| (name.as_str(), text.as_str()))
+            .collect();
+        let objects = parse_files(&texts);
+        self.parses += read.len() as u64;
+        let mut parsed = Vec::with_capacity(read.len());
+        for ((path, file, _, _), objects) in read.into_iter().zip(objects) {
+            parsed.push((path, file, objects?));
+        }
+        if let Some(err) = read_error {
+            return Err(err);
         }
         self.check_unique(&parsed, &replaced)?;
 
@@ -243,7 +264,7 @@ impl ManifestCache {
         Ok(changed)
     }
 
-    /// Reads and parses `path` unless its cached parse is of the same content.
+    /// Reads `path` unless its cached parse is of the same content.
     fn refresh(&mut self, path: &Path, stamp: Stamp) -> Result<Refresh, ManifestError> {
         let cached = self.files.get(path);
         if cached.is_some_and(|c| c.stamp == stamp && !c.racy) {
@@ -266,16 +287,15 @@ impl ManifestCache {
             return Ok(Refresh::Restamped { stamp, racy });
         }
         debug!(file, "parsing");
-        self.parses += 1;
-        let objects = parse_file(&file, &text)?;
-        Ok(Refresh::Parsed {
+        Ok(Refresh::Read {
             file: CachedFile {
                 stamp,
                 racy,
                 hash,
                 objects: Vec::new(),
             },
-            objects,
+            name: file,
+            text,
         })
     }
 
@@ -371,8 +391,213 @@ pub fn is_manifest_name(path: &Path) -> bool {
     yaml && !hidden
 }
 
-/// Every Service and EndpointSlice document of one file, validated.
-fn parse_file(file: &str, text: &str) -> Result<Vec<Object>, ManifestError> {
+/// Files (or parts of one) at least this long are decoded on threads of their own.
+const PART_MIN: usize = 256 * 1024;
+
+/// Every Service and EndpointSlice document of each of `files` (name, text), validated, in the
+/// order given. They are decoded in one pass, straight into the typed objects ([`decode_part`]),
+/// a big file in parts, on every core; a file that this fails for anywhere is parsed again by
+/// [`parse_exact`], which finds the error and names its document and field.
+fn parse_files(files: &[(&str, &str)]) -> Vec<Result<Vec<Object>, ManifestError>> {
+    let workers = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let total: usize = files.iter().map(|(_, text)| text.len()).sum();
+    // A few parts per worker, so that one slow part does not leave the others idle.
+    let part_len = (total / (workers * 4)).max(PART_MIN);
+    let parts: Vec<(usize, &str)> = files
+        .iter()
+        .enumerate()
+        .flat_map(|(i, (_, text))| split_documents(text, part_len).map(move |part| (i, part)))
+        .collect();
+    let decoded = in_parallel(&parts, workers, |&(i, text)| decode_part(files[i].0, text));
+    // Each file's parts in order: a part's documents are numbered after the previous parts'.
+    let mut whole: Vec<Option<(usize, Vec<Object>)>> =
+        files.iter().map(|_| Some((0, Vec::new()))).collect();
+    for (&(i, _), part) in parts.iter().zip(decoded) {
+        whole[i] = match (whole[i].take(), part) {
+            (Some((before, mut objects)), Some((documents, part))) => {
+                objects.extend(part.into_iter().map(|mut object| {
+                    object.key.at.document += before;
+                    object
+                }));
+                Some((before + documents, objects))
+            }
+            _ => None,
+        };
+    }
+    files
+        .iter()
+        .zip(whole)
+        .map(|((file, text), decoded)| match decoded {
+            Some((_, objects)) => Ok(objects),
+            None => parse_exact(file, text),
+        })
+        .collect()
+}
+
+/// `f` of each of `items` on up to `workers` threads; the results in the order of `items`.
+fn in_parallel<T: Sync, R: Send>(
+    items: &[T],
+    workers: usize,
+    f: impl Fn(&T) -> R + Sync,
+) -> Vec<R> {
+    let workers = workers.min(items.len());
+    if workers <= 1 {
+        return items.iter().map(f).collect();
+    }
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let work = || {
+        let mut done = Vec::new();
+        loop {
+            let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let Some(item) = items.get(i) else {
+                return done;
+            };
+            done.push((i, f(item)));
+        }
+    };
+    let mut results: Vec<(usize, R)> = std::thread::scope(|scope| {
+        let others: Vec<_> = (1..workers).map(|_| scope.spawn(work)).collect();
+        let mut all = work();
+        for other in others {
+            all.extend(other.join().expect("a manifest decoding thread panicked"));
+        }
+        all
+    });
+    results.sort_unstable_by_key(|(i, _)| *i);
+    results.into_iter().map(|(_, r)| r).collect()
+}
+
+/// `text` cut into parts of whole documents, each about `part_len` long or more: before a
+/// document marker line (`---` at the start of a line, which YAML never allows inside a
+/// document, not even in a block or quoted scalar). A part begins with a marker (or is the
+/// file's start), so it holds the same documents as it does in the whole file. A file with
+/// directives (`%YAML`, which belong to the document after them) stays whole.
+fn split_documents(text: &str, part_len: usize) -> impl Iterator<Item = &str> {
+    let whole = text.len() < 2 * part_len || text.starts_with('%') || text.contains("\n%");
+    let mut rest = text;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        let cut = if whole {
+            None
+        } else {
+            next_marker(rest, part_len).filter(|&at| rest.len() - at >= part_len)
+        };
+        let (part, after) = rest.split_at(cut.unwrap_or(rest.len()));
+        rest = after;
+        Some(part)
+    })
+}
+
+/// Where the first document marker line at or after `from` begins.
+fn next_marker(text: &str, from: usize) -> Option<usize> {
+    let bytes = text.as_bytes();
+    let mut at = from;
+    while let Some(found) = text.get(at..)?.find("\n---") {
+        let line = at + found + 1;
+        match bytes.get(line + 3) {
+            None | Some(b'\n' | b'\r' | b' ' | b'\t') => return Some(line),
+            Some(_) => at = line,
+        }
+    }
+    None
+}
+
+/// The objects of `text`, whole documents of `file` numbered from 1, and how many documents it
+/// has; None when any document is not as [`Decoded`] expects it or is invalid.
+fn decode_part(file: &str, text: &str) -> Option<(usize, Vec<Object>)> {
+    let mut objects = Vec::new();
+    let mut documents = 0;
+    for (i, document) in serde_yaml::Deserializer::from_str(text).enumerate() {
+        documents = i + 1;
+        let at = Location {
+            file: file.to_owned(),
+            document: i + 1,
+        };
+        let typed = match Decoded::deserialize(document).ok()? {
+            Decoded::Service(svc) => Typed::Service(svc),
+            Decoded::Slice(slice) => Typed::Slice(slice),
+            Decoded::Empty => continue,
+            Decoded::Ignored { api_version, kind } => {
+                debug!(%at, api_version, kind, "ignored: not a Service or EndpointSlice");
+                continue;
+            }
+        };
+        objects.push(typed_object(at, &typed).ok()?);
+    }
+    Some((documents, objects))
+}
+
+/// A document decoded in one pass: apiVersion and kind, the first two keys as tools write
+/// them, choose the type the rest of the mapping decodes into. Anything else (other keys
+/// first, not a mapping) is an error here, and left to the exact pass.
+enum Decoded {
+    Service(Box<Service>),
+    Slice(Box<EndpointSlice>),
+    Empty,
+    /// Of a kind that is not ours.
+    Ignored {
+        api_version: String,
+        kind: String,
+    },
+}
+
+impl<'de> serde::Deserialize<'de> for Decoded {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_any(DecodedVisitor)
+    }
+}
+
+struct DecodedVisitor;
+
+impl<'de> serde::de::Visitor<'de> for DecodedVisitor {
+    type Value = Decoded;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a mapping that starts with apiVersion and kind")
+    }
+
+    fn visit_unit<E: serde::de::Error>(self) -> Result<Decoded, E> {
+        Ok(Decoded::Empty)
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Decoded, A::Error> {
+        let mut api_version = None;
+        let mut kind = None;
+        for _ in 0..2 {
+            let key: Option<String> = map.next_key()?;
+            let slot = match key.as_deref() {
+                Some("apiVersion") => &mut api_version,
+                Some("kind") => &mut kind,
+                _ => return Err(serde::de::Error::custom("not apiVersion and kind first")),
+            };
+            if slot.replace(map.next_value::<String>()?).is_some() {
+                return Err(serde::de::Error::custom("given twice"));
+            }
+        }
+        let (Some(api_version), Some(kind)) = (api_version, kind) else {
+            unreachable!("two keys read, each once");
+        };
+        // The rest of the mapping: the typed objects take apiVersion and kind as optional.
+        let rest = serde::de::value::MapAccessDeserializer::new(map);
+        match (api_version.as_str(), kind.as_str()) {
+            ("v1", "Service") => Service::deserialize(rest).map(|s| Decoded::Service(Box::new(s))),
+            ("discovery.k8s.io/v1", "EndpointSlice") => {
+                EndpointSlice::deserialize(rest).map(|s| Decoded::Slice(Box::new(s)))
+            }
+            _ => {
+                serde::de::IgnoredAny::deserialize(rest)?;
+                Ok(Decoded::Ignored { api_version, kind })
+            }
+        }
+    }
+}
+
+/// Every Service and EndpointSlice document of one file, validated, by way of a
+/// [`serde_yaml::Value`] per document: the slow pass, whose errors name the document and the
+/// failing field.
+fn parse_exact(file: &str, text: &str) -> Result<Vec<Object>, ManifestError> {
     let mut objects = Vec::new();
     for (i, document) in serde_yaml::Deserializer::from_str(text).enumerate() {
         let at = Location {
@@ -387,6 +612,12 @@ fn parse_file(file: &str, text: &str) -> Result<Vec<Object>, ManifestError> {
         objects.extend(parse_document(at, value)?);
     }
     Ok(objects)
+}
+
+/// A Service or an EndpointSlice as decoded.
+enum Typed {
+    Service(Box<Service>),
+    Slice(Box<EndpointSlice>),
 }
 
 fn parse_document(at: Location, value: serde_yaml::Value) -> Result<Option<Object>, ManifestError> {
@@ -405,35 +636,42 @@ fn parse_document(at: Location, value: serde_yaml::Value) -> Result<Option<Objec
             at,
         });
     };
-    let invalid = |at: &Location| {
-        let at = at.clone();
-        move |source| ManifestError::Invalid { at, source }
+    let typed = match (api_version, kind) {
+        ("v1", "Service") => Typed::Service(decode(&at, value)?),
+        ("discovery.k8s.io/v1", "EndpointSlice") => Typed::Slice(decode(&at, value)?),
+        (api_version, kind) => {
+            debug!(%at, api_version, kind, "ignored: not a Service or EndpointSlice");
+            return Ok(None);
+        }
     };
-    let (kind, name, spec) = match (api_version, kind) {
-        ("v1", "Service") => {
-            let svc: Service = decode(&at, value)?;
-            let spec = k8s::service(&svc).map_err(invalid(&at))?;
+    typed_object(at, &typed).map(Some)
+}
+
+/// The object of document `at`, validated.
+fn typed_object(at: Location, typed: &Typed) -> Result<Object, ManifestError> {
+    let invalid = |source| ManifestError::Invalid {
+        at: at.clone(),
+        source,
+    };
+    let (kind, name, spec) = match typed {
+        Typed::Service(svc) => {
+            let spec = k8s::service(svc).map_err(invalid)?;
             (SERVICE, object_key(&svc.metadata), spec.map(Spec::Service))
         }
-        ("discovery.k8s.io/v1", "EndpointSlice") => {
-            let slice: EndpointSlice = decode(&at, value)?;
-            let spec = k8s::endpoint_slice(&slice).map_err(invalid(&at))?;
+        Typed::Slice(slice) => {
+            let spec = k8s::endpoint_slice(slice).map_err(invalid)?;
             (
                 ENDPOINT_SLICE,
                 object_key(&slice.metadata),
                 spec.map(Spec::Slice),
             )
         }
-        (api_version, kind) => {
-            debug!(%at, api_version, kind, "ignored: not a Service or EndpointSlice");
-            return Ok(None);
-        }
     };
     let service = spec.as_ref().map(|spec| match spec {
         Spec::Service(s) => s.name.clone(),
         Spec::Slice(s) => s.service.clone(),
     });
-    let object = Object {
+    Ok(Object {
         key: ObjectKey {
             at,
             kind,
@@ -441,8 +679,7 @@ fn parse_document(at: Location, value: serde_yaml::Value) -> Result<Option<Objec
             service,
         },
         spec,
-    };
-    Ok(Some(object))
+    })
 }
 
 fn object_key(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> String {
@@ -728,6 +965,47 @@ endpoints: [{addresses: [10.244.1.2]}]
         assert_eq!(
             names(&cache),
             [("x".to_string(), "10.96.0.1".parse().unwrap())]
+        );
+    }
+
+    /// A big file decoded in parts on several threads holds what the exact pass finds, each
+    /// object at the same document; one invalid document anywhere gives the exact pass's error.
+    #[test]
+    fn a_big_file_in_parts_is_the_whole_file() {
+        let mut text = String::from("# services\n");
+        for i in 0..12_000 {
+            text += "---\n";
+            text += &service_yaml(
+                &format!("s{i}"),
+                &format!("10.96.{}.{}", i / 250, i % 250 + 1),
+            );
+            if i % 7 == 0 {
+                text += "---\n--- # empty documents count\n";
+            }
+        }
+        assert!(split_documents(&text, PART_MIN).count() > 2, "in parts");
+        assert!(
+            split_documents(&text, PART_MIN)
+                .skip(1)
+                .all(|p| p.starts_with("---\n"))
+        );
+        let keys = |objects: Vec<Object>| -> Vec<(Location, String)> {
+            objects
+                .into_iter()
+                .map(|o| (o.key.at, o.key.name))
+                .collect()
+        };
+        let exact = keys(parse_exact("big.yaml", &text).unwrap());
+        let mut parsed = parse_files(&[("big.yaml", &text)]);
+        assert_eq!(keys(parsed.remove(0).unwrap()), exact);
+        assert_eq!(exact.len(), 12_000);
+        assert_eq!(exact[11_999].0.document, 12_000 + 2 * 1715);
+
+        let bad = text.replace("10.96.11.1\n", "10.96.11.999\n");
+        let err = parse_files(&[("big.yaml", &bad)]).remove(0).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            parse_exact("big.yaml", &bad).unwrap_err().to_string()
         );
     }
 
