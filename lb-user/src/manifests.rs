@@ -12,6 +12,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
+use rayon::prelude::*;
 use serde::Deserialize as _;
 use serde::de::DeserializeOwned;
 use tracing::debug;
@@ -399,7 +400,7 @@ const PART_MIN: usize = 256 * 1024;
 /// a big file in parts, on every core; a file that this fails for anywhere is parsed again by
 /// [`parse_exact`], which finds the error and names its document and field.
 fn parse_files(files: &[(&str, &str)]) -> Vec<Result<Vec<Object>, ManifestError>> {
-    let workers = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let workers = rayon::current_num_threads();
     let total: usize = files.iter().map(|(_, text)| text.len()).sum();
     // A few parts per worker, so that one slow part does not leave the others idle.
     let part_len = (total / (workers * 4)).max(PART_MIN);
@@ -408,7 +409,10 @@ fn parse_files(files: &[(&str, &str)]) -> Vec<Result<Vec<Object>, ManifestError>
         .enumerate()
         .flat_map(|(i, (_, text))| split_documents(text, part_len).map(move |part| (i, part)))
         .collect();
-    let decoded = in_parallel(&parts, workers, |&(i, text)| decode_part(files[i].0, text));
+    let decoded: Vec<_> = parts
+        .par_iter()
+        .map(|&(i, text)| decode_part(files[i].0, text))
+        .collect();
     // Each file's parts in order: a part's documents are numbered after the previous parts'.
     let mut whole: Vec<Option<(usize, Vec<Object>)>> =
         files.iter().map(|_| Some((0, Vec::new()))).collect();
@@ -432,39 +436,6 @@ fn parse_files(files: &[(&str, &str)]) -> Vec<Result<Vec<Object>, ManifestError>
             None => parse_exact(file, text),
         })
         .collect()
-}
-
-/// `f` of each of `items` on up to `workers` threads; the results in the order of `items`.
-fn in_parallel<T: Sync, R: Send>(
-    items: &[T],
-    workers: usize,
-    f: impl Fn(&T) -> R + Sync,
-) -> Vec<R> {
-    let workers = workers.min(items.len());
-    if workers <= 1 {
-        return items.iter().map(f).collect();
-    }
-    let next = std::sync::atomic::AtomicUsize::new(0);
-    let work = || {
-        let mut done = Vec::new();
-        loop {
-            let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            let Some(item) = items.get(i) else {
-                return done;
-            };
-            done.push((i, f(item)));
-        }
-    };
-    let mut results: Vec<(usize, R)> = std::thread::scope(|scope| {
-        let others: Vec<_> = (1..workers).map(|_| scope.spawn(work)).collect();
-        let mut all = work();
-        for other in others {
-            all.extend(other.join().expect("a manifest decoding thread panicked"));
-        }
-        all
-    });
-    results.sort_unstable_by_key(|(i, _)| *i);
-    results.into_iter().map(|(_, r)| r).collect()
 }
 
 /// `text` cut into parts of whole documents, each about `part_len` long or more: before a
