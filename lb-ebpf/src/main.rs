@@ -49,6 +49,7 @@ pub fn lb_ingress(ctx: TcContext) -> i32 {
 }
 
 fn try_ingress(ctx: &TcContext) -> Result<i32, Counter> {
+    packet::pull_headers(ctx);
     match translate::translation(ctx)? {
         Translation::To { packet, to } => {
             nat::rewrite(ctx, &packet, &to)?;

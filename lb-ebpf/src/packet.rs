@@ -1,20 +1,73 @@
 //! Packet access for both program types, so that one parser, one rewrite and one forwarding
 //! path serve tc and XDP.
 //!
-//! Every read and write goes through a helper (`bpf_skb_load_bytes`/`bpf_skb_store_bytes`,
-//! `bpf_xdp_load_bytes`/`bpf_xdp_store_bytes`): offsets that depend on the IHL need no
-//! packet-pointer bounds proof, and a non-linear skb reads the same as a linear one. Checksums are
-//! where the two differ: tc must use the kernel's helpers, which also keep the skb's checksum
-//! state right (see nat.rs); an XDP frame has no such state, so its checksums are updated with
-//! RFC 1624 arithmetic.
+//! Reads and writes are direct packet access, bounds-checked against the linear data: a helper
+//! call per field (`bpf_skb_load_bytes` and kin) cost more than the lookups they serve. Headers
+//! sit within the first `MAX_HEADER_OFFSET` bytes, which `pull_headers` makes linear in an skb
+//! once per packet; an XDP frame is linear. Checksums are where the two differ: tc must use the
+//! kernel's helpers, which also keep the skb's checksum state right (see nat.rs); an XDP frame has
+//! no such state, so its checksums are updated with RFC 1624 arithmetic.
 use core::{ffi::c_long, mem};
 
 use aya_ebpf::{
     EbpfContext,
     bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
-    helpers::{bpf_xdp_load_bytes, bpf_xdp_store_bytes},
     programs::{TcContext, XdpContext},
 };
+
+/// Every header field read or written starts below this offset: Ethernet (14), IPv4 with options
+/// (60), an ICMP header (8), the quoted IPv4 header with options (60) and its ports (8) end at 150.
+/// The bound is also what lets the verifier accept offsets that depend on the IHL.
+const MAX_HEADER_OFFSET: usize = 256;
+
+/// Failure of a packet access outside the linear data, as the helpers report it.
+const EFAULT: c_long = -14;
+
+/// Makes the first `MAX_HEADER_OFFSET` bytes of the skb (or all of it, if shorter) linear, so
+/// that direct access reaches every header. Most packets already are: then it costs nothing.
+pub fn pull_headers(ctx: &TcContext) {
+    let want = (ctx.len() as usize).min(MAX_HEADER_OFFSET);
+    if ctx.data_end() - ctx.data() < want {
+        // On failure the accesses beyond the linear part fail, and the packet passes unparsed.
+        let _ = ctx.pull_data(want as u32);
+    }
+}
+
+/// The address of `size_of::<T>()` bytes at `offset` in the linear data `[start, end)`.
+#[inline(always)]
+fn linear<T>(start: usize, end: usize, offset: usize) -> Result<*mut T, c_long> {
+    if offset >= MAX_HEADER_OFFSET {
+        return Err(EFAULT);
+    }
+    let at = start + offset;
+    // Kept opaque so that LLVM cannot rewrite the check (`at + 1 > end` into `at >= end`, say)
+    // into a form the verifier does not read as a bound on `at`.
+    if core::hint::black_box(at + mem::size_of::<T>()) > end {
+        return Err(EFAULT);
+    }
+    Ok(at as *mut T)
+}
+
+#[inline(always)]
+fn load_linear<T>(start: usize, end: usize, offset: usize) -> Result<T, c_long> {
+    let at = linear::<T>(start, end, offset)?;
+    // SAFETY: `linear` checked that the bytes lie within the packet; headers are not aligned.
+    Ok(unsafe { at.read_unaligned() })
+}
+
+#[inline(always)]
+fn store_linear<T>(start: usize, end: usize, offset: usize, value: &T) -> Result<(), c_long> {
+    let at = linear::<T>(start, end, offset)?;
+    // SAFETY: as in `load_linear`; the program owns the packet while it runs.
+    unsafe {
+        core::ptr::copy_nonoverlapping(
+            (value as *const T).cast::<u8>(),
+            at.cast::<u8>(),
+            mem::size_of::<T>(),
+        )
+    };
+    Ok(())
+}
 
 /// A checksum-covered field's change, as the checksum update needs it.
 #[derive(Clone, Copy)]
@@ -62,11 +115,11 @@ impl PacketAccess for TcContext {
     }
 
     fn load<T>(&self, offset: usize) -> Result<T, c_long> {
-        TcContext::load(self, offset)
+        load_linear(self.data(), self.data_end(), offset)
     }
 
     fn store<T>(&self, offset: usize, value: &T) -> Result<(), c_long> {
-        TcContext::store(self, offset, value, 0)
+        store_linear(self.data(), self.data_end(), offset, value)
     }
 
     fn replace_l3_checksum(&self, offset: usize, change: Change) -> Result<(), c_long> {
@@ -111,35 +164,11 @@ impl PacketAccess for XdpContext {
     }
 
     fn load<T>(&self, offset: usize) -> Result<T, c_long> {
-        let mut value = mem::MaybeUninit::<T>::uninit();
-        // SAFETY: the helper writes exactly size_of::<T>() bytes into `value` or fails.
-        let ret = unsafe {
-            bpf_xdp_load_bytes(
-                self.ctx,
-                offset as u32,
-                value.as_mut_ptr().cast(),
-                mem::size_of::<T>() as u32,
-            )
-        };
-        if ret == 0 {
-            // SAFETY: fully written by the helper.
-            Ok(unsafe { value.assume_init() })
-        } else {
-            Err(ret)
-        }
+        load_linear(self.data(), self.data_end(), offset)
     }
 
     fn store<T>(&self, offset: usize, value: &T) -> Result<(), c_long> {
-        // SAFETY: the helper only reads size_of::<T>() bytes of `value`.
-        let ret = unsafe {
-            bpf_xdp_store_bytes(
-                self.ctx,
-                offset as u32,
-                (value as *const T).cast_mut().cast(),
-                mem::size_of::<T>() as u32,
-            )
-        };
-        if ret == 0 { Ok(()) } else { Err(ret) }
+        store_linear(self.data(), self.data_end(), offset, value)
     }
 
     fn replace_l3_checksum(&self, offset: usize, change: Change) -> Result<(), c_long> {
