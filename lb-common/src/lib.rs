@@ -14,15 +14,16 @@ pub mod map_name {
     pub const BACKENDS: &str = "LB_BACKEND_V1";
     pub const CONNTRACK: &str = "LB_CT_V1";
     pub const CONFIG: &str = "LB_CONFIG_V2";
-    pub const COUNTERS: &str = "LB_COUNTER_V5";
+    pub const COUNTERS: &str = "LB_COUNTER_V6";
     pub const AFFINITY: &str = "LB_AFFINITY_V1";
     pub const ROUND_ROBIN: &str = "LB_RR_V1";
     pub const SOURCE_RANGES: &str = "LB_SOURCE_RANGE_V1";
     pub const SOCK_REVNAT: &str = "LB_SOCK_REVNAT_V1";
     pub const SOCK_BACKEND: &str = "LB_SOCK_BACKEND_V1";
+    pub const FRAGMENTS: &str = "LB_FRAGMENT_V1";
     /// Not pinned (not in `ALL`): the interface indexes are the running agent's.
     pub const XDP_EGRESS: &str = "LB_XDP_EGRESS_V1";
-    pub const ALL: [&str; 10] = [
+    pub const ALL: [&str; 11] = [
         FRONTENDS,
         BACKENDS,
         CONNTRACK,
@@ -33,6 +34,7 @@ pub mod map_name {
         SOURCE_RANGES,
         SOCK_REVNAT,
         SOCK_BACKEND,
+        FRAGMENTS,
     ];
 }
 
@@ -77,6 +79,9 @@ pub mod default_size {
     pub const SOCK_REVNAT: u32 = 65_536;
     /// Unconnected UDP flows of node sockets: one per (socket, service port it sends to).
     pub const SOCK_BACKEND: u32 = 65_536;
+    /// Fragmented datagrams of translated flows in flight: one per (source, destination,
+    /// protocol, IP ID) whose first fragment has been seen.
+    pub const FRAGMENTS: u32 = 8_192;
 }
 
 /// Masquerade source ports are taken from this range by default: above Linux's default ephemeral
@@ -385,6 +390,33 @@ pub struct SockBackendKey {
     pub frontend: FrontendKey,
 }
 
+/// Key of `FRAGMENTS`: what identifies the fragments of one IPv4 datagram (RFC 791).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct FragmentKey {
+    /// Network byte order.
+    pub src_addr: u32,
+    /// Network byte order.
+    pub dst_addr: u32,
+    /// Network byte order.
+    pub id: u16,
+    pub proto: u8,
+    pub _pad: u8,
+}
+
+/// Value of `FRAGMENTS`: the ports of the datagram, carried by its first fragment only, so that
+/// the later ones find the same connection.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct FragmentPorts {
+    /// Network byte order.
+    pub src_port: u16,
+    /// Network byte order.
+    pub dst_port: u16,
+}
+
 /// Value of `SOCK_REVNAT`: the service address the application used, shown to it as the peer
 /// (getpeername) or the source of what the backend sends (recvmsg).
 #[repr(C)]
@@ -415,7 +447,7 @@ pub enum Counter {
     Translated,
     /// Not service traffic, passed untouched.
     Passed,
-    /// Fragment or truncated header: passed untouched.
+    /// Truncated or inconsistent header, or an ICMP fragment: passed untouched.
     PassedUnparsed,
     /// Dropped: the frontend counts a backend slot that is not in the map.
     DropNoBackend,
@@ -446,10 +478,13 @@ pub enum Counter {
     /// An ICMP error about a tracked connection was reverse-translated (outer and quoted
     /// headers) and forwarded (tc only).
     IcmpErrorTranslated,
+    /// A later IPv4 fragment of no translated datagram (not service traffic, or its first
+    /// fragment not seen yet): passed untouched.
+    PassedFragment,
 }
 
 impl Counter {
-    pub const COUNT: u32 = 16;
+    pub const COUNT: u32 = 17;
     pub const ALL: [Counter; Self::COUNT as usize] = [
         Counter::NewConnection,
         Counter::Masqueraded,
@@ -467,6 +502,7 @@ impl Counter {
         Counter::XdpForwarded,
         Counter::XdpPassed,
         Counter::IcmpErrorTranslated,
+        Counter::PassedFragment,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -487,6 +523,7 @@ impl Counter {
             Counter::XdpForwarded => "xdp_forwarded",
             Counter::XdpPassed => "xdp_passed",
             Counter::IcmpErrorTranslated => "icmp_error_translated",
+            Counter::PassedFragment => "passed_fragment",
         }
     }
 }
@@ -505,6 +542,8 @@ const _: () = {
     assert!(core::mem::size_of::<SockRevNatKey>() == 16);
     assert!(core::mem::size_of::<SockRevNat>() == 8);
     assert!(core::mem::size_of::<SockBackendKey>() == 16);
+    assert!(core::mem::size_of::<FragmentKey>() == 12);
+    assert!(core::mem::size_of::<FragmentPorts>() == 4);
     assert!(Counter::ALL[Counter::COUNT as usize - 1] as u32 == Counter::COUNT - 1);
 };
 
@@ -527,6 +566,8 @@ mod user {
     unsafe impl aya::Pod for SockRevNatKey {}
     unsafe impl aya::Pod for SockRevNat {}
     unsafe impl aya::Pod for SockBackendKey {}
+    unsafe impl aya::Pod for FragmentKey {}
+    unsafe impl aya::Pod for FragmentPorts {}
 }
 
 #[cfg(test)]

@@ -162,6 +162,8 @@ impl Connection {
 
     /// Tracks the reply direction with the masquerade source `node_addr:port` if no live
     /// connection uses it; an expired one is taken over. `Ok(None)`: the source is in use.
+    // A frame of its own: masquerade::claim_source's loop runs deepest on the 512-byte stack.
+    #[inline(never)]
     pub fn claim_reply(&self, node_addr: u32, port: u16) -> Result<Option<ConntrackKey>, Counter> {
         let to = self.translated(node_addr, port);
         let key = reversed(&to);

@@ -10,6 +10,7 @@
 mod affinity;
 mod conntrack;
 mod forward;
+mod fragment;
 mod icmp;
 mod maps;
 mod masquerade;
@@ -134,7 +135,7 @@ fn try_xdp(ctx: &XdpContext) -> Result<u32, Counter> {
 fn passes(reason: Counter) -> bool {
     matches!(
         reason,
-        Counter::Passed | Counter::PassedUnparsed | Counter::XdpPassed
+        Counter::Passed | Counter::PassedUnparsed | Counter::PassedFragment | Counter::XdpPassed
     )
 }
 

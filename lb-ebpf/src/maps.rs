@@ -10,9 +10,9 @@ use aya_ebpf::{
     maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, lpm_trie::Key},
 };
 use lb_common::{
-    AffinityKey, Backend, BackendKey, Config, ConntrackEntry, ConntrackKey, Counter, Frontend,
-    FrontendKey, SockBackendKey, SockRevNat, SockRevNatKey, SourceRangeKey, StickyBackend,
-    default_size,
+    AffinityKey, Backend, BackendKey, Config, ConntrackEntry, ConntrackKey, Counter, FragmentKey,
+    FragmentPorts, Frontend, FrontendKey, SockBackendKey, SockRevNat, SockRevNatKey,
+    SourceRangeKey, StickyBackend, default_size,
 };
 
 #[map(name = "LB_FRONTEND_V4")]
@@ -43,10 +43,14 @@ static SOCK_REVNAT: LruHashMap<SockRevNatKey, SockRevNat> =
 static SOCK_BACKEND: LruHashMap<SockBackendKey, StickyBackend> =
     LruHashMap::with_max_entries(default_size::SOCK_BACKEND, 0);
 
+#[map(name = "LB_FRAGMENT_V1")]
+static FRAGMENTS: LruHashMap<FragmentKey, FragmentPorts> =
+    LruHashMap::with_max_entries(default_size::FRAGMENTS, 0);
+
 #[map(name = "LB_CONFIG_V2")]
 static CONFIG: Array<Config> = Array::with_max_entries(1, 0);
 
-#[map(name = "LB_COUNTER_V5")]
+#[map(name = "LB_COUNTER_V6")]
 static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(Counter::COUNT, 0);
 
 /// The value is unused: a key's presence allows its prefix.
@@ -179,4 +183,14 @@ pub fn now_ns() -> u64 {
 pub fn random() -> u32 {
     // SAFETY: the helper takes no arguments and cannot fail.
     unsafe { bpf_get_prandom_u32() }
+}
+
+pub fn fragment_ports(key: &FragmentKey) -> Option<FragmentPorts> {
+    // SAFETY: the value is copied out at once.
+    unsafe { FRAGMENTS.get(key).copied() }
+}
+
+/// Best effort: when the map is full, LRU eviction makes room.
+pub fn remember_fragment_ports(key: &FragmentKey, ports: &FragmentPorts) {
+    let _ = FRAGMENTS.insert(key, ports, 0);
 }

@@ -1,5 +1,6 @@
 //! Rewriting addresses and ports in place, with incremental IPv4 and TCP/UDP checksum updates
-//! (how each program type updates a checksum is in packet.rs).
+//! (how each program type updates a checksum is in packet.rs). A later fragment has no TCP/UDP
+//! header: only its addresses change, the first fragment's checksum update covers the datagram.
 //!
 //! For tc, the checksum helpers know the skb's checksum state: with `BPF_F_PSEUDO_HDR` an address
 //! change also fixes the pseudo-header sum of a CHECKSUM_PARTIAL skb (veth traffic) and
@@ -8,7 +9,7 @@ use lb_common::{ConntrackKey, Counter, IPPROTO_UDP};
 
 use crate::{
     packet::{Change, L4Checksum, PacketAccess},
-    parse::{ETH_HLEN, Packet},
+    parse::{ETH_HLEN, Fragment, Packet},
 };
 
 pub const IP_CHECK_OFFSET: usize = ETH_HLEN + 10;
@@ -40,11 +41,16 @@ pub fn rewrite<P: PacketAccess>(
             },
         udp,
     };
+    let later_fragment = packet.fragment == Fragment::Later;
+    let l4_checksum = if later_fragment { None } else { Some(&l4) };
     if from.src_addr != to.src_addr {
-        replace_addr(ctx, IP_SRC_OFFSET, &l4, from.src_addr, to.src_addr)?;
+        replace_addr(ctx, IP_SRC_OFFSET, l4_checksum, from.src_addr, to.src_addr)?;
     }
     if from.dst_addr != to.dst_addr {
-        replace_addr(ctx, IP_DST_OFFSET, &l4, from.dst_addr, to.dst_addr)?;
+        replace_addr(ctx, IP_DST_OFFSET, l4_checksum, from.dst_addr, to.dst_addr)?;
+    }
+    if later_fragment {
+        return Ok(());
     }
     if from.src_port != to.src_port {
         replace_port(ctx, packet.l4, &l4, from.src_port, to.src_port)?;
@@ -55,21 +61,27 @@ pub fn rewrite<P: PacketAccess>(
     Ok(())
 }
 
+/// `l4`: `None` for a later fragment, which has no TCP/UDP checksum.
 fn replace_addr<P: PacketAccess>(
     ctx: &P,
     offset: usize,
-    l4: &L4,
+    l4: Option<&L4>,
     old: u32,
     new: u32,
 ) -> Result<(), Counter> {
     let change = Change { old, new, size: 4 };
-    let how = L4Checksum {
-        pseudo_header: true,
-        zero_means_none: l4.udp,
-    };
     ctx.store(offset, &new)
         .and_then(|()| ctx.replace_l3_checksum(IP_CHECK_OFFSET, change))
-        .and_then(|()| ctx.replace_l4_checksum(l4.check_offset, change, how))
+        .and_then(|()| match l4 {
+            Some(l4) => {
+                let how = L4Checksum {
+                    pseudo_header: true,
+                    zero_means_none: l4.udp,
+                };
+                ctx.replace_l4_checksum(l4.check_offset, change, how)
+            }
+            None => Ok(()),
+        })
         .map_err(|_| Counter::DropRewriteFailed)
 }
 

@@ -89,6 +89,8 @@ pub struct L4Checksum {
 }
 
 pub trait PacketAccess: EbpfContext {
+    /// An XDP frame rather than a tc skb.
+    const IS_XDP: bool;
     /// Bytes from the Ethernet header to the end of the packet.
     fn len(&self) -> usize;
     fn load<T>(&self, offset: usize) -> Result<T, c_long>;
@@ -110,6 +112,8 @@ pub trait PacketAccess: EbpfContext {
 }
 
 impl PacketAccess for TcContext {
+    const IS_XDP: bool = false;
+
     fn len(&self) -> usize {
         TcContext::len(self) as usize
     }
@@ -158,6 +162,8 @@ impl PacketAccess for TcContext {
 }
 
 impl PacketAccess for XdpContext {
+    const IS_XDP: bool = true;
+
     fn len(&self) -> usize {
         // The program is not loaded with frags: the frame is linear.
         self.data_end() - self.data()

@@ -1,5 +1,6 @@
 //! Ethernet + IPv4 + TCP/UDP headers → the 5-tuple and the offsets the rewrite needs; an ICMP
-//! message's IPv4 header, for the error translation (icmp.rs).
+//! message's IPv4 header, for the error translation (icmp.rs). A later IPv4 fragment has no
+//! ports: its tuple's are filled in from its first fragment (fragment.rs).
 use lb_common::{ConntrackKey, Counter, IPPROTO_ICMP, IPPROTO_TCP, IPPROTO_UDP};
 
 use crate::packet::PacketAccess;
@@ -27,7 +28,7 @@ pub struct Ipv4Header {
     version_ihl: u8,
     tos: u8,
     tot_len: u16,
-    _id: u16,
+    id: u16,
     frag_off: u16,
     ttl: u8,
     pub proto: u8,
@@ -71,6 +72,17 @@ pub struct Ports {
     pub dst: u16,
 }
 
+/// Where a packet sits in its datagram.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Fragment {
+    /// Not fragmented.
+    Whole,
+    /// The first fragment: it carries the TCP/UDP header.
+    First,
+    /// A later fragment: payload only, its tuple's ports are 0 until resolved.
+    Later,
+}
+
 /// A parsed IPv4 TCP/UDP packet, or an ICMP message (`tuple.proto` `IPPROTO_ICMP`, ports 0).
 pub struct Packet {
     /// As the packet arrived: the conntrack key of its direction.
@@ -83,10 +95,15 @@ pub struct Packet {
     pub tos: u8,
     /// IPv4 total length, host order.
     pub tot_len: u16,
+    pub fragment: Fragment,
+    /// IPv4 ID, network order: with the addresses and protocol it names a fragment's datagram.
+    // Kept beside `fragment` rather than in it: the packet stays 32 bytes, which the programs'
+    // stack (512 bytes, several copies of the packet) needs.
+    pub ip_id: u16,
 }
 
-/// `Err(Passed)` for traffic that is not IPv4 TCP/UDP/ICMP, `Err(PassedUnparsed)` for fragments
-/// and truncated or inconsistent headers.
+/// `Err(Passed)` for traffic that is not IPv4 TCP/UDP/ICMP, `Err(PassedUnparsed)` for ICMP
+/// fragments and truncated or inconsistent headers.
 pub fn packet<P: PacketAccess>(ctx: &P) -> Result<Packet, Counter> {
     let ether_type: u16 = ctx
         .load(ETH_TYPE_OFFSET)
@@ -105,20 +122,38 @@ pub fn packet<P: PacketAccess>(ctx: &P) -> Result<Packet, Counter> {
     {
         return Err(Counter::PassedUnparsed);
     }
-    // Only the first fragment carries ports, and later ones cannot be matched to it here.
-    if u16::from_be(ip.frag_off) & IP_MF_AND_OFFSET != 0 {
-        return Err(Counter::PassedUnparsed);
-    }
+    let frag_off = u16::from_be(ip.frag_off);
+    let fragment = if frag_off & IP_MF_AND_OFFSET == 0 {
+        Fragment::Whole
+    } else if frag_off & IP_OFFSET == 0 {
+        Fragment::First
+    } else {
+        Fragment::Later
+    };
     let min_l4_len = match ip.proto {
         IPPROTO_TCP => TCP_MIN_HLEN,
         IPPROTO_UDP => UDP_HLEN,
-        IPPROTO_ICMP => ICMP_HLEN,
+        // ICMP errors are not fragmented (RFC 1812 caps them at 576 bytes).
+        IPPROTO_ICMP if fragment == Fragment::Whole => ICMP_HLEN,
+        IPPROTO_ICMP => return Err(Counter::PassedUnparsed),
         _ => return Err(Counter::Passed),
     };
+    let l4 = ETH_HLEN + header_len;
+    if fragment == Fragment::Later {
+        return Ok(Packet {
+            tuple: ip.tuple(Ports { src: 0, dst: 0 }),
+            l4,
+            tcp_flags: 0,
+            ttl: ip.ttl,
+            tos: ip.tos,
+            tot_len: tot_len as u16,
+            fragment,
+            ip_id: ip.id,
+        });
+    }
     if tot_len - header_len < min_l4_len {
         return Err(Counter::PassedUnparsed);
     }
-    let l4 = ETH_HLEN + header_len;
     let ports = if ip.proto == IPPROTO_ICMP {
         Ports { src: 0, dst: 0 }
     } else {
@@ -137,5 +172,7 @@ pub fn packet<P: PacketAccess>(ctx: &P) -> Result<Packet, Counter> {
         ttl: ip.ttl,
         tos: ip.tos,
         tot_len: tot_len as u16,
+        fragment,
+        ip_id: ip.id,
     })
 }

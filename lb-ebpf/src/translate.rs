@@ -1,14 +1,14 @@
 //! The translation core shared by `lb_ingress` (tc) and `lb_xdp`: parse, conntrack lookup, and
 //! for a new connection the frontend, its endpoint list, backend selection and tracking. What
 //! the packet becomes is decided here; rewriting and sending it is the programs' part. ICMP is
-//! only told apart here: its errors are tc's (icmp.rs).
+//! only told apart here: its errors are tc's (icmp.rs). Fragments follow their first (fragment.rs).
 use lb_common::{CONFIG_F_READY, Config, ConntrackKey, Counter, Frontend, IPPROTO_ICMP};
 
 use crate::{
     conntrack::{self, Connection},
-    maps, masquerade,
+    fragment, maps, masquerade,
     packet::PacketAccess,
-    parse::{self, Packet},
+    parse::{self, Fragment, Packet},
     service::{self, Backends},
 };
 
@@ -26,10 +26,14 @@ pub enum Translation {
 // most five in registers and has no stack arguments.
 #[inline(always)]
 pub fn translation<P: PacketAccess>(ctx: &P) -> Result<Translation, Counter> {
+    let mut packet = parse::packet(ctx)?;
+    // XDP leaves fragments to tc: they are few, and one path is simpler to keep right.
+    if P::IS_XDP && packet.fragment != Fragment::Whole {
+        return Err(Counter::XdpPassed);
+    }
     let config = maps::config()
         .filter(|config| config.flags & CONFIG_F_READY != 0)
         .ok_or(Counter::Passed)?;
-    let packet = parse::packet(ctx)?;
     // The stack answers an expiring packet (ICMP time exceeded) about the address the client
     // used, so it must see the packet untranslated.
     if packet.ttl <= 1 {
@@ -38,10 +42,15 @@ pub fn translation<P: PacketAccess>(ctx: &P) -> Result<Translation, Counter> {
     if packet.tuple.proto == IPPROTO_ICMP {
         return Ok(Translation::Icmp(packet));
     }
+    fragment::follow(&mut packet)?;
     let now = maps::now_ns();
     if let Some(to) = conntrack::lookup(&packet, now) {
         maps::count(Counter::Translated);
         return Ok(Translation::To { packet, to });
+    }
+    // Only a first fragment (or a whole datagram) can open a connection.
+    if packet.fragment == Fragment::Later {
+        return Err(Counter::PassedFragment);
     }
     let frontend = service::frontend(&packet.tuple)?;
     let backends = service::backends(&config, &frontend, packet.tuple.src_addr);

@@ -999,14 +999,6 @@ fn malformed_packets_are_untouched() {
         bytes[ETH_HLEN + index] = value;
         bytes
     };
-    let fragment = |more_fragments, fragment_offset| {
-        Packet {
-            more_fragments,
-            fragment_offset,
-            ..Packet::new(Proto::Tcp, POD, CLUSTER_IP)
-        }
-        .build()
-    };
     let packets = [
         // The kernel refuses test input shorter than Ethernet + a 20-byte IPv4 header, so a
         // truncated IP header is one whose IHL (15: 60 bytes) runs past the packet.
@@ -1026,8 +1018,6 @@ fn malformed_packets_are_untouched() {
             bytes[ETH_HLEN + 3] = 16;
             bytes
         },
-        fragment(true, 0),
-        fragment(false, 185),
     ];
     for packet in &packets {
         datapath.assert_untouched(packet);
@@ -1058,6 +1048,142 @@ fn ip_options_use_the_right_l4_offset() {
         let back = datapath.translate(&reply);
         assert_eq!((back.src, back.dst), (CLUSTER_IP, POD));
     }
+}
+
+/// A UDP datagram from `src` to `dst` with a `len`-byte payload (valid checksum), cut into IPv4
+/// fragments of `chunk` bytes of it (a multiple of 8), all with IP ID `id`.
+fn udp_fragments(
+    src: SocketAddrV4,
+    dst: SocketAddrV4,
+    id: u16,
+    len: usize,
+    chunk: usize,
+) -> Vec<Vec<u8>> {
+    let payload: Vec<u8> = (0..len).map(|i| i as u8).collect();
+    let mut whole = Vec::new();
+    PacketBuilder::ethernet2(MAC_SRC, MAC_DST)
+        .ipv4(src.ip().octets(), dst.ip().octets(), 64)
+        .udp(src.port(), dst.port())
+        .write(&mut whole, &payload)
+        .unwrap();
+    let datagram = &whole[ETH_HLEN + 20..];
+    (0..)
+        .zip(datagram.chunks(chunk))
+        .map(|(i, part)| {
+            let mut ip = Ipv4Header::new(
+                part.len() as u16,
+                64,
+                IpNumber::UDP,
+                src.ip().octets(),
+                dst.ip().octets(),
+            )
+            .unwrap();
+            ip.identification = id;
+            ip.fragment_offset = ((i * chunk / 8) as u16).try_into().unwrap();
+            ip.more_fragments = (i + 1) * chunk < datagram.len();
+            ip.header_checksum = ip.calc_header_checksum();
+            let mut bytes = whole[..ETH_HLEN].to_vec();
+            bytes.extend(ip.to_bytes());
+            bytes.extend(part);
+            bytes
+        })
+        .collect()
+}
+
+impl Datapath {
+    /// Runs the fragments of one UDP datagram, which must all be translated alike: each keeps its
+    /// IP ID, fragment fields, length and (after the first) payload, with a valid IPv4 checksum;
+    /// the datagram they make up has a valid UDP checksum and its payload. Returns its new
+    /// addresses.
+    fn translate_fragments(&self, fragments: &[Vec<u8>]) -> (SocketAddrV4, SocketAddrV4) {
+        let mut addrs = None;
+        let mut datagram = Vec::new();
+        for (i, input) in fragments.iter().enumerate() {
+            let (verdict, output) = self.run(input);
+            assert!(
+                verdict == TC_ACT_OK || verdict == TC_ACT_REDIRECT,
+                "fragment {i}: verdict {verdict}"
+            );
+            assert_eq!(output.len(), input.len(), "fragment {i}");
+            let (ip_in, payload_in) = Ipv4Header::from_slice(&input[ETH_HLEN..]).unwrap();
+            let (ip, payload) = Ipv4Header::from_slice(&output[ETH_HLEN..]).unwrap();
+            assert_eq!(
+                ip.calc_header_checksum(),
+                ip.header_checksum,
+                "fragment {i}"
+            );
+            assert_eq!(
+                (ip.identification, ip.fragment_offset, ip.more_fragments),
+                (
+                    ip_in.identification,
+                    ip_in.fragment_offset,
+                    ip_in.more_fragments
+                ),
+                "fragment {i}"
+            );
+            if i > 0 {
+                assert_eq!(payload, payload_in, "fragment {i}: payload only");
+            }
+            let these = (ip.source, ip.destination);
+            assert_eq!(*addrs.get_or_insert(these), these, "fragment {i}");
+            datagram.extend_from_slice(payload);
+        }
+        let (src, dst) = addrs.unwrap();
+        let mut pseudo = [src, dst].concat();
+        pseudo.extend([0, IPPROTO_UDP]);
+        pseudo.extend((datagram.len() as u16).to_be_bytes());
+        pseudo.extend(&datagram);
+        assert!(checksum_ok(&pseudo), "UDP checksum of the datagram");
+        let (udp, payload) = UdpHeader::from_slice(&datagram).unwrap();
+        assert!(payload.iter().enumerate().all(|(i, &b)| b == i as u8));
+        (
+            SocketAddrV4::new(src.into(), udp.source_port),
+            SocketAddrV4::new(dst.into(), udp.destination_port),
+        )
+    }
+}
+
+/// A fragmented UDP datagram to a service (a ClusterIP from a pod; a NodePort from outside,
+/// masqueraded): all its fragments reach the endpoint its first fragment chose, and the
+/// endpoint's fragmented reply comes back from the service.
+#[test]
+fn fragments_follow_their_first_fragment() {
+    for (client, frontend, flags) in [
+        (POD, CLUSTER_IP, 0),
+        (EXTERNAL_CLIENT, NODE_PORT, FRONTEND_F_MASQUERADE),
+    ] {
+        let mut datapath = Datapath::new(config());
+        datapath.service(Proto::Udp, frontend, flags, SERVICE_ID, &ENDPOINTS);
+        let request = udp_fragments(client, frontend, 0x1234, 3000, 1480);
+        assert_eq!(request.len(), 3);
+        let (src, dst) = datapath.translate_fragments(&request);
+        assert!(ENDPOINTS.contains(&dst), "{dst}");
+        if flags & FRONTEND_F_MASQUERADE != 0 {
+            assert_eq!(*src.ip(), NODE);
+        } else {
+            assert_eq!(src, client);
+        }
+        let reply = udp_fragments(dst, src, 0x4321, 3000, 1480);
+        assert_eq!(datapath.translate_fragments(&reply), (frontend, client));
+        assert_eq!(datapath.counter(Counter::NewConnection), 1);
+        assert_eq!(datapath.counter(Counter::Translated), 5);
+        assert_eq!(datapath.counter(Counter::PassedFragment), 0);
+    }
+}
+
+/// A later fragment whose first was not translated passes untouched, counted: one that arrives
+/// before its first, and those of a datagram between pods.
+#[test]
+fn later_fragments_without_a_translated_first_pass_untouched() {
+    let datapath = Datapath::with_cluster_ip(&ENDPOINTS);
+    let early = udp_fragments(POD, CLUSTER_IP, 7, 3000, 1480);
+    datapath.assert_untouched(&early[1]);
+    for fragment in udp_fragments(POD, ENDPOINTS[0], 8, 3000, 1480) {
+        datapath.assert_untouched(&fragment);
+    }
+    assert_eq!(datapath.counter(Counter::PassedFragment), 3);
+    assert_eq!(datapath.counter(Counter::Passed), 1);
+    assert_eq!(datapath.conntrack_len(), 0);
 }
 
 #[test]
