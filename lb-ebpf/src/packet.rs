@@ -4,9 +4,10 @@
 //! Reads and writes are direct packet access, bounds-checked against the linear data: a helper
 //! call per field (`bpf_skb_load_bytes` and kin) cost more than the lookups they serve. Headers
 //! sit within the first `MAX_HEADER_OFFSET` bytes, which `pull_headers` makes linear in an skb
-//! once per packet; an XDP frame is linear. Checksums are where the two differ: tc must use the
-//! kernel's helpers, which also keep the skb's checksum state right (see nat.rs); an XDP frame has
-//! no such state, so its checksums are updated with RFC 1624 arithmetic.
+//! once per packet; an XDP frame is linear. The IPv4 header checksum is updated with RFC 1624
+//! arithmetic for both. The TCP/UDP checksum is where they differ: tc must use the kernel's
+//! helper, which also keeps the skb's checksum state right (see nat.rs); an XDP frame has no such
+//! state, so its checksum is updated with the same arithmetic.
 use core::{ffi::c_long, mem};
 
 use aya_ebpf::{
@@ -95,8 +96,14 @@ pub trait PacketAccess: EbpfContext {
     fn len(&self) -> usize;
     fn load<T>(&self, offset: usize) -> Result<T, c_long>;
     fn store<T>(&self, offset: usize, value: &T) -> Result<(), c_long>;
-    /// Updates the IPv4 header checksum at `offset` for `change`.
-    fn replace_l3_checksum(&self, offset: usize, change: Change) -> Result<(), c_long>;
+    /// Updates the IPv4 header checksum at `offset` for `change`. The same arithmetic for both
+    /// program types, no helper call: an IPv4 header with a valid checksum sums to the same value
+    /// after any change, so an skb's checksum state (which covers the header) stays right, as
+    /// `bpf_l3_csum_replace` also leaves it.
+    fn replace_l3_checksum(&self, offset: usize, change: Change) -> Result<(), c_long> {
+        let check: u16 = self.load(offset)?;
+        self.store(offset, &updated(check, change))
+    }
     /// Updates the TCP/UDP checksum at `offset` for `change`.
     fn replace_l4_checksum(
         &self,
@@ -124,11 +131,6 @@ impl PacketAccess for TcContext {
 
     fn store<T>(&self, offset: usize, value: &T) -> Result<(), c_long> {
         store_linear(self.data(), self.data_end(), offset, value)
-    }
-
-    fn replace_l3_checksum(&self, offset: usize, change: Change) -> Result<(), c_long> {
-        let Change { old, new, size } = change;
-        self.l3_csum_replace(offset, old.into(), new.into(), size.into())
     }
 
     fn replace_l4_checksum(
@@ -175,11 +177,6 @@ impl PacketAccess for XdpContext {
 
     fn store<T>(&self, offset: usize, value: &T) -> Result<(), c_long> {
         store_linear(self.data(), self.data_end(), offset, value)
-    }
-
-    fn replace_l3_checksum(&self, offset: usize, change: Change) -> Result<(), c_long> {
-        let check: u16 = PacketAccess::load(self, offset)?;
-        PacketAccess::store(self, offset, &updated(check, change))
     }
 
     fn replace_l4_checksum(
