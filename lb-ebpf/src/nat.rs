@@ -2,8 +2,8 @@
 //! (how each program type updates a checksum is in packet.rs). A later fragment has no TCP/UDP
 //! header: only its addresses change, the first fragment's checksum update covers the datagram.
 //!
-//! For tc, the checksum helpers know the skb's checksum state: with `BPF_F_PSEUDO_HDR` an address
-//! change also fixes the pseudo-header sum of a CHECKSUM_PARTIAL skb (veth traffic) and
+//! For tc, the TCP/UDP checksum helper knows the skb's checksum state: with `BPF_F_PSEUDO_HDR` an
+//! address change also fixes the pseudo-header sum of a CHECKSUM_PARTIAL skb (veth traffic) and
 //! `skb->csum` of a CHECKSUM_COMPLETE one, which no hand-written checksum code could reach.
 use lb_common::{ConntrackKey, Counter, IPPROTO_UDP};
 
