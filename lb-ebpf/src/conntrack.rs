@@ -9,19 +9,20 @@ use lb_common::{
 
 use crate::{
     maps,
-    parse::{Packet, TCP_FIN, TCP_RST},
+    parse::{Packet, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
 };
 
 /// `last_seen_ns` is refreshed at most this often, so that busy flows do not write the shared
 /// cache line on every packet. Timeouts are tens of seconds and more.
 const REFRESH_NS: u64 = 1_000_000_000;
 
-/// The tuple a packet of a tracked connection is rewritten to, or `None` when it has no live entry.
-/// Keeps both entries of the connection fresh and in the same state.
+/// The tuple a packet of a tracked connection is rewritten to, or `None` when it has no live entry
+/// (or opens a new connection on the tuple of a closing one). Keeps both entries of the
+/// connection fresh and in the same state.
 pub fn lookup(packet: &Packet, now: u64) -> Option<ConntrackKey> {
     let entry = maps::conntrack(&packet.tuple)?;
     let proto = packet.tuple.proto;
-    if expired(entry, proto, now) {
+    if expired(entry, proto, now) || reopens(entry, packet) {
         return None;
     }
     let to = rewrite_of(entry, proto);
@@ -54,6 +55,16 @@ pub fn related(quoted: &ConntrackKey, now: u64) -> Option<ConntrackKey> {
 fn expired(entry: &ConntrackEntry, proto: u8, now: u64) -> bool {
     // Saturating: another CPU may have stored a later timestamp than our `now`.
     now.saturating_sub(entry.last_seen_ns) > conntrack_timeout_ns(proto, entry.state)
+}
+
+/// A client's SYN on the tuple of a closing connection is a new connection, as Linux's conntrack
+/// treats it: it gets a new endpoint, not the old one, which may have been removed since. Clients
+/// reuse a port that soon when they close with RST, or with tcp_tw_reuse.
+fn reopens(entry: &ConntrackEntry, packet: &Packet) -> bool {
+    packet.tuple.proto == IPPROTO_TCP
+        && packet.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN
+        && entry.state == CT_STATE_CLOSING
+        && entry.flags & CT_F_REPLY == 0
 }
 
 fn next_state(entry: &ConntrackEntry, packet: &Packet) -> u8 {

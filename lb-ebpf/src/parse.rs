@@ -19,7 +19,9 @@ const ICMP_HLEN: usize = 8;
 const TCP_FLAGS_OFFSET: usize = 13;
 
 pub const TCP_FIN: u8 = 0x01;
+pub const TCP_SYN: u8 = 0x02;
 pub const TCP_RST: u8 = 0x04;
+pub const TCP_ACK: u8 = 0x10;
 
 /// The fixed part of an IPv4 header, fields in network order.
 #[repr(C)]

@@ -95,6 +95,8 @@ struct Packet {
     src: SocketAddrV4,
     dst: SocketAddrV4,
     ttl: u8,
+    /// A SYN without ACK, which opens a connection; otherwise ACK is set.
+    tcp_syn: bool,
     tcp_fin: bool,
     ip_options: &'static [u8],
     more_fragments: bool,
@@ -109,6 +111,7 @@ impl Packet {
             src,
             dst,
             ttl: 64,
+            tcp_syn: false,
             tcp_fin: false,
             ip_options: &[],
             more_fragments: false,
@@ -135,7 +138,8 @@ impl Packet {
         match self.proto {
             Proto::Tcp => {
                 let mut tcp = TcpHeader::new(self.src.port(), self.dst.port(), 1000, 65535);
-                tcp.ack = true;
+                tcp.syn = self.tcp_syn;
+                tcp.ack = !self.tcp_syn;
                 tcp.fin = self.tcp_fin;
                 builder.tcp_header(tcp).write(&mut bytes, PAYLOAD).unwrap();
             }
@@ -527,6 +531,43 @@ fn cluster_ip_tcp_from_pod() {
     assert_eq!(datapath.counter(Counter::Translated), 22);
     assert_eq!(datapath.counter(Counter::Masqueraded), 0);
     assert_eq!(datapath.conntrack_len(), 2);
+}
+
+/// A SYN on the tuple of a closing connection opens a new one, to a backend chosen now (the old
+/// one may be gone since), as Linux's conntrack reopens it; the closing connection's own packets
+/// and a retransmitted SYN of a new connection keep their backend.
+#[test]
+fn syn_on_a_closing_connection_opens_a_new_one() {
+    let mut datapath = Datapath::with_cluster_ip(&ENDPOINTS[..1]);
+    let ack = Packet::new(Proto::Tcp, POD, CLUSTER_IP);
+    let syn = Packet {
+        tcp_syn: true,
+        ..ack
+    };
+    let fin = Packet {
+        tcp_fin: true,
+        ..ack
+    };
+    assert_eq!(datapath.translate(&syn).dst, ENDPOINTS[0]);
+    assert_eq!(
+        datapath.translate(&syn).dst,
+        ENDPOINTS[0],
+        "SYN retransmitted"
+    );
+    assert_eq!(datapath.translate(&fin).dst, ENDPOINTS[0]);
+    datapath.service(Proto::Tcp, CLUSTER_IP, 0, SERVICE_ID, &ENDPOINTS[1..2]);
+    assert_eq!(datapath.translate(&ack).dst, ENDPOINTS[0], "still closing");
+    assert_eq!(datapath.counter(Counter::NewConnection), 1);
+
+    assert_eq!(datapath.translate(&syn).dst, ENDPOINTS[1], "reopened");
+    assert_eq!(datapath.counter(Counter::NewConnection), 2);
+    let original = datapath
+        .conntrack(&ct_key(Proto::Tcp, POD, CLUSTER_IP))
+        .unwrap();
+    assert_eq!(rewrite_of(&original), (POD, ENDPOINTS[1]));
+    assert_eq!(original.state, CT_STATE_NEW);
+    let out = datapath.translate(&Packet::new(Proto::Tcp, ENDPOINTS[1], POD));
+    assert_eq!((out.src, out.dst), (CLUSTER_IP, POD), "its reply");
 }
 
 #[test]
