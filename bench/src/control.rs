@@ -19,7 +19,7 @@ use serde::Serialize;
 use crate::{
     Plan, Progress, interrupt,
     services::ServiceSet,
-    traffic::{CLIENT_CPU, one_connection, percentile, pin},
+    traffic::{CLIENT_CPU, Close, one_connection, percentile, pin},
     variants::{Deployment, Variant, replace_manifest_file, replace_manifests, wait_for_sync},
 };
 
@@ -150,7 +150,10 @@ fn probe(changed: Instant, to: SocketAddr, shows: Shows) -> Result<Duration> {
         if sent > changed + PROBE_TIMEOUT {
             break;
         }
-        let answer = one_connection(to).ok();
+        // Reset, not FIN: at PROBE_INTERVAL a FIN's TIME_WAIT would take all of the client's
+        // ephemeral ports in seconds, and the probes would fail. A port is reused within
+        // seconds, on the tuple of a connection still closing in the datapath.
+        let answer = one_connection(to, Close::Reset).ok();
         match shows {
             Shows::AnswerFrom(id) if answer == Some(id) => return Ok(sent - changed),
             Shows::OnlyFrom(id) if answer == Some(id) => {

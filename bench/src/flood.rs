@@ -27,8 +27,8 @@ use crate::{
     variants::{Deployment, Variant},
 };
 
-/// The variants B4 compares: kube-proxy's iptables (nf_tables backend) and this agent's tc
-/// datapath. The agent's XDP program (`--xdp`, another branch) is one more entry here.
+/// The variants B4 compares: kube-proxy's iptables (nf_tables backend), this agent's tc datapath,
+/// and the agent with its XDP program (`--xdp`).
 pub const VARIANTS: [Variant; 3] = [Variant::IptablesNft, Variant::Tc, Variant::Xdp];
 /// Ethernet frame without FCS.
 const FRAME_BYTES: usize = 64;

@@ -45,6 +45,9 @@ struct Cli {
     /// Only these measurements (e.g. `b4,b6`); default: all.
     #[arg(long, value_delimiter = ',', value_enum)]
     only: Vec<Section>,
+    /// Only these variants where a section compares them (e.g. `direct,tc`); default: all.
+    #[arg(long, value_delimiter = ',', value_enum)]
+    variants: Vec<Variant>,
     /// Output directory [default: target/bench/<timestamp>].
     #[arg(long)]
     out: Option<PathBuf>,
@@ -197,6 +200,9 @@ fn main() -> Result<()> {
     }
     if !cli.only.is_empty() {
         plan.sections = cli.only;
+    }
+    if !cli.variants.is_empty() {
+        plan.variants.retain(|v| cli.variants.contains(v));
     }
     let out = match cli.out {
         Some(out) => out,

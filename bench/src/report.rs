@@ -62,8 +62,24 @@ pub fn write(results: &Results, dir: &Path) -> Result<()> {
         }
     );
     write_datapath(&mut md, results);
+    write_sweep(&mut md, results, dir)?;
+    write_flood(&mut md, results);
+    write_conntrack(&mut md, results);
+    write_control(&mut md, results);
+    write_bulk(&mut md, results);
+    write_memory(&mut md, results);
+    write_errors(&mut md, results);
+    fs::write(dir.join("report.md"), md)?;
+    Ok(())
+}
+
+/// B2 and B3: a table and a plot per metric.
+fn write_sweep(md: &mut String, results: &Results, dir: &Path) -> Result<()> {
+    if results.points.is_empty() {
+        return Ok(());
+    }
     for metric in &METRICS {
-        write_metric(&mut md, results, metric);
+        write_metric(md, results, metric);
         line_chart(
             &dir.join(metric.file),
             metric.title,
@@ -72,13 +88,6 @@ pub fn write(results: &Results, dir: &Path) -> Result<()> {
         )?;
         let _ = writeln!(md, "![{}]({})\n", metric.title, metric.file);
     }
-    write_flood(&mut md, results);
-    write_conntrack(&mut md, results);
-    write_control(&mut md, results);
-    write_bulk(&mut md, results);
-    write_memory(&mut md, results);
-    write_errors(&mut md, results);
-    fs::write(dir.join("report.md"), md)?;
     Ok(())
 }
 

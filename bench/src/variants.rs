@@ -28,7 +28,7 @@ const LOADER_TIMEOUT_S: &str = "180";
 /// How often a wait for the agent looks at the interrupt flag.
 const SYNC_POLL: Duration = Duration::from_millis(200);
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
 pub enum Variant {
     /// The client talks to the backend pod; the node only routes.
@@ -38,8 +38,8 @@ pub enum Variant {
     Nftables,
     /// This project's agent and tc datapath.
     Tc,
-    /// The agent with `--xdp`: `lb_xdp` on the node's external interface as well. Not in `ALL`:
-    /// the B2/B3 client is a pod, whose traffic enters on a pod veth, where XDP never runs.
+    /// The agent with `--xdp`: `lb_xdp` on the node's external interface as well. B4 only: the
+    /// B2/B3 client is a pod, whose traffic enters on a pod veth, where XDP never runs.
     Xdp,
 }
 
