@@ -82,7 +82,9 @@ pub struct Plan {
     pub variants: Vec<Variant>,
     /// B2/B3 service counts.
     pub service_counts: Vec<usize>,
+    /// B2/B3 measuring time per point and metric, split into rounds across the variants.
     pub point_duration: Duration,
+    pub rounds: u32,
     /// B1 service counts and runs per case.
     pub datapath_counts: Vec<usize>,
     pub datapath_runs: u32,
@@ -103,6 +105,7 @@ impl Plan {
             variants: Variant::ALL.to_vec(),
             service_counts: vec![1, 1_000, 5_000, 20_000, 50_000],
             point_duration: Duration::from_secs(2),
+            rounds: 4,
             datapath_counts: vec![1, 1_000, 10_000, 50_000],
             datapath_runs: 1_000_000,
             flood_duration: Duration::from_secs(3),
@@ -141,7 +144,8 @@ impl Plan {
             seconds +=
                 (self.datapath_counts.len() * 5) as f64 * f64::from(self.datapath_runs) * 3e-6;
         }
-        let point = self.point_duration.as_secs_f64() * 2.0 + 0.5;
+        // Both measurements, each round with its warmup.
+        let point = (self.point_duration.as_secs_f64() + f64::from(self.rounds) * 0.2) * 2.0 + 0.5;
         if self.wants(Section::B2) {
             for &count in &self.service_counts {
                 let loaders = if count >= 20_000 { 180.0 } else { 0.0 };
@@ -177,6 +181,7 @@ impl Plan {
             variants: vec![Variant::Direct, Variant::Tc],
             service_counts: vec![1],
             point_duration: Duration::from_millis(300),
+            rounds: 2,
             datapath_counts: vec![1],
             datapath_runs: 2_000,
             flood_duration: Duration::from_millis(300),

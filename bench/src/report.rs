@@ -48,12 +48,14 @@ pub fn write(results: &Results, dir: &Path) -> Result<()> {
     let mut md = String::new();
     let _ = writeln!(
         md,
-        "# lb benchmark {}\n\nKernel {}, {} CPUs; client on CPU 0, server on CPU 1; {} s per point; \
-         the run took {:.0} s.{}\n",
+        "# lb benchmark {}\n\nKernel {}, {} CPUs; client on CPU 0, server on CPU 1; B2/B3: {} s per \
+         point and measurement in {} rounds that take turns across the variants, the median of \
+         the rounds; the run took {:.0} s.{}\n",
         results.started_utc,
         results.kernel,
         results.cpus,
         results.point_seconds,
+        results.rounds,
         results.seconds,
         if results.smoke {
             " **Smoke run: tiny counts, the numbers mean nothing.**"

@@ -23,6 +23,7 @@ pub struct Results {
     pub cpus: usize,
     pub smoke: bool,
     pub point_seconds: f64,
+    pub rounds: u32,
     /// Wall time of the whole run.
     pub seconds: f64,
     /// B1.
@@ -51,6 +52,7 @@ impl Results {
             cpus: std::thread::available_parallelism()?.get(),
             smoke: plan.smoke,
             point_seconds: plan.point_duration.as_secs_f64(),
+            rounds: plan.rounds,
             seconds: 0.0,
             datapath: Vec::new(),
             points: Vec::new(),
@@ -102,9 +104,18 @@ pub struct Point {
     pub services: usize,
     /// How long the variant took to load this count's rules (the agent: to sync them).
     pub program_s: Option<f64>,
+    /// The medians of `rounds`: each rate, p50 and p99 on its own (counts are summed).
     pub connections: Option<ConnectionRate>,
     pub requests: Option<RequestRate>,
+    pub rounds: Vec<Round>,
     pub error: Option<String>,
+}
+
+/// One round of a point: its share of the point's duration for each measurement.
+#[derive(Debug, Serialize)]
+pub struct Round {
+    pub connections: ConnectionRate,
+    pub requests: RequestRate,
 }
 
 impl Point {
@@ -115,8 +126,37 @@ impl Point {
             program_s: None,
             connections: None,
             requests: None,
+            rounds: Vec::new(),
             error: None,
         }
+    }
+
+    /// Sets `connections` and `requests` from the rounds (none when there are none).
+    pub fn summarize_rounds(&mut self) {
+        if self.rounds.is_empty() {
+            return;
+        }
+        let median_of = |value: fn(&Round) -> f64| {
+            let mut values: Vec<f64> = self.rounds.iter().map(value).collect();
+            values.sort_by(f64::total_cmp);
+            let mid = values.len() / 2;
+            if values.len().is_multiple_of(2) {
+                (values[mid - 1] + values[mid]) / 2.0
+            } else {
+                values[mid]
+            }
+        };
+        self.connections = Some(ConnectionRate {
+            connections: self.rounds.iter().map(|r| r.connections.connections).sum(),
+            failures: self.rounds.iter().map(|r| r.connections.failures).sum(),
+            per_second: median_of(|r| r.connections.per_second),
+        });
+        self.requests = Some(RequestRate {
+            requests: self.rounds.iter().map(|r| r.requests.requests).sum(),
+            per_second: median_of(|r| r.requests.per_second),
+            p50_us: median_of(|r| r.requests.p50_us),
+            p99_us: median_of(|r| r.requests.p99_us),
+        });
     }
 
     pub fn summary(&self) -> String {

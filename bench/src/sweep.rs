@@ -1,13 +1,12 @@
-//! B2 and B3 for every variant at every service count. The variants take turns at each count, so
-//! that drift of the machine over the run (other load, thermal) lands on all of them alike.
-use std::path::Path;
+//! B2 and B3 for every variant at every service count.
+use std::{path::Path, time::Duration};
 
 use anyhow::Result;
 use serde::Serialize;
 
 use crate::{
     Plan, Progress, interrupt, memory,
-    results::Point,
+    results::{Point, Round},
     services::ServiceSet,
     traffic::{connection_rate, request_rate},
     variants::{Deployment, Variant},
@@ -31,13 +30,35 @@ pub fn deploy(variants: &[Variant], bpffs: &Path, progress: Progress) -> Result<
     Ok(deployments)
 }
 
+/// At each count every variant is programmed, then measured in `plan.rounds` rounds that take
+/// turns across the variants: a few seconds of the machine's drift (other load on a shared box)
+/// then lands on every variant alike, and a point is the median of its rounds.
 pub fn run(plan: &Plan, deployments: &mut [Deployment], progress: Progress) -> Result<Vec<Point>> {
     let mut points = Vec::new();
+    let round_duration = plan.point_duration / plan.rounds;
     for &count in &plan.service_counts {
+        let mut measured: Vec<(&mut Deployment, ServiceSet, Point)> = Vec::new();
         for deployment in deployments.iter_mut().filter(|d| d.variant != Variant::Xdp) {
             interrupt::check()?;
             let set = ServiceSet::new(count, 1, deployment.topology.backend().ip);
-            let point = measure(plan, deployment, &set);
+            let mut point = Point::new(deployment.variant, count);
+            match deployment.program(&set) {
+                Ok(took) => point.program_s = Some(took.as_secs_f64()),
+                Err(err) => point.error = Some(format!("{err:#}")),
+            }
+            measured.push((deployment, set, point));
+        }
+        for _ in 0..plan.rounds {
+            for (deployment, set, point) in measured.iter_mut().filter(|m| m.2.error.is_none()) {
+                interrupt::check()?;
+                match measure_round(deployment, set, round_duration) {
+                    Ok(round) => point.rounds.push(round),
+                    Err(err) => point.error = Some(format!("{err:#}")),
+                }
+            }
+        }
+        for (_, _, mut point) in measured {
+            point.summarize_rounds();
             progress(&point.summary());
             points.push(point);
         }
@@ -45,25 +66,13 @@ pub fn run(plan: &Plan, deployments: &mut [Deployment], progress: Progress) -> R
     Ok(points)
 }
 
-fn measure(plan: &Plan, deployment: &mut Deployment, set: &ServiceSet) -> Point {
-    let mut point = Point::new(deployment.variant, set.count);
-    let result = (|| -> Result<()> {
-        point.program_s = Some(deployment.program(set)?.as_secs_f64());
-        let client = &deployment.topology.client_pod().ns;
-        let to = deployment.target(set);
-        point.connections = Some(connection_rate(
-            client,
-            to,
-            plan.point_duration,
-            MAX_CONNECTIONS,
-        )?);
-        point.requests = Some(request_rate(client, to, plan.point_duration, MAX_REQUESTS)?);
-        Ok(())
-    })();
-    if let Err(err) = result {
-        point.error = Some(format!("{err:#}"));
-    }
-    point
+fn measure_round(deployment: &Deployment, set: &ServiceSet, duration: Duration) -> Result<Round> {
+    let client = &deployment.topology.client_pod().ns;
+    let to = deployment.target(set);
+    Ok(Round {
+        connections: connection_rate(client, to, duration, MAX_CONNECTIONS)?,
+        requests: request_rate(client, to, duration, MAX_REQUESTS)?,
+    })
 }
 
 /// B6 (bulk) and B7 (agent memory): every variant programs `services` × `endpoints` from
