@@ -2,8 +2,8 @@
 //! XDP_TX program run by BPF_PROG_TEST_RUN with BPF_F_TEST_XDP_LIVE_FRAMES: the kernel transmits
 //! each frame from its page pool, no skb, no socket) sends 64-byte UDP frames out of the client's
 //! eth0 into the node's external interface, to the node address and the measured Service's UDP
-//! NodePort. Forwarded packets are counted by the backend pod's UDP stack (/proc/net/snmp read in
-//! its namespace); softirq CPU is the machine's /proc/stat `softirq` time over the run (all CPUs:
+//! NodePort. Forwarded packets are counted and dropped by a sink at the backend pod's eth0 ingress
+//! (`Sink`); softirq CPU is the machine's /proc/stat `softirq` time over the run (all CPUs:
 //! the node's forwarding and the backend's receive both run in softirq).
 use std::{
     fs,
@@ -22,7 +22,7 @@ use serde::Serialize;
 use crate::{
     Plan, Progress, bpf, interrupt,
     packet::{ETH_HLEN, Frame, IPV4_HLEN, UDP_HLEN},
-    services::{NODE_PORT, ServiceSet},
+    services::{NODE_PORT, ServiceSet, UDP_TARGET_PORT},
     traffic::{CLIENT_CPU, pin},
     variants::{Deployment, Variant},
 };
@@ -50,7 +50,7 @@ pub struct Flood {
     pub services: usize,
     pub seconds: f64,
     pub sent: u64,
-    /// UDP datagrams the backend received.
+    /// Frames that reached the backend pod (its sink).
     pub forwarded: u64,
     pub forwarded_pps: f64,
     /// Softirq time over the run per second of it, summed over CPUs (1.0 = one CPU busy).
@@ -111,15 +111,14 @@ fn measure(deployment: &Deployment, duration: Duration, flood: &mut Flood) -> Re
         SocketAddrV4::new(NODE_IP, NODE_PORT),
         FRAME_BYTES - ETH_HLEN - IPV4_HLEN - UDP_HLEN,
     );
-    let backend = &topology.backend().ns;
-    let received_before = udp_received(backend)?;
+    let sink = Sink::install(&topology.backend().ns)?;
     let softirq_before = softirq_ticks()?;
     let started = Instant::now();
     flood.sent = client.run(move || generate(&frame.bytes, duration))??;
     flood.seconds = started.elapsed().as_secs_f64();
     std::thread::sleep(DRAIN);
     let softirq = softirq_ticks()? - softirq_before;
-    flood.forwarded = udp_received(backend)? - received_before;
+    flood.forwarded = sink.received()?;
     flood.forwarded_pps = flood.forwarded as f64 / flood.seconds;
     flood.softirq_cpus = softirq as f64 / ticks_per_second() / flood.seconds;
     if flood.forwarded == 0 {
@@ -175,21 +174,52 @@ fn mac(ns: &Netns, interface: &str) -> Result<[u8; 6]> {
         .map_err(|_| anyhow::anyhow!("MAC of {interface}: {text:?}"))
 }
 
-/// UDP datagrams the stack of `ns` received: delivered (InDatagrams) or refused (InErrors: the
-/// sink is never read, so its full buffer refuses most). Other traffic (ARP, B2's last FINs) is
-/// not counted.
-fn udp_received(ns: &Netns) -> Result<u64> {
-    let snmp = ns.run(|| fs::read_to_string("/proc/thread-self/net/snmp"))??;
-    let mut udp = snmp.lines().filter(|l| l.starts_with("Udp: "));
-    let (names, values) = (udp.next(), udp.next());
-    let field = |name: &str| -> Option<u64> {
-        let index = names?.split_whitespace().position(|n| n == name)?;
-        values?.split_whitespace().nth(index)?.parse().ok()
-    };
-    Ok(
-        field("InDatagrams").context("no Udp InDatagrams in /proc/net/snmp")?
-            + field("InErrors").context("no Udp InErrors in /proc/net/snmp")?,
-    )
+/// B4's sink in a backend pod: the flood's frames are counted and dropped at the ingress hook of
+/// its eth0 (nftables, netdev family), before the pod's IP and UDP stack. That stack's cost is the
+/// same for every variant but runs on the CPU the generator and the node share, so it would dilute
+/// the node's; a packet generator's sink does no more.
+struct Sink<'a> {
+    ns: &'a Netns,
+}
+
+const SINK_TABLE: &str = "lbbench_sink";
+
+impl<'a> Sink<'a> {
+    fn install(ns: &'a Netns) -> Result<Self> {
+        let rules = format!(
+            "add table netdev {SINK_TABLE} ; \
+             add chain netdev {SINK_TABLE} ingress {{ type filter hook ingress device eth0 \
+             priority 0 ; }} ; \
+             add rule netdev {SINK_TABLE} ingress udp dport {UDP_TARGET_PORT} counter drop"
+        );
+        ns.exec("nft", &[&rules])
+            .context("nft: the sink in the backend pod")?;
+        Ok(Sink { ns })
+    }
+
+    /// Frames counted so far.
+    fn received(&self) -> Result<u64> {
+        let out = self
+            .ns
+            .exec("nft", &["-j", "list", "table", "netdev", SINK_TABLE])?;
+        let listing: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+        listing["nftables"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|item| item["rule"]["expr"].as_array())
+            .flatten()
+            .find_map(|expr| expr["counter"]["packets"].as_u64())
+            .context("no counter in the sink's nft listing")
+    }
+}
+
+impl Drop for Sink<'_> {
+    fn drop(&mut self) {
+        let _ = self
+            .ns
+            .exec("nft", &["delete", "table", "netdev", SINK_TABLE]);
+    }
 }
 
 /// Softirq time of all CPUs so far, in clock ticks (the `cpu` line of /proc/stat).

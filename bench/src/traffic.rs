@@ -38,7 +38,7 @@ pub fn pin(cpu: usize) -> Result<()> {
 }
 
 /// Answers every byte it reads with its `id`, one connection at a time, on TCP_TARGET_PORT; holds
-/// a UDP socket on UDP_TARGET_PORT that is never read, the sink of B4's flood.
+/// a UDP socket on UDP_TARGET_PORT that is never read, so that UDP to it (B5) is not refused.
 pub struct Server {
     stop: Arc<AtomicBool>,
     listener: Arc<TcpListener>,
