@@ -6,7 +6,8 @@
 //! probe that shows it: for an added endpoint, the first answer from it; for a removed one, the
 //! first of STREAK answers in a row from the endpoint that stays (before the change, each answer
 //! has an even chance of being either). Run with the agent's --min-sync-period at its default
-//! and at 0s, each in a deployment of its own.
+//! and at 0s, each in a deployment of its own. The client pod reuses TIME_WAIT ports, so probes
+//! reopen tuples of connections still closing in the datapath, which must choose anew.
 use std::{
     net::{Ipv4Addr, SocketAddr},
     path::Path,
@@ -19,7 +20,7 @@ use serde::Serialize;
 use crate::{
     Plan, Progress, interrupt,
     services::ServiceSet,
-    traffic::{CLIENT_CPU, Close, one_connection, percentile, pin},
+    traffic::{CLIENT_CPU, one_connection, percentile, pin},
     variants::{Deployment, Variant, replace_manifest_file, replace_manifests, wait_for_sync},
 };
 
@@ -150,10 +151,7 @@ fn probe(changed: Instant, to: SocketAddr, shows: Shows) -> Result<Duration> {
         if sent > changed + PROBE_TIMEOUT {
             break;
         }
-        // Reset, not FIN: at PROBE_INTERVAL a FIN's TIME_WAIT would take all of the client's
-        // ephemeral ports in seconds, and the probes would fail. A port is reused within
-        // seconds, on the tuple of a connection still closing in the datapath.
-        let answer = one_connection(to, Close::Reset).ok();
+        let answer = one_connection(to).ok();
         match shows {
             Shows::AnswerFrom(id) if answer == Some(id) => return Ok(sent - changed),
             Shows::OnlyFrom(id) if answer == Some(id) => {

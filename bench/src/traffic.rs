@@ -16,9 +16,8 @@ use std::{
 use anyhow::{Context as _, Result};
 use lb_tests::netns::Netns;
 use nix::{
-    libc::linger,
     sched::{CpuSet, sched_setaffinity},
-    sys::socket::{Shutdown, setsockopt, shutdown, sockopt},
+    sys::socket::{Shutdown, shutdown},
     unistd::Pid,
 };
 use serde::Serialize;
@@ -97,25 +96,9 @@ impl Drop for Server {
     }
 }
 
-/// How the client ends a connection.
-#[derive(Clone, Copy)]
-pub enum Close {
-    /// FIN, as most clients do: the client's port stays in TIME_WAIT for a minute.
-    Fin,
-    /// RST (SO_LINGER 0): the port is free at once, for the next connection to reuse.
-    Reset,
-}
-
 /// One connection: connect, 1-byte request, 1-byte response, close. Returns the server's id.
-pub fn one_connection(to: SocketAddr, close: Close) -> std::io::Result<u8> {
+pub fn one_connection(to: SocketAddr) -> std::io::Result<u8> {
     let mut stream = TcpStream::connect_timeout(&to, IO_TIMEOUT)?;
-    if let Close::Reset = close {
-        let abort = linger {
-            l_onoff: 1,
-            l_linger: 0,
-        };
-        setsockopt(&stream, sockopt::Linger, &abort)?;
-    }
     stream.set_nodelay(true)?;
     stream.set_read_timeout(Some(IO_TIMEOUT))?;
     stream.write_all(&[1])?;
@@ -142,12 +125,12 @@ pub fn connection_rate(
         pin(CLIENT_CPU)?;
         let warmup = Instant::now() + WARMUP;
         while Instant::now() < warmup {
-            let _ = one_connection(to, Close::Fin);
+            let _ = one_connection(to);
         }
         let start = Instant::now();
         let (mut connections, mut failures) = (0, 0);
         while connections + failures < max && start.elapsed() < duration {
-            match one_connection(to, Close::Fin) {
+            match one_connection(to) {
                 Ok(_) => connections += 1,
                 Err(_) => failures += 1,
             }
