@@ -5,6 +5,10 @@
 //! the kernel's repeat loop would feed it its own output (an already translated packet) from the
 //! second iteration on. The kernel's per-run duration includes its timer and the skb around the
 //! program; the empty program carries the same, so the difference is the program's own work.
+//!
+//! The runs happen in a namespace of their own where the packets "arrive" on a veth (the
+//! context's ingress ifindex) and the client and backend are neighbours with known MACs, so the
+//! FIB lookup resolves and the program takes its forwarding path, as on a node.
 use std::{
     net::{Ipv4Addr, SocketAddrV4},
     os::fd::AsFd as _,
@@ -20,6 +24,7 @@ use lb_common::{
     Backend, BackendKey, CONFIG_F_READY, Config, Frontend, FrontendKey, IPPROTO_TCP, SNAT_PORT_MAX,
     SNAT_PORT_MIN, default_size, ipv4_be, map_name, port_be, program_name,
 };
+use lb_tests::netns::{self, Netns};
 use serde::Serialize;
 
 use crate::{
@@ -35,6 +40,10 @@ const BACKEND: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::new(10, 244, 1, 2), TC
 const FIRST_CLIENT: u32 = u32::from_be_bytes([10, 244, 128, 0]);
 const CLIENT: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::new(10, 244, 1, 4), 40000);
 const NOT_A_SERVICE: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::new(10, 244, 1, 3), 9000);
+/// The veth the packets arrive on, in B1's namespace.
+const INTERFACE: &str = "b1in";
+/// Offset of `ingress_ifindex` in struct __sk_buff.
+const SKB_INGRESS_IFINDEX: usize = 36;
 
 #[derive(Debug, Serialize)]
 pub struct DatapathCost {
@@ -59,6 +68,14 @@ pub fn measure(plan: &Plan, progress: Progress) -> Result<Vec<DatapathCost>> {
 
 fn measure_pinned(runs: u32, counts: &[usize], progress: Progress) -> Result<Vec<DatapathCost>> {
     pin(SERVER_CPU)?;
+    let node = routed_node()?;
+    netns::enter(&format!("/run/netns/{}", node.name()))?;
+    let ifindex = node.exec("cat", &[&format!("/sys/class/net/{INTERFACE}/ifindex")])?;
+    let ifindex: u32 = String::from_utf8(ifindex.stdout)?.trim().parse()?;
+    // struct __sk_buff up to ingress_ifindex.
+    let mut ctx = [0u8; SKB_INGRESS_IFINDEX + 4];
+    ctx[SKB_INGRESS_IFINDEX..].copy_from_slice(&ifindex.to_ne_bytes());
+    let run = |fd: std::os::fd::BorrowedFd<'_>, data: &[u8]| run_once(fd, data, &ctx);
     let empty = bpf::load_return_only(bpf::BPF_PROG_TYPE_SCHED_CLS, bpf::TC_ACT_OK)
         .context("load the empty classifier (run as root)")?;
     let mut costs = Vec::new();
@@ -114,12 +131,44 @@ fn measure_pinned(runs: u32, counts: &[usize], progress: Progress) -> Result<Vec
     Ok(costs)
 }
 
-fn run(fd: std::os::fd::BorrowedFd<'_>, data: &[u8]) -> Result<u32> {
+/// The node of B1: INTERFACE (10.244.1.1/24, forwarding on) with CLIENT and BACKEND as
+/// neighbours whose MACs are known. Nothing is sent: BPF_PROG_TEST_RUN only returns verdicts.
+fn routed_node() -> Result<Netns> {
+    let node = Netns::new(format!("{}b1", netns::unique_prefix()))?;
+    node.ip(&[
+        "link", "add", INTERFACE, "type", "veth", "peer", "name", "b1peer",
+    ])?;
+    node.ip(&["link", "set", INTERFACE, "up"])?;
+    node.ip(&["link", "set", "b1peer", "up"])?;
+    node.ip(&["addr", "add", "10.244.1.1/24", "dev", INTERFACE])?;
+    for (neighbour, mac) in [
+        (CLIENT, "02:00:00:00:b1:04"),
+        (BACKEND, "02:00:00:00:b1:02"),
+    ] {
+        let ip = neighbour.ip().to_string();
+        let args = [
+            "neigh",
+            "add",
+            &ip,
+            "lladdr",
+            mac,
+            "dev",
+            INTERFACE,
+            "nud",
+            "permanent",
+        ];
+        node.ip(&args)?;
+    }
+    node.sysctl("net.ipv4.conf.all.forwarding", "1")?;
+    Ok(node)
+}
+
+fn run_once(fd: std::os::fd::BorrowedFd<'_>, data: &[u8], ctx: &[u8]) -> Result<u32> {
     let (_, ns) = bpf::test_run(
         fd,
         &bpf::TestRun {
             data,
-            ctx: None,
+            ctx: Some(ctx),
             repeat: 1,
             flags: 0,
             batch_size: 0,

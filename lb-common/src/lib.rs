@@ -12,7 +12,7 @@
 pub mod map_name {
     pub const FRONTENDS: &str = "LB_FRONTEND_V4";
     pub const BACKENDS: &str = "LB_BACKEND_V1";
-    pub const CONNTRACK: &str = "LB_CT_V1";
+    pub const CONNTRACK: &str = "LB_CT_V2";
     pub const CONFIG: &str = "LB_CONFIG_V2";
     pub const COUNTERS: &str = "LB_COUNTER_V6";
     pub const AFFINITY: &str = "LB_AFFINITY_V1";
@@ -312,9 +312,26 @@ pub struct ConntrackEntry {
     pub state: u8,
     /// `CT_F_*`.
     pub flags: u8,
-    // Scalars, as in `ConntrackKey`.
-    pub _pad0: u16,
-    pub _pad1: u32,
+    /// The IPv4 total length `hop` was resolved for: packets up to it take `hop`, a longer one
+    /// asks the FIB again (which checks it against the MTU). 0: no hop cached.
+    pub hop_len: u16,
+    pub hop: CachedHop,
+}
+
+/// The route the FIB gave an entry's rewritten packets, kept by the datapath until the entry is
+/// next refreshed (at most about a second), so that a connection's packets are not each looked
+/// up: in on `iif`, out of `ifindex`, with the destination and source MACs `macs`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct CachedHop {
+    pub ifindex: u32,
+    pub iif: u32,
+    /// The 12 bytes of the Ethernet header's MACs as they are in memory, in words. Scalars, not an
+    /// array: the BPF target zeroes and copies arrays with byte-loop calls.
+    pub macs0: u32,
+    pub macs1: u32,
+    pub macs2: u32,
 }
 
 /// The entry translates replies (backend → client).
@@ -536,7 +553,7 @@ const _: () = {
     assert!(core::mem::size_of::<BackendKey>() == 8);
     assert!(core::mem::size_of::<Backend>() == 8);
     assert!(core::mem::size_of::<ConntrackKey>() == 16);
-    assert!(core::mem::size_of::<ConntrackEntry>() == 32);
+    assert!(core::mem::size_of::<ConntrackEntry>() == 48);
     assert!(core::mem::size_of::<SourceRangeKey>() * 8 == SourceRangeKey::FULL_PREFIX as usize);
     assert!(core::mem::size_of::<Config>() == 32);
     assert!(core::mem::size_of::<SockRevNatKey>() == 16);

@@ -1,6 +1,8 @@
 //! Connection tracking: two entries per connection, each keyed by the 5-tuple of one direction as
 //! it arrives and holding what that direction is rewritten to. An entry's peer is keyed by its
 //! own rewrite turned around.
+use core::mem::MaybeUninit;
+
 use aya_ebpf::bindings::{BPF_ANY, BPF_NOEXIST};
 use lb_common::{
     Backend, CT_F_MASQUERADE, CT_F_REPLY, CT_STATE_CLOSING, CT_STATE_ESTABLISHED, CT_STATE_NEW,
@@ -10,16 +12,16 @@ use lb_common::{
 use crate::{
     maps,
     parse::{Packet, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
+    zero,
 };
 
 /// `last_seen_ns` is refreshed at most this often, so that busy flows do not write the shared
 /// cache line on every packet. Timeouts are tens of seconds and more.
 const REFRESH_NS: u64 = 1_000_000_000;
 
-/// The tuple a packet of a tracked connection is rewritten to, or `None` when it has no live entry
-/// (or opens a new connection on the tuple of a closing one). Keeps both entries of the
-/// connection fresh and in the same state.
-pub fn lookup(packet: &Packet, now: u64) -> Option<ConntrackKey> {
+/// The tuple a packet of a tracked connection is rewritten to, and its entry; `None` when it has no live entry (or opens a new connection on the tuple of a closing
+/// one). Keeps both entries of the connection fresh and in the same state.
+pub fn lookup(packet: &Packet, now: u64) -> Option<(ConntrackKey, &'static mut ConntrackEntry)> {
     let entry = maps::conntrack(&packet.tuple)?;
     let proto = packet.tuple.proto;
     if expired(entry, proto, now) || reopens(entry, packet) {
@@ -36,7 +38,7 @@ pub fn lookup(packet: &Packet, now: u64) -> Option<ConntrackKey> {
             update(peer, state, refresh, now);
         }
     }
-    Some(to)
+    Some((to, entry))
 }
 
 /// What the packet quoted by an ICMP error (`quoted`, as it was when it failed) becomes,
@@ -77,10 +79,13 @@ fn next_state(entry: &ConntrackEntry, packet: &Packet) -> u8 {
     }
 }
 
+/// A refresh also drops the cached route: the next packet asks the FIB, so a route or neighbour
+/// change reaches a connection within about REFRESH_NS.
 fn update(entry: &mut ConntrackEntry, state: u8, refresh: bool, now: u64) {
     entry.state = state;
     if refresh {
         entry.last_seen_ns = now;
+        entry.hop_len = 0;
     }
 }
 
@@ -141,30 +146,41 @@ impl Connection {
     }
 
     /// Replies come back as if from the frontend.
-    fn reply_entry(&self, flags: u8) -> ConntrackEntry {
-        self.entry(&reversed(&self.tuple), flags | CT_F_REPLY)
+    fn reply_entry<'a>(
+        &self,
+        flags: u8,
+        slot: &'a mut MaybeUninit<ConntrackEntry>,
+    ) -> &'a ConntrackEntry {
+        self.entry(&reversed(&self.tuple), flags | CT_F_REPLY, slot)
     }
 
-    fn entry(&self, to: &ConntrackKey, flags: u8) -> ConntrackEntry {
-        ConntrackEntry {
-            last_seen_ns: self.now,
-            src_addr: to.src_addr,
-            dst_addr: to.dst_addr,
-            src_port: to.src_port,
-            dst_port: to.dst_port,
-            service_id: self.service_id,
-            state: CT_STATE_NEW,
-            flags,
-            _pad0: 0,
-            _pad1: 0,
-        }
+    /// The entry that rewrites to `to`, with no route cached yet, built in `slot`: a zeroed
+    /// entry returned by value becomes a memset call.
+    fn entry<'a>(
+        &self,
+        to: &ConntrackKey,
+        flags: u8,
+        slot: &'a mut MaybeUninit<ConntrackEntry>,
+    ) -> &'a ConntrackEntry {
+        // SAFETY: ConntrackEntry is plain old data; all-zero has no route cached.
+        let entry = unsafe { zero::zeroed(slot) };
+        entry.last_seen_ns = self.now;
+        entry.src_addr = to.src_addr;
+        entry.dst_addr = to.dst_addr;
+        entry.src_port = to.src_port;
+        entry.dst_port = to.dst_port;
+        entry.service_id = self.service_id;
+        entry.state = CT_STATE_NEW;
+        entry.flags = flags;
+        entry
     }
 
     /// Tracks the reply direction with the client's own source: the backend answers the client
     /// address directly.
     pub fn track_reply(&self) -> Result<ConntrackKey, Counter> {
         let to = self.translated(self.tuple.src_addr, self.tuple.src_port);
-        if maps::conntrack_insert(&reversed(&to), &self.reply_entry(0), BPF_ANY) {
+        let mut slot = MaybeUninit::uninit();
+        if maps::conntrack_insert(&reversed(&to), self.reply_entry(0, &mut slot), BPF_ANY) {
             Ok(to)
         } else {
             Err(Counter::DropConntrackFull)
@@ -178,14 +194,15 @@ impl Connection {
     pub fn claim_reply(&self, node_addr: u32, port: u16) -> Result<Option<ConntrackKey>, Counter> {
         let to = self.translated(node_addr, port);
         let key = reversed(&to);
-        let entry = self.reply_entry(CT_F_MASQUERADE);
-        if maps::conntrack_insert(&key, &entry, BPF_NOEXIST) {
+        let mut slot = MaybeUninit::uninit();
+        let entry = self.reply_entry(CT_F_MASQUERADE, &mut slot);
+        if maps::conntrack_insert(&key, entry, BPF_NOEXIST) {
             return Ok(Some(to));
         }
         match maps::conntrack(&key) {
             Some(live) if !expired(live, self.tuple.proto, self.now) => Ok(None),
             Some(stale) => {
-                *stale = entry;
+                *stale = *entry;
                 Ok(Some(to))
             }
             // The insert failed for want of room, not because the source was taken.
@@ -197,7 +214,8 @@ impl Connection {
     pub fn track_original(&self, to: &ConntrackKey, masquerade: bool) -> Result<(), Counter> {
         let flags = if masquerade { CT_F_MASQUERADE } else { 0 };
         // BPF_ANY: an expired entry of an earlier connection with this tuple is replaced.
-        if maps::conntrack_insert(&self.tuple, &self.entry(to, flags), BPF_ANY) {
+        let mut slot = MaybeUninit::uninit();
+        if maps::conntrack_insert(&self.tuple, self.entry(to, flags, &mut slot), BPF_ANY) {
             Ok(())
         } else {
             maps::conntrack_remove(&reversed(to));

@@ -12,13 +12,14 @@ use aya_ebpf::{
     helpers::{bpf_fib_lookup, bpf_redirect, bpf_redirect_neigh},
     programs::TcContext,
 };
-use lb_common::{ConntrackKey, Counter};
+use lb_common::{CachedHop, ConntrackEntry, ConntrackKey, Counter};
 
 use crate::{
     maps,
     nat::IP_CHECK_OFFSET,
     packet::{Change, PacketAccess},
     parse::{ETH_HLEN, Packet},
+    zero,
 };
 
 const AF_INET: u8 = 2;
@@ -45,15 +46,8 @@ struct FibParams(bpf_fib_lookup);
 #[inline(never)]
 pub fn next_hop<P: PacketAccess>(ctx: &P, packet: &Packet, to: &ConntrackKey) -> NextHop {
     let mut fib = MaybeUninit::<FibParams>::uninit();
-    // All-zero is its "no options" state. Word by word, volatile: LLVM would otherwise make it a
-    // call to the BPF target's byte-loop memset, a cost on every packet.
-    let words = fib.as_mut_ptr().cast::<u64>();
-    for i in 0..mem::size_of::<FibParams>() / 8 {
-        // SAFETY: within `fib`, whose size is a multiple of 8 and alignment 8.
-        unsafe { words.add(i).write_volatile(0) };
-    }
-    // SAFETY: bpf_fib_lookup is plain old data, now all zero.
-    let fib = unsafe { &mut fib.assume_init_mut().0 };
+    // SAFETY: bpf_fib_lookup is plain old data; all-zero is its "no options" state.
+    let fib = unsafe { &mut zero::zeroed(&mut fib).0 };
     fib.family = AF_INET;
     fib.l4_protocol = to.proto;
     fib.sport = to.src_port;
@@ -91,6 +85,81 @@ pub fn next_hop<P: PacketAccess>(ctx: &P, packet: &Packet, to: &ConntrackKey) ->
     }
 }
 
+/// A connection's route as its conntrack entry caches it (`ConntrackEntry::hop`), copied out.
+#[derive(Clone, Copy)]
+pub struct CachedRoute {
+    len: u16,
+    hop: CachedHop,
+}
+
+impl CachedRoute {
+    /// The entry's route, if it caches one.
+    pub fn of(entry: &ConntrackEntry) -> Option<Self> {
+        (entry.hop_len != 0).then_some(CachedRoute {
+            len: entry.hop_len,
+            hop: entry.hop,
+        })
+    }
+}
+
+/// How `route` uses the conntrack entry of the packet's tuple.
+pub enum Caching {
+    /// Not a tracked packet (an ICMP error): the FIB decides, nothing is cached.
+    Off,
+    /// Tracked, with the route its entry caches, if any.
+    On(Option<CachedRoute>),
+}
+
+/// The route of `packet` translated to `to`: the one its conntrack entry caches while that holds
+/// (same ingress interface, the packet no longer than the one the FIB checked), else the FIB's,
+/// then cached in the entry. A GSO packet (tc) neither takes nor leaves a cached route: its
+/// length is not what the egress sends, so the kernel checks the skb itself.
+pub fn route<P: PacketAccess>(
+    ctx: &P,
+    packet: &Packet,
+    to: &ConntrackKey,
+    caching: Caching,
+) -> NextHop {
+    let Caching::On(cached) = caching else {
+        return next_hop(ctx, packet, to);
+    };
+    if ctx.is_gso() {
+        return next_hop(ctx, packet, to);
+    }
+    let iif = ctx.ingress_ifindex();
+    if let Some(CachedRoute { len, hop }) = cached
+        && packet.tot_len <= len
+        && hop.iif == iif
+    {
+        return NextHop::Resolved {
+            ifindex: hop.ifindex,
+            // SAFETY: any 12 bytes are a pair of MACs.
+            macs: unsafe {
+                mem::transmute::<[u32; 3], [u8; 12]>([hop.macs0, hop.macs1, hop.macs2])
+            },
+        };
+    }
+    let next = next_hop(ctx, packet, to);
+    // Looked up again rather than carried here: once a second per connection, and LLVM's reuse
+    // of a carried map-value pointer's stack slot is more than the verifier follows.
+    if let NextHop::Resolved { ifindex, macs } = &next
+        && let Some(entry) = maps::conntrack(&packet.tuple)
+    {
+        // SAFETY: any 12 bytes are three words.
+        let [macs0, macs1, macs2] = unsafe { mem::transmute::<[u8; 12], [u32; 3]>(*macs) };
+        entry.hop = CachedHop {
+            ifindex: *ifindex,
+            iif,
+            macs0,
+            macs1,
+            macs2,
+        };
+        // After the route: another CPU that sees the length sees the route it belongs to.
+        entry.hop_len = packet.tot_len;
+    }
+    next
+}
+
 /// Sends the (translated) packet out of `ifindex` to the MACs `macs`. The caller has checked that
 /// the TTL is above 1. Returns the program type's redirect verdict.
 pub fn redirect<P: PacketAccess>(
@@ -105,10 +174,15 @@ pub fn redirect<P: PacketAccess>(
     Ok(unsafe { bpf_redirect(ifindex, 0) } as i32)
 }
 
-/// tc: redirects the translated packet along its route; an unresolved neighbour is resolved by
-/// the kernel on egress; without a route the stack gets it.
-pub fn forward_tc(ctx: &TcContext, packet: &Packet, to: &ConntrackKey) -> Result<i32, Counter> {
-    match next_hop(ctx, packet, to) {
+/// tc: redirects the translated packet along its route (see `route`); an unresolved neighbour is
+/// resolved by the kernel on egress; without a route the stack gets it.
+pub fn forward_tc(
+    ctx: &TcContext,
+    packet: &Packet,
+    to: &ConntrackKey,
+    caching: Caching,
+) -> Result<i32, Counter> {
+    match route(ctx, packet, to, caching) {
         NextHop::Resolved { ifindex, macs } => redirect(ctx, packet, ifindex, &macs),
         NextHop::Unresolved { ifindex, addr } => {
             decrement_ttl(ctx, packet)?;

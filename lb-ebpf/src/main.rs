@@ -21,6 +21,7 @@ mod reject;
 mod service;
 mod sock;
 mod translate;
+mod zero;
 
 use aya_ebpf::{
     bindings::{
@@ -32,7 +33,10 @@ use aya_ebpf::{
 };
 use lb_common::Counter;
 
-use crate::{forward::NextHop, translate::Translation};
+use crate::{
+    forward::{Caching, NextHop},
+    translate::Translation,
+};
 
 #[classifier]
 pub fn lb_ingress(ctx: TcContext) -> i32 {
@@ -52,9 +56,9 @@ pub fn lb_ingress(ctx: TcContext) -> i32 {
 fn try_ingress(ctx: &TcContext) -> Result<i32, Counter> {
     packet::pull_headers(ctx);
     match translate::translation(ctx)? {
-        Translation::To { packet, to } => {
+        Translation::To { packet, to, route } => {
             nat::rewrite(ctx, &packet, &to)?;
-            forward::forward_tc(ctx, &packet, &to)
+            forward::forward_tc(ctx, &packet, &to, Caching::On(route))
         }
         Translation::Reject(packet) => {
             maps::count(Counter::Rejected);
@@ -63,7 +67,7 @@ fn try_ingress(ctx: &TcContext) -> Result<i32, Counter> {
         Translation::Icmp(packet) => {
             let to = icmp::reverse_error(ctx, &packet)?;
             maps::count(Counter::IcmpErrorTranslated);
-            forward::forward_tc(ctx, &packet, &to)
+            forward::forward_tc(ctx, &packet, &to, Caching::Off)
         }
     }
 }
@@ -107,13 +111,15 @@ pub fn lb_getpeername4(ctx: SockAddrContext) -> i32 {
 
 fn try_xdp(ctx: &XdpContext) -> Result<u32, Counter> {
     match translate::translation(ctx)? {
-        Translation::To { packet, to } => {
+        Translation::To { packet, to, route } => {
             // Decided before the packet is touched. Passing it translated would be wrong twice:
             // tc's conntrack lookup of the translated tuple misses (entries are keyed by the
             // tuples packets arrive with), and the stack drops a masqueraded source, its own
             // address, as a martian. Passed untouched, tc's lookup finds the entry this run
             // created or refreshed, applies the same rewrite and resolves the neighbour itself.
-            let NextHop::Resolved { ifindex, macs } = forward::next_hop(ctx, &packet, &to) else {
+            let NextHop::Resolved { ifindex, macs } =
+                forward::route(ctx, &packet, &to, Caching::On(route))
+            else {
                 return Err(Counter::XdpPassed);
             };
             if !maps::xdp_egress(ifindex) {

@@ -23,7 +23,7 @@ static FRONTENDS: HashMap<FrontendKey, Frontend> =
 static BACKENDS: HashMap<BackendKey, Backend> =
     HashMap::with_max_entries(default_size::BACKENDS, 0);
 
-#[map(name = "LB_CT_V1")]
+#[map(name = "LB_CT_V2")]
 static CONNTRACK: LruHashMap<ConntrackKey, ConntrackEntry> =
     LruHashMap::with_max_entries(default_size::CONNTRACK, 0);
 

@@ -116,6 +116,8 @@ pub trait PacketAccess: EbpfContext {
     /// The length `bpf_fib_lookup` checks against the egress MTU for a packet whose IPv4 total
     /// length is `tot_len`; 0 makes the kernel check the packet itself.
     fn fib_tot_len(&self, tot_len: u16) -> u16;
+    /// A GSO packet: an aggregate that the egress segments (tc only).
+    fn is_gso(&self) -> bool;
 }
 
 impl PacketAccess for TcContext {
@@ -161,6 +163,11 @@ impl PacketAccess for TcContext {
         // would refuse it, and the stack drop it if masqueraded (a martian source).
         0
     }
+
+    fn is_gso(&self) -> bool {
+        // SAFETY: as in `ingress_ifindex`.
+        unsafe { (*self.skb.skb).gso_size != 0 }
+    }
 }
 
 impl PacketAccess for XdpContext {
@@ -204,6 +211,10 @@ impl PacketAccess for XdpContext {
 
     fn fib_tot_len(&self, tot_len: u16) -> u16 {
         tot_len
+    }
+
+    fn is_gso(&self) -> bool {
+        false
     }
 }
 

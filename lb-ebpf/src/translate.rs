@@ -6,6 +6,7 @@ use lb_common::{CONFIG_F_READY, Config, ConntrackKey, Counter, Frontend, IPPROTO
 
 use crate::{
     conntrack::{self, Connection},
+    forward::CachedRoute,
     fragment, maps, masquerade,
     packet::PacketAccess,
     parse::{self, Fragment, Packet},
@@ -13,8 +14,13 @@ use crate::{
 };
 
 pub enum Translation {
-    /// Rewrite the packet to the tuple `to` (its connection is tracked).
-    To { packet: Packet, to: ConntrackKey },
+    /// Rewrite the packet to the tuple `to` (its connection is tracked); `route`: the one its
+    /// conntrack entry caches (none for a new connection).
+    To {
+        packet: Packet,
+        to: ConntrackKey,
+        route: Option<CachedRoute>,
+    },
     /// A new connection to a service without endpoints: kube-proxy answers it with REJECT.
     Reject(Packet),
     /// An ICMP message: an error about a tracked connection is reverse-translated (icmp.rs).
@@ -44,9 +50,10 @@ pub fn translation<P: PacketAccess>(ctx: &P) -> Result<Translation, Counter> {
     }
     fragment::follow(&mut packet)?;
     let now = maps::now_ns();
-    if let Some(to) = conntrack::lookup(&packet, now) {
+    if let Some((to, entry)) = conntrack::lookup(&packet, now) {
         maps::count(Counter::Translated);
-        return Ok(Translation::To { packet, to });
+        let route = CachedRoute::of(entry);
+        return Ok(Translation::To { packet, to, route });
     }
     // Only a first fragment (or a whole datagram) can open a connection.
     if packet.fragment == Fragment::Later {
@@ -63,7 +70,11 @@ pub fn translation<P: PacketAccess>(ctx: &P) -> Result<Translation, Counter> {
         return Ok(Translation::Reject(packet));
     }
     let to = connect(&config, &frontend, &backends, &packet.tuple, now)?;
-    Ok(Translation::To { packet, to })
+    Ok(Translation::To {
+        packet,
+        to,
+        route: None,
+    })
 }
 
 /// A packet without a live connection to `frontend`: pick a backend of `backends` (not empty)

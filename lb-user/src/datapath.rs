@@ -15,11 +15,38 @@ use lb_common::{
     Backend, BackendKey, Config, ConntrackEntry, ConntrackKey, Counter, Frontend, FrontendKey,
     SourceRangeKey, ipv4_be, map_name, program_name,
 };
-use tracing::warn;
+use tracing::{info, warn};
 
 use crate::map_batch;
 use crate::reconcile::{MapContents, MapWriter, SourceRange};
 use crate::udp_flush::{self, UdpEndpoint};
+
+/// Removes from `pin_dir` the maps an agent of another ABI version pinned (`LB_*_V<n>` not in
+/// `map_name::ALL`), which no one reuses and would otherwise keep their memory (a conntrack map
+/// is hundreds of MiB). A map still used by attached programs lives on until they go.
+fn remove_stale_pins(pin_dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(pin_dir) else {
+        return;
+    };
+    for entry in entries.filter_map(Result::ok) {
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if is_stale_pin(name) {
+            match std::fs::remove_file(entry.path()) {
+                Ok(()) => info!(pin = name, "removed a map pinned by another ABI version"),
+                Err(err) => warn!(pin = name, %err, "could not remove a stale pinned map"),
+            }
+        }
+    }
+}
+
+fn is_stale_pin(name: &str) -> bool {
+    let versioned = name.starts_with("LB_")
+        && name
+            .rsplit_once("_V")
+            .is_some_and(|(_, v)| !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()));
+    versioned && !map_name::ALL.contains(&name)
+}
 
 /// The compiled lb-ebpf object, built by build.rs.
 pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lb"));
@@ -81,6 +108,7 @@ impl Datapath {
             loader.map_max_entries(name, size);
         }
         let mut ebpf = loader.load(EBPF_OBJECT)?;
+        remove_stale_pins(pin_dir);
 
         for (name, size) in wanted {
             let pinned = MapData::from_pin(pin_dir.join(name))
@@ -347,6 +375,24 @@ pub fn read_counters(pin_dir: &Path) -> Result<Vec<(Counter, u64)>, DatapathErro
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_pins_of_other_abi_versions_are_stale() {
+        assert!(is_stale_pin("LB_CT_V1"));
+        assert!(is_stale_pin("LB_FRONTEND_V3"));
+        for current in map_name::ALL {
+            assert!(!is_stale_pin(current), "{current}");
+        }
+        for not_ours in [
+            "cilium_ct4_global",
+            "LB_NOTES",
+            "LB_CT_Vx",
+            "LB_CT_V",
+            "lb_ct_v1",
+        ] {
+            assert!(!is_stale_pin(not_ours), "{not_ours}");
+        }
+    }
 
     /// Needs root: creates the object's maps in the kernel (no program is loaded).
     #[test]

@@ -1403,8 +1403,7 @@ fn expired_entry_is_replaced() {
         service_id: SERVICE_ID,
         state: CT_STATE_NEW,
         flags: 0,
-        _pad0: 0,
-        _pad1: 0,
+        ..Default::default()
     };
     assert!(
         uptime_s() > CT_TIMEOUT_TCP_SYN_NS / 1_000_000_000,
@@ -1521,6 +1520,87 @@ fn routed_packets_are_redirected() {
             output[..12],
             input[..12],
             "the kernel fills in the MACs on egress"
+        );
+        assert_eq!(datapath.counter(Counter::FibFallback), 0);
+    });
+}
+
+/// A connection's conntrack entry caches the FIB's route: its later packets take it (even after
+/// the neighbour's MAC changed) until the entry is next refreshed, when the FIB is asked again;
+/// a packet longer than the one the route was checked for asks the FIB again.
+#[test]
+fn established_packets_take_the_cached_route() {
+    in_routed_netns(|lb_in| {
+        let known = ENDPOINTS[0];
+        let mut datapath = Datapath::new(config());
+        datapath.service(Proto::Tcp, CLUSTER_IP, 0, SERVICE_ID, &[known]);
+        datapath.ingress_ifindex = lb_in;
+        let key = ct_key(Proto::Tcp, POD, CLUSTER_IP);
+        let input = Packet::new(Proto::Tcp, POD, CLUSTER_IP).build();
+        assert_eq!(datapath.run(&input).0, TC_ACT_REDIRECT);
+        let entry = datapath.conntrack(&key).unwrap();
+        assert_eq!(usize::from(entry.hop_len), input.len() - ETH_HLEN);
+        assert_eq!(
+            entry.hop.ifindex,
+            nix::net::if_::if_nametoindex("lb-out").unwrap()
+        );
+        assert_eq!(entry.hop.iif, lb_in);
+
+        let moved = [0x02, 0, 0, 0, 0, 0xee];
+        let neigh = format!(
+            "neigh replace {} lladdr {} dev lb-out nud permanent",
+            known.ip(),
+            mac_text(moved)
+        );
+        let status = std::process::Command::new("ip")
+            .args(neigh.split(' '))
+            .status()
+            .unwrap();
+        assert!(status.success(), "ip {neigh}");
+        let (verdict, output) = datapath.run(&input);
+        assert_eq!(verdict, TC_ACT_REDIRECT);
+        assert_eq!(verify(&input, true, &output).dst, known);
+        assert_eq!(
+            macs(&output),
+            (mac_text(NEIGHBOUR_MAC), mac_text(EGRESS_MAC)),
+            "the cached route"
+        );
+
+        let longer = Packet {
+            ip_options: &[1, 1, 1, 1],
+            ..Packet::new(Proto::Tcp, POD, CLUSTER_IP)
+        }
+        .build();
+        let (_, output) = datapath.run(&longer);
+        assert_eq!(macs(&output).0, mac_text(moved), "longer: the FIB again");
+        let entry = datapath.conntrack(&key).unwrap();
+        assert_eq!(usize::from(entry.hop_len), longer.len() - ETH_HLEN);
+
+        // Seen two seconds ago: this packet refreshes the entry, which drops its route.
+        let restored = format!(
+            "neigh replace {} lladdr {} dev lb-out nud permanent",
+            known.ip(),
+            mac_text(NEIGHBOUR_MAC)
+        );
+        let status = std::process::Command::new("ip")
+            .args(restored.split(' '))
+            .status()
+            .unwrap();
+        assert!(status.success(), "ip {restored}");
+        let (_, output) = datapath.run(&input);
+        assert_eq!(macs(&output).0, mac_text(moved), "still cached");
+        let aged = ConntrackEntry {
+            last_seen_ns: entry.last_seen_ns - 2_000_000_000,
+            ..entry
+        };
+        let mut conntrack: HashMap<_, ConntrackKey, ConntrackEntry> =
+            datapath.map(map_name::CONNTRACK);
+        conntrack.insert(key, aged, 0).unwrap();
+        let (_, output) = datapath.run(&input);
+        assert_eq!(
+            macs(&output).0,
+            mac_text(NEIGHBOUR_MAC),
+            "refreshed: the FIB again"
         );
         assert_eq!(datapath.counter(Counter::FibFallback), 0);
     });
