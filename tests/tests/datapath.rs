@@ -1472,17 +1472,31 @@ fn in_routed_netns(test: impl FnOnce(u32) + Send + 'static) {
                 mac_text(NEIGHBOUR_MAC)
             ),
         ] {
-            let status = std::process::Command::new("ip")
-                .args(args.split(' '))
-                .status()
-                .unwrap();
-            assert!(status.success(), "ip {args}");
+            ip(&args);
         }
         std::fs::write("/proc/sys/net/ipv4/conf/all/forwarding", "1").unwrap();
         test(nix::net::if_::if_nametoindex("lb-in").unwrap());
     })
     .join()
     .unwrap();
+}
+
+/// `ip ARGS` (space-separated) in the calling thread's namespace.
+fn ip(args: &str) {
+    let status = std::process::Command::new("ip")
+        .args(args.split(' '))
+        .status()
+        .unwrap();
+    assert!(status.success(), "ip {args}");
+}
+
+/// `known`'s MAC is `mac` now, in the namespace of `in_routed_netns`.
+fn set_neighbour_mac(known: SocketAddrV4, mac: [u8; 6]) {
+    ip(&format!(
+        "neigh replace {} lladdr {} dev lb-out nud permanent",
+        known.ip(),
+        mac_text(mac)
+    ));
 }
 
 /// The packet's destination and source MACs.
@@ -1547,16 +1561,7 @@ fn established_packets_take_the_cached_route() {
         assert_eq!(entry.hop.iif, lb_in);
 
         let moved = [0x02, 0, 0, 0, 0, 0xee];
-        let neigh = format!(
-            "neigh replace {} lladdr {} dev lb-out nud permanent",
-            known.ip(),
-            mac_text(moved)
-        );
-        let status = std::process::Command::new("ip")
-            .args(neigh.split(' '))
-            .status()
-            .unwrap();
-        assert!(status.success(), "ip {neigh}");
+        set_neighbour_mac(known, moved);
         let (verdict, output) = datapath.run(&input);
         assert_eq!(verdict, TC_ACT_REDIRECT);
         assert_eq!(verify(&input, true, &output).dst, known);
@@ -1576,19 +1581,10 @@ fn established_packets_take_the_cached_route() {
         let entry = datapath.conntrack(&key).unwrap();
         assert_eq!(usize::from(entry.hop_len), longer.len() - ETH_HLEN);
 
-        // Seen two seconds ago: this packet refreshes the entry, which drops its route.
-        let restored = format!(
-            "neigh replace {} lladdr {} dev lb-out nud permanent",
-            known.ip(),
-            mac_text(NEIGHBOUR_MAC)
-        );
-        let status = std::process::Command::new("ip")
-            .args(restored.split(' '))
-            .status()
-            .unwrap();
-        assert!(status.success(), "ip {restored}");
+        set_neighbour_mac(known, NEIGHBOUR_MAC);
         let (_, output) = datapath.run(&input);
         assert_eq!(macs(&output).0, mac_text(moved), "still cached");
+        // Seen two seconds ago: this packet refreshes the entry, which drops its route.
         let aged = ConntrackEntry {
             last_seen_ns: entry.last_seen_ns - 2_000_000_000,
             ..entry
