@@ -9,7 +9,7 @@ use core::mem::{self, MaybeUninit};
 /// # Safety
 /// All-zero must be a valid `T` (plain old data).
 pub unsafe fn zeroed<T>(slot: &mut MaybeUninit<T>) -> &mut T {
-    const { assert!(mem::align_of::<T>() >= 8 && mem::size_of::<T>() % 8 == 0) };
+    const { assert!(mem::align_of::<T>() >= 8 && mem::size_of::<T>().is_multiple_of(8)) };
     let words = slot.as_mut_ptr().cast::<u64>();
     for i in 0..mem::size_of::<T>() / 8 {
         // SAFETY: within `slot`, whose size is a multiple of 8 and alignment at least 8.
