@@ -149,10 +149,10 @@ pub fn sock_revnat_insert(key: &SockRevNatKey, value: &SockRevNat) {
 
 /// The next value of the round-robin counter of `service_id`, shared by all CPUs.
 pub fn round_robin(service_id: u32) -> u32 {
-    let counter = ROUND_ROBIN.get_ptr_mut(&service_id).or_else(|| {
+    let counter = ROUND_ROBIN.get_ptr_mut(service_id).or_else(|| {
         // BPF_NOEXIST: another CPU may have created it meanwhile; either way it exists now.
-        let _ = ROUND_ROBIN.insert(&service_id, &0, u64::from(BPF_NOEXIST));
-        ROUND_ROBIN.get_ptr_mut(&service_id)
+        let _ = ROUND_ROBIN.insert(service_id, 0, u64::from(BPF_NOEXIST));
+        ROUND_ROBIN.get_ptr_mut(service_id)
     });
     match counter {
         // SAFETY: a valid u32 in the map until the program returns (RCU). Not atomic (the
@@ -170,7 +170,7 @@ pub fn round_robin(service_id: u32) -> u32 {
 
 pub fn xdp_egress(ifindex: u32) -> bool {
     // SAFETY: only the key's presence is read.
-    unsafe { XDP_EGRESS.get(&ifindex).is_some() }
+    unsafe { XDP_EGRESS.get(ifindex).is_some() }
 }
 
 /// CLOCK_MONOTONIC at tick resolution: timeouts are seconds and more, and the coarse clock
