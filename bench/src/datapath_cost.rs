@@ -11,7 +11,7 @@
 //! FIB lookup resolves and the program takes its forwarding path, as on a node.
 use std::{
     net::{Ipv4Addr, SocketAddrV4},
-    os::fd::AsFd as _,
+    os::fd::{AsFd as _, BorrowedFd},
 };
 
 use anyhow::{Context as _, Result};
@@ -66,98 +66,96 @@ pub fn measure(plan: &Plan, progress: Progress) -> Result<Vec<DatapathCost>> {
     })
 }
 
+/// What B1 measures for each count, in this order; the first is what the others are net of.
+const CASES: [&str; 5] = [
+    "empty program",
+    "non-service",
+    "new connection",
+    "established",
+    "reply",
+];
+
 fn measure_pinned(runs: u32, counts: &[usize], progress: Progress) -> Result<Vec<DatapathCost>> {
     pin(SERVER_CPU)?;
     let node = routed_node()?;
     netns::enter(&format!("/run/netns/{}", node.name()))?;
-    let ifindex = node.exec("cat", &[&format!("/sys/class/net/{INTERFACE}/ifindex")])?;
-    let ifindex: u32 = String::from_utf8(ifindex.stdout)?.trim().parse()?;
+    let ifindex = nix::net::if_::if_nametoindex(INTERFACE).context(INTERFACE)?;
     // struct __sk_buff up to ingress_ifindex.
     let mut ctx = [0u8; SKB_INGRESS_IFINDEX + 4];
     ctx[SKB_INGRESS_IFINDEX..].copy_from_slice(&ifindex.to_ne_bytes());
-    let run = |fd: std::os::fd::BorrowedFd<'_>, data: &[u8]| run_once(fd, data, &ctx);
     let empty = bpf::load_return_only(bpf::BPF_PROG_TYPE_SCHED_CLS, bpf::TC_ACT_OK)
         .context("load the empty classifier (run as root)")?;
     // Two passes, the counts in order and then reversed, half the runs each: a drift of the
     // machine over the measurement (other load) then weighs on every count alike.
     let half = (runs / 2).max(1);
-    let passes = [counts.to_vec(), counts.iter().rev().copied().collect()];
-    let mut costs: Vec<DatapathCost> = Vec::new();
-    for (pass, order) in passes.iter().enumerate() {
-        for &services in order {
-            interrupt::check()?;
-            let datapath = Datapath::load(services, half)?;
-            let ip = cluster_ip(services - 1);
-            let frontend = SocketAddrV4::new(ip, SERVICE_PORT);
-            let syn = Frame::tcp(CLIENT, frontend, TCP_SYN);
-            let mut new = Frame::tcp(CLIENT, frontend, TCP_SYN);
-            let reply = Frame::tcp(BACKEND, CLIENT, TCP_ACK);
-            let established = Frame::tcp(CLIENT, frontend, TCP_ACK);
-            let other = Frame::tcp(CLIENT, NOT_A_SERVICE, TCP_SYN);
-
-            let mut measured = vec![(
-                "empty program",
-                mean(half, |_| run(empty.as_fd(), &syn.bytes))?,
-            )];
-            let fd = datapath.fd()?;
-            measured.push(("non-service", mean(half, |_| run(fd, &other.bytes))?));
-            let new_ns = mean(half, |i| {
-                new.set_source(SocketAddrV4::new(
-                    Ipv4Addr::from(FIRST_CLIENT + (i >> 15)),
-                    20_000 + (i & 0x7fff) as u16,
-                ));
-                run(fd, &new.bytes)
-            })?;
-            measured.push(("new connection", new_ns));
-            // CLIENT's own connection: opened, answered once, then measured both ways.
-            run(fd, &syn.bytes)?;
-            run(fd, &reply.bytes)?;
-            measured.push(("established", mean(half, |_| run(fd, &established.bytes))?));
-            measured.push(("reply", mean(half, |_| run(fd, &reply.bytes))?));
-            let empty_ns = measured[0].1;
-            progress(&format!(
-                "  pass {} {services:>6} services: {}",
-                pass + 1,
-                measured[1..]
-                    .iter()
-                    .map(|(case, ns)| format!("{case} {:.0} ns", ns - empty_ns))
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            ));
-            for (case, mean_ns) in measured {
-                match costs
-                    .iter_mut()
-                    .find(|c| c.services == services && c.case == case)
-                {
-                    Some(cost) => {
-                        cost.mean_ns = (cost.mean_ns + mean_ns) / 2.0;
-                        cost.runs += half;
-                    }
-                    None => costs.push(DatapathCost {
-                        services,
-                        case,
-                        runs: half,
-                        mean_ns,
-                        net_ns: 0.0,
-                    }),
-                }
-            }
+    let mut sums = vec![[0.0; CASES.len()]; counts.len()];
+    let order = (0..counts.len()).chain((0..counts.len()).rev());
+    for (n, index) in order.enumerate() {
+        interrupt::check()?;
+        let services = counts[index];
+        let means = measure_count(services, half, empty.as_fd(), &ctx)?;
+        progress(&format!(
+            "  pass {} {services:>6} services: {}",
+            n / counts.len() + 1,
+            CASES[1..]
+                .iter()
+                .zip(&means[1..])
+                .map(|(case, ns)| format!("{case} {:.0} ns", ns - means[0]))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+        for (sum, mean) in sums[index].iter_mut().zip(means) {
+            *sum += mean;
         }
     }
-    let empty_ns = |services: usize| {
-        costs
-            .iter()
-            .find(|c| c.services == services && c.case == "empty program")
-            .map_or(0.0, |c| c.mean_ns)
-    };
-    let net: Vec<f64> = costs
-        .iter()
-        .map(|c| c.mean_ns - empty_ns(c.services))
-        .collect();
-    for (cost, net_ns) in costs.iter_mut().zip(net) {
-        cost.net_ns = net_ns;
+    let mut costs = Vec::new();
+    for (&services, sums) in counts.iter().zip(&sums) {
+        let empty_ns = sums[0] / 2.0;
+        for (&case, sum) in CASES.iter().zip(sums) {
+            costs.push(DatapathCost {
+                services,
+                case,
+                runs: 2 * half,
+                mean_ns: sum / 2.0,
+                net_ns: sum / 2.0 - empty_ns,
+            });
+        }
     }
     Ok(costs)
+}
+
+/// The mean ns of each of CASES over `runs` runs, on a fresh datapath with `services` Services.
+fn measure_count(
+    services: usize,
+    runs: u32,
+    empty: BorrowedFd<'_>,
+    ctx: &[u8],
+) -> Result<[f64; CASES.len()]> {
+    let run = |fd: BorrowedFd<'_>, data: &[u8]| run_once(fd, data, ctx);
+    let datapath = Datapath::load(services, runs)?;
+    let ip = cluster_ip(services - 1);
+    let frontend = SocketAddrV4::new(ip, SERVICE_PORT);
+    let syn = Frame::tcp(CLIENT, frontend, TCP_SYN);
+    let mut new = Frame::tcp(CLIENT, frontend, TCP_SYN);
+    let reply = Frame::tcp(BACKEND, CLIENT, TCP_ACK);
+    let established = Frame::tcp(CLIENT, frontend, TCP_ACK);
+    let other = Frame::tcp(CLIENT, NOT_A_SERVICE, TCP_SYN);
+    let fd = datapath.fd()?;
+    let empty_ns = mean(runs, |_| run(empty, &syn.bytes))?;
+    let other_ns = mean(runs, |_| run(fd, &other.bytes))?;
+    let new_ns = mean(runs, |i| {
+        new.set_source(SocketAddrV4::new(
+            Ipv4Addr::from(FIRST_CLIENT + (i >> 15)),
+            20_000 + (i & 0x7fff) as u16,
+        ));
+        run(fd, &new.bytes)
+    })?;
+    // CLIENT's own connection: opened, answered once, then measured both ways.
+    run(fd, &syn.bytes)?;
+    run(fd, &reply.bytes)?;
+    let established_ns = mean(runs, |_| run(fd, &established.bytes))?;
+    let reply_ns = mean(runs, |_| run(fd, &reply.bytes))?;
+    Ok([empty_ns, other_ns, new_ns, established_ns, reply_ns])
 }
 
 /// The node of B1: INTERFACE (10.244.1.1/24, forwarding on) with CLIENT and BACKEND as
@@ -192,7 +190,7 @@ fn routed_node() -> Result<Netns> {
     Ok(node)
 }
 
-fn run_once(fd: std::os::fd::BorrowedFd<'_>, data: &[u8], ctx: &[u8]) -> Result<u32> {
+fn run_once(fd: BorrowedFd<'_>, data: &[u8], ctx: &[u8]) -> Result<u32> {
     let (_, ns) = bpf::test_run(
         fd,
         &bpf::TestRun {
@@ -294,7 +292,7 @@ impl Datapath {
         Ok(Datapath { ebpf })
     }
 
-    fn fd(&self) -> Result<std::os::fd::BorrowedFd<'_>> {
+    fn fd(&self) -> Result<BorrowedFd<'_>> {
         let program: &SchedClassifier = self
             .ebpf
             .program(program_name::INGRESS)

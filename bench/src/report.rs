@@ -230,9 +230,8 @@ fn write_flood(md: &mut String, results: &Results) {
          generator (BPF_PROG_TEST_RUN, XDP_TX) in the external client to the node address and \
          NodePort, counted and dropped at the backend pod's eth0 ingress hook (before its IP \
          stack) over {:.1} s. The generator, the node's forwarding and the backend's receive \
-         share CPU 0 (a veth delivers in its sender's \
-         softirq), so the rate is what one CPU does for the whole path. Softirq: /proc/stat, \
-         all CPUs, per second of the run. Targets: tc ≥ 1.7 × iptables, xdp ≥ 3 ×.\n\n\
+         share CPU 0 (a veth delivers in its sender's softirq), so the rate is what one CPU does \
+         for the whole path. Softirq: /proc/stat, all CPUs, per second of the run. Targets: tc ≥ 1.7 × iptables, xdp ≥ 3 ×.\n\n\
          | variant | services | forwarded pps | ratio to iptables-nft | softirq CPUs | target |\n\
          | --- | ---: | ---: | ---: | ---: | --- |",
         results.flood[0].seconds

@@ -19,8 +19,9 @@ use crate::{
 /// cache line on every packet. Timeouts are tens of seconds and more.
 const REFRESH_NS: u64 = 1_000_000_000;
 
-/// The tuple a packet of a tracked connection is rewritten to, and its entry; `None` when it has no live entry (or opens a new connection on the tuple of a closing
-/// one). Keeps both entries of the connection fresh and in the same state.
+/// The tuple a packet of a tracked connection is rewritten to, and its entry; `None` when it has
+/// no live entry (or opens a new connection on the tuple of a closing one). Keeps both entries of
+/// the connection fresh and in the same state.
 pub fn lookup(packet: &Packet, now: u64) -> Option<(ConntrackKey, &'static mut ConntrackEntry)> {
     let entry = maps::conntrack(&packet.tuple)?;
     let proto = packet.tuple.proto;

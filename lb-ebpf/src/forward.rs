@@ -100,6 +100,18 @@ impl CachedRoute {
             hop: entry.hop,
         })
     }
+
+    /// The route for a packet of IPv4 total length `tot_len` that came in on `iif`, if it holds.
+    fn for_packet(&self, tot_len: u16, iif: u32) -> Option<NextHop> {
+        let hop = &self.hop;
+        (tot_len <= self.len && hop.iif == iif).then(|| NextHop::Resolved {
+            ifindex: hop.ifindex,
+            // SAFETY: any 12 bytes are a pair of MACs.
+            macs: unsafe {
+                mem::transmute::<[u32; 3], [u8; 12]>([hop.macs0, hop.macs1, hop.macs2])
+            },
+        })
+    }
 }
 
 /// How `route` uses the conntrack entry of the packet's tuple.
@@ -120,24 +132,13 @@ pub fn route<P: PacketAccess>(
     to: &ConntrackKey,
     caching: Caching,
 ) -> NextHop {
-    let Caching::On(cached) = caching else {
-        return next_hop(ctx, packet, to);
+    let cached = match caching {
+        Caching::On(cached) if !ctx.is_gso() => cached,
+        _ => return next_hop(ctx, packet, to),
     };
-    if ctx.is_gso() {
-        return next_hop(ctx, packet, to);
-    }
     let iif = ctx.ingress_ifindex();
-    if let Some(CachedRoute { len, hop }) = cached
-        && packet.tot_len <= len
-        && hop.iif == iif
-    {
-        return NextHop::Resolved {
-            ifindex: hop.ifindex,
-            // SAFETY: any 12 bytes are a pair of MACs.
-            macs: unsafe {
-                mem::transmute::<[u32; 3], [u8; 12]>([hop.macs0, hop.macs1, hop.macs2])
-            },
-        };
+    if let Some(hop) = cached.and_then(|route| route.for_packet(packet.tot_len, iif)) {
+        return hop;
     }
     let next = next_hop(ctx, packet, to);
     // Looked up again rather than carried here: once a second per connection, and LLVM's reuse
