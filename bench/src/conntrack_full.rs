@@ -210,8 +210,8 @@ fn snat_ports_taken(backend: Ipv4Addr) -> Vec<ConntrackKey> {
         .collect()
 }
 
-/// Writes `keys` as established connections seen now (the datapath's clock is CLOCK_MONOTONIC),
-/// so none is expired for the datapath.
+/// Writes `keys` as established connections seen now (the datapath's clock is CLOCK_MONOTONIC
+/// within a second, `lb_common::Clock`), so none is expired for the datapath.
 fn write_live(map: BorrowedFd<'_>, keys: &[ConntrackKey], proto: u8) -> Result<()> {
     let mut now = libc::timespec {
         tv_sec: 0,

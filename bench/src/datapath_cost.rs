@@ -247,6 +247,7 @@ impl Datapath {
                 flags: CONFIG_F_READY,
                 snat_port_min: SNAT_PORT_MIN,
                 snat_port_max: SNAT_PORT_MAX,
+                clock: lb_user::datapath::kernel_clock()?,
                 ..Config::default()
             },
             0,

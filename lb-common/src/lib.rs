@@ -13,7 +13,7 @@ pub mod map_name {
     pub const FRONTENDS: &str = "LB_FRONTEND_V4";
     pub const BACKENDS: &str = "LB_BACKEND_V1";
     pub const CONNTRACK: &str = "LB_CT_V2";
-    pub const CONFIG: &str = "LB_CONFIG_V2";
+    pub const CONFIG: &str = "LB_CONFIG_V3";
     pub const COUNTERS: &str = "LB_COUNTER_V6";
     pub const AFFINITY: &str = "LB_AFFINITY_V1";
     pub const ROUND_ROBIN: &str = "LB_RR_V1";
@@ -262,7 +262,7 @@ pub struct AffinityKey {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct StickyBackend {
-    /// CLOCK_MONOTONIC (`bpf_ktime_get_coarse_ns`) of the flow's last use.
+    /// The datapath's clock (`Clock`) at the flow's last use.
     pub last_seen_ns: u64,
     pub backend: Backend,
     pub slot: u32,
@@ -297,7 +297,7 @@ pub struct ConntrackKey {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct ConntrackEntry {
-    /// CLOCK_MONOTONIC (`bpf_ktime_get_coarse_ns`) of the last packet.
+    /// The datapath's clock (`Clock`) at the last packet.
     pub last_seen_ns: u64,
     /// New source address, network byte order.
     pub src_addr: u32,
@@ -384,6 +384,52 @@ pub struct Config {
     /// The agent's network namespace (SO_NETNS_COOKIE): the socket hooks translate only sockets
     /// in it, as a cgroup holds processes of every namespace.
     pub netns_cookie: u64,
+    pub clock: Clock,
+}
+
+/// The datapath's clock, in which every timestamp of the maps (`last_seen_ns`) is: the kernel's
+/// jiffies counted in ns from INITIAL_JIFFIES, which reads as CLOCK_MONOTONIC at tick resolution
+/// but for a constant offset (the jiffies lag it by 0.26 s on the development machine).
+/// Jiffies because the verifier inlines `bpf_jiffies64` into a load, where the clock helper call
+/// cost ~30 ns a packet. With a zero `tick_ns` (no agent wrote it) the clock stands at 0:
+/// nothing ages.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct Clock {
+    /// The jiffies counter at the clock's zero: the kernel's INITIAL_JIFFIES (300 s of ticks
+    /// before its 32-bit wrap, so that wrap bugs show early).
+    pub jiffies_at_zero: u64,
+    /// One jiffy (1 / CONFIG_HZ s) in ns: the resolution of CLOCK_MONOTONIC_COARSE.
+    pub tick_ns: u32,
+    pub _pad: u32,
+}
+
+impl Clock {
+    /// The clock of a kernel whose jiffy is `tick_ns` long.
+    pub const fn with_tick(tick_ns: u32) -> Self {
+        if tick_ns == 0 {
+            return Clock {
+                jiffies_at_zero: 0,
+                tick_ns: 0,
+                _pad: 0,
+            };
+        }
+        let hz = (SECOND_NS + tick_ns as u64 / 2) / tick_ns as u64;
+        Clock {
+            // INITIAL_JIFFIES is ((unsigned long)(unsigned int)(-300 * HZ)).
+            jiffies_at_zero: (300 * hz as u32).wrapping_neg() as u64,
+            tick_ns,
+            _pad: 0,
+        }
+    }
+
+    /// The time in ns when the kernel's jiffies counter reads `jiffies`.
+    pub const fn ns(&self, jiffies: u64) -> u64 {
+        jiffies
+            .wrapping_sub(self.jiffies_at_zero)
+            .wrapping_mul(self.tick_ns as u64)
+    }
 }
 
 /// Key of `SOCK_REVNAT`: a socket of the node (`bpf_get_socket_cookie`) and the backend its
@@ -555,7 +601,7 @@ const _: () = {
     assert!(core::mem::size_of::<ConntrackKey>() == 16);
     assert!(core::mem::size_of::<ConntrackEntry>() == 48);
     assert!(core::mem::size_of::<SourceRangeKey>() * 8 == SourceRangeKey::FULL_PREFIX as usize);
-    assert!(core::mem::size_of::<Config>() == 32);
+    assert!(core::mem::size_of::<Config>() == 48);
     assert!(core::mem::size_of::<SockRevNatKey>() == 16);
     assert!(core::mem::size_of::<SockRevNat>() == 8);
     assert!(core::mem::size_of::<SockBackendKey>() == 16);
@@ -577,6 +623,7 @@ mod user {
     unsafe impl aya::Pod for ConntrackKey {}
     unsafe impl aya::Pod for ConntrackEntry {}
     unsafe impl aya::Pod for Config {}
+    unsafe impl aya::Pod for Clock {}
     unsafe impl aya::Pod for AffinityKey {}
     unsafe impl aya::Pod for StickyBackend {}
     unsafe impl aya::Pod for SourceRangeKey {}
@@ -590,6 +637,19 @@ mod user {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn clock_counts_from_the_kernels_initial_jiffies() {
+        // CONFIG_HZ 250 and 300 (whose jiffy rounds to 3,333,333 ns).
+        let clock = Clock::with_tick(4_000_000);
+        assert_eq!(clock.jiffies_at_zero, (1 << 32) - 300 * 250);
+        assert_eq!(clock.ns(clock.jiffies_at_zero), 0);
+        assert_eq!(clock.ns(clock.jiffies_at_zero + 250), SECOND_NS);
+        let clock = Clock::with_tick(3_333_333);
+        assert_eq!(clock.jiffies_at_zero, (1 << 32) - 300 * 300);
+        assert_eq!(clock.ns(clock.jiffies_at_zero + 3), 9_999_999);
+        assert_eq!(Clock::with_tick(0).ns(12_345), 0);
+    }
 
     #[test]
     fn byte_order_helpers_match_packet_layout() {

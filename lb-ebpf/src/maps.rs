@@ -5,7 +5,7 @@
 //! (`EbpfLoader::map_pin_path`), and packet tests load private, unpinned copies.
 use aya_ebpf::{
     bindings::BPF_NOEXIST,
-    helpers::{bpf_get_prandom_u32, bpf_ktime_get_coarse_ns},
+    helpers::{bpf_get_prandom_u32, bpf_jiffies64},
     macros::map,
     maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, lpm_trie::Key},
 };
@@ -47,7 +47,7 @@ static SOCK_BACKEND: LruHashMap<SockBackendKey, StickyBackend> =
 static FRAGMENTS: LruHashMap<FragmentKey, FragmentPorts> =
     LruHashMap::with_max_entries(default_size::FRAGMENTS, 0);
 
-#[map(name = "LB_CONFIG_V2")]
+#[map(name = "LB_CONFIG_V3")]
 static CONFIG: Array<Config> = Array::with_max_entries(1, 0);
 
 #[map(name = "LB_COUNTER_V6")]
@@ -71,8 +71,9 @@ pub fn count(counter: Counter) {
     }
 }
 
-pub fn config() -> Option<Config> {
-    CONFIG.get(0).copied()
+/// Read in place: the agent writes it before any program is attached.
+pub fn config() -> Option<&'static Config> {
+    CONFIG.get(0)
 }
 
 pub fn frontend(key: &FrontendKey) -> Option<Frontend> {
@@ -173,11 +174,15 @@ pub fn xdp_egress(ifindex: u32) -> bool {
     unsafe { XDP_EGRESS.get(ifindex).is_some() }
 }
 
-/// CLOCK_MONOTONIC at tick resolution: timeouts are seconds and more, and the coarse clock
-/// costs no clock-source read on every packet.
-pub fn now_ns() -> u64 {
+/// The datapath's clock (`lb_common::Clock`, which the agent writes into `config`).
+pub fn now_ns(config: &Config) -> u64 {
     // SAFETY: the helper takes no arguments and cannot fail.
-    unsafe { bpf_ktime_get_coarse_ns() }
+    config.clock.ns(unsafe { bpf_jiffies64() })
+}
+
+/// `now_ns` where the config is not at hand: 0 (nothing ages) without one.
+pub fn now() -> u64 {
+    config().map_or(0, now_ns)
 }
 
 pub fn random() -> u32 {

@@ -75,7 +75,7 @@ fn try_translate(ctx: &SockAddrContext) -> Result<(), Untouched> {
         // The source is not chosen yet: the node's address stands for it (sessionAffinity and
         // source hashing key on it), and the socket for its port (flow hashing).
         src_addr: config.node_addr,
-        dst_addr: frontend_addr(&config, dst_addr),
+        dst_addr: frontend_addr(config, dst_addr),
         src_port: cookie as u16,
         dst_port,
         proto,
@@ -86,7 +86,8 @@ fn try_translate(ctx: &SockAddrContext) -> Result<(), Untouched> {
         Counter::Passed => Untouched::NotService,
         refused => Untouched::Refused(refused),
     })?;
-    let backends = node_backends(&config, &frontend);
+    let backends = node_backends(config, &frontend);
+    let now = maps::now_ns(config);
     if backends.count == 0 {
         return Err(Untouched::Refused(if frontend.backend_count != 0 {
             Counter::DropNoLocalBackend
@@ -95,9 +96,9 @@ fn try_translate(ctx: &SockAddrContext) -> Result<(), Untouched> {
         }));
     }
     let backend = if proto == IPPROTO_UDP {
-        udp_flow_backend(cookie, &frontend, &backends, &tuple)
+        udp_flow_backend(cookie, &frontend, &backends, &tuple, now)
     } else {
-        service::select_backend(&frontend, &backends, &tuple, maps::now_ns()).map(|(_, b)| b)
+        service::select_backend(&frontend, &backends, &tuple, now).map(|(_, b)| b)
     }
     .map_err(Untouched::Refused)?;
     let key = SockRevNatKey { cookie, backend };
@@ -142,8 +143,8 @@ fn udp_flow_backend(
     frontend: &Frontend,
     backends: &Backends,
     tuple: &ConntrackKey,
+    now: u64,
 ) -> Result<Backend, Counter> {
-    let now = maps::now_ns();
     let key = SockBackendKey {
         cookie,
         frontend: FrontendKey {

@@ -49,7 +49,7 @@ pub fn translation<P: PacketAccess>(ctx: &P) -> Result<Translation, Counter> {
         return Ok(Translation::Icmp(packet));
     }
     fragment::follow(&mut packet)?;
-    let now = maps::now_ns();
+    let now = maps::now_ns(config);
     if let Some((to, entry)) = conntrack::lookup(&packet, now) {
         maps::count(Counter::Translated);
         let route = CachedRoute::of(entry);
@@ -60,7 +60,7 @@ pub fn translation<P: PacketAccess>(ctx: &P) -> Result<Translation, Counter> {
         return Err(Counter::PassedFragment);
     }
     let frontend = service::frontend(&packet.tuple)?;
-    let backends = service::backends(&config, &frontend, packet.tuple.src_addr);
+    let backends = service::backends(config, &frontend, packet.tuple.src_addr);
     if backends.count == 0 {
         // kube-proxy rejects when the service has no endpoints at all, and drops when traffic
         // policy Local finds none on this node.
@@ -69,7 +69,7 @@ pub fn translation<P: PacketAccess>(ctx: &P) -> Result<Translation, Counter> {
         }
         return Ok(Translation::Reject(packet));
     }
-    let to = connect(&config, &frontend, &backends, &packet.tuple, now)?;
+    let to = connect(config, &frontend, &backends, &packet.tuple, now)?;
     Ok(Translation::To {
         packet,
         to,

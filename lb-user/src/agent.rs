@@ -17,7 +17,7 @@ use lb_user::apiserver::{self, ApiSource, Next};
 use lb_user::bpffs;
 use lb_user::cgroup_hooks::{self, CgroupHooks};
 use lb_user::coalesce::Coalescer;
-use lb_user::datapath::{Datapath, MapSizes};
+use lb_user::datapath::{self, Datapath, MapSizes};
 use lb_user::error_chain;
 use lb_user::health::{self, Health, Routes};
 use lb_user::links::{Attachments, InterfaceFilter, LinkEvent, LinkWatcher};
@@ -106,6 +106,7 @@ pub async fn run(args: AgentArgs) -> Result<()> {
         snat_port_max: SNAT_PORT_MAX,
         _pad: 0,
         netns_cookie: cgroup_hooks::netns_cookie()?,
+        clock: datapath::kernel_clock()?,
     })?;
 
     let existing = datapath.service_maps.read()?;

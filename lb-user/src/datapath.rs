@@ -5,6 +5,7 @@ use std::net::Ipv4Addr;
 use std::os::fd::AsFd as _;
 use std::os::raw::c_int;
 use std::path::Path;
+use std::time::Duration;
 
 use aya::maps::lpm_trie::{Key, LpmTrie};
 use aya::maps::{Array, HashMap, IterableMap, MapData, MapError, PerCpuArray};
@@ -12,9 +13,10 @@ use aya::programs::{CgroupSockAddr, ProgramError, SchedClassifier, Xdp};
 use aya::{Ebpf, EbpfError, EbpfLoader};
 use bytemuck::Pod;
 use lb_common::{
-    Backend, BackendKey, Config, ConntrackEntry, ConntrackKey, Counter, Frontend, FrontendKey,
-    SourceRangeKey, ipv4_be, map_name, program_name,
+    Backend, BackendKey, Clock, Config, ConntrackEntry, ConntrackKey, Counter, Frontend,
+    FrontendKey, SourceRangeKey, ipv4_be, map_name, program_name,
 };
+use nix::time::{ClockId, clock_getres};
 use tracing::{info, warn};
 
 use crate::map_batch;
@@ -69,6 +71,20 @@ pub enum DatapathError {
         name: &'static str,
         source: ProgramError,
     },
+    #[error("the kernel's jiffy (resolution of CLOCK_MONOTONIC_COARSE): {0}")]
+    Clock(String),
+}
+
+/// This kernel's datapath clock (`lb_common::Clock`): its jiffy is the resolution of
+/// CLOCK_MONOTONIC_COARSE.
+pub fn kernel_clock() -> Result<Clock, DatapathError> {
+    let resolution = clock_getres(ClockId::CLOCK_MONOTONIC_COARSE)
+        .map_err(|errno| DatapathError::Clock(errno.to_string()))?;
+    let tick_ns = Duration::from(resolution).as_nanos();
+    match u32::try_from(tick_ns) {
+        Ok(tick_ns) if tick_ns != 0 => Ok(Clock::with_tick(tick_ns)),
+        _ => Err(DatapathError::Clock(format!("{tick_ns} ns"))),
+    }
 }
 
 /// Map sizes (max_entries).

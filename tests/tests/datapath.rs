@@ -6,6 +6,7 @@
 //! stack (TC_ACT_OK); a redirect (TC_ACT_REDIRECT, TTL decremented) is accepted as well. XDP
 //! redirects only in a namespace with routes (`in_private_netns`).
 use std::net::{Ipv4Addr, SocketAddrV4};
+use std::time::Duration;
 
 use aya::{
     Ebpf, EbpfLoader,
@@ -68,6 +69,7 @@ fn config() -> Config {
         flags: CONFIG_F_READY,
         snat_port_min: SNAT_PORT_MIN,
         snat_port_max: SNAT_PORT_MAX,
+        clock: lb_user::datapath::kernel_clock().unwrap(),
         ..Config::default()
     }
 }
@@ -1420,6 +1422,30 @@ fn expired_entry_is_replaced() {
     assert!(entry.last_seen_ns > 1);
     assert_eq!(datapath.counter(Counter::NewConnection), 1);
     assert_eq!(datapath.counter(Counter::Translated), 0);
+}
+
+/// The datapath's clock counts jiffies from the kernel's INITIAL_JIFFIES (lb_common::Clock), so
+/// its timestamps read as CLOCK_MONOTONIC does, to within the jiffies counted before timekeeping
+/// started.
+#[test]
+fn timestamps_are_about_the_monotonic_clock() {
+    let datapath = Datapath::with_cluster_ip(&ENDPOINTS);
+    let before = monotonic_ns();
+    datapath.translate(&Packet::new(Proto::Tcp, POD, CLUSTER_IP));
+    let after = monotonic_ns();
+    let stamped = datapath
+        .conntrack(&ct_key(Proto::Tcp, POD, CLUSTER_IP))
+        .unwrap()
+        .last_seen_ns;
+    assert!(
+        stamped + 1_000_000_000 > before && stamped < after + 1_000_000_000,
+        "stamped {stamped} ns, CLOCK_MONOTONIC {before}..{after} ns"
+    );
+}
+
+fn monotonic_ns() -> u64 {
+    let now = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC).unwrap();
+    Duration::from(now).as_nanos() as u64
 }
 
 fn uptime_s() -> u64 {
