@@ -48,6 +48,10 @@ struct Cli {
     /// Only these variants where a section compares them (e.g. `direct,tc`); default: all.
     #[arg(long, value_delimiter = ',', value_enum)]
     variants: Vec<Variant>,
+    /// B1 runs per case instead of the plan's (1,000,000): with fewer, the new connections' conntrack
+    /// entries stay in the CPU's caches.
+    #[arg(long)]
+    datapath_runs: Option<u32>,
     /// Output directory [default: target/bench/<timestamp>].
     #[arg(long)]
     out: Option<PathBuf>,
@@ -208,6 +212,9 @@ fn main() -> Result<()> {
     }
     if !cli.variants.is_empty() {
         plan.variants.retain(|v| cli.variants.contains(v));
+    }
+    if let Some(runs) = cli.datapath_runs {
+        plan.datapath_runs = runs;
     }
     let out = match cli.out {
         Some(out) => out,
