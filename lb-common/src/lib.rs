@@ -391,7 +391,7 @@ pub struct Config {
 /// jiffies counted in ns from INITIAL_JIFFIES, which reads as CLOCK_MONOTONIC at tick resolution
 /// but for a constant offset (the jiffies lag it by 0.26 s on the development machine).
 /// Jiffies because the verifier inlines `bpf_jiffies64` into a load, where the clock helper call
-/// cost ~30 ns a packet. With a zero `tick_ns` (no agent wrote it) the clock stands at 0:
+/// cost ~35 ns a packet. With a zero `tick_ns` (no agent wrote it) the clock stands at 0:
 /// nothing ages.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

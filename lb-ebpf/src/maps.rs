@@ -71,7 +71,7 @@ pub fn count(counter: Counter) {
     }
 }
 
-/// Read in place: the agent writes it before any program is attached.
+/// Read in place: the agent writes it at its start, before it attaches the programs.
 pub fn config() -> Option<&'static Config> {
     CONFIG.get(0)
 }
