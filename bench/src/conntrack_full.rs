@@ -8,7 +8,7 @@
 use std::{
     net::{Ipv4Addr, SocketAddr, UdpSocket},
     os::fd::{AsFd as _, BorrowedFd},
-    time::Instant,
+    time::{Duration, Instant},
 };
 
 use anyhow::{Context as _, Result, bail};
@@ -19,7 +19,7 @@ use lb_common::{
 };
 use lb_tests::topology::NODE_IP;
 use lb_user::{datapath::read_counters, map_batch};
-use nix::libc;
+use nix::time::{ClockId, clock_gettime};
 use serde::Serialize;
 
 use crate::{
@@ -213,15 +213,8 @@ fn snat_ports_taken(backend: Ipv4Addr) -> Vec<ConntrackKey> {
 /// Writes `keys` as established connections seen now (the datapath's clock is CLOCK_MONOTONIC
 /// within a second, `lb_common::Clock`), so none is expired for the datapath.
 fn write_live(map: BorrowedFd<'_>, keys: &[ConntrackKey], proto: u8) -> Result<()> {
-    let mut now = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime writes the timespec it is given, which lives across the call.
-    if unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now) } != 0 {
-        bail!("clock_gettime: {}", std::io::Error::last_os_error());
-    }
-    let now_ns = now.tv_sec as u64 * 1_000_000_000 + now.tv_nsec as u64;
+    let now = clock_gettime(ClockId::CLOCK_MONOTONIC).context("clock_gettime")?;
+    let now_ns = Duration::from(now).as_nanos() as u64;
     let flags = if proto == IPPROTO_UDP {
         CT_F_REPLY | CT_F_MASQUERADE
     } else {

@@ -231,7 +231,8 @@ fn write_flood(md: &mut String, results: &Results) {
          NodePort, counted and dropped at the backend pod's eth0 ingress hook (before its IP \
          stack) over {:.1} s. The generator, the node's forwarding and the backend's receive \
          share CPU 0 (a veth delivers in its sender's softirq), so the rate is what one CPU does \
-         for the whole path. Softirq: /proc/stat, all CPUs, per second of the run. Targets: tc ≥ 1.7 × iptables, xdp ≥ 3 ×.\n\n\
+         for the whole path. Softirq: /proc/stat, all CPUs, per second of the run. Targets: \
+         tc ≥ 1.7 × iptables, xdp ≥ 3 ×.\n\n\
          | variant | services | forwarded pps | ratio to iptables-nft | softirq CPUs | target |\n\
          | --- | ---: | ---: | ---: | ---: | --- |",
         results.flood[0].seconds

@@ -101,6 +101,29 @@ impl CachedRoute {
         })
     }
 
+    /// The FIB's answer (out of `ifindex` with `macs`) for a packet of IPv4 total length
+    /// `tot_len` that came in on `iif`.
+    fn resolved(tot_len: u16, iif: u32, ifindex: u32, macs: &[u8; 12]) -> Self {
+        // SAFETY: any 12 bytes are three words.
+        let [macs0, macs1, macs2] = unsafe { mem::transmute::<[u8; 12], [u32; 3]>(*macs) };
+        CachedRoute {
+            len: tot_len,
+            hop: CachedHop {
+                ifindex,
+                iif,
+                macs0,
+                macs1,
+                macs2,
+            },
+        }
+    }
+
+    fn write_to(&self, entry: &mut ConntrackEntry) {
+        entry.hop = self.hop;
+        // After the route: another CPU that sees the length sees the route it belongs to.
+        entry.hop_len = self.len;
+    }
+
     /// The route for a packet of IPv4 total length `tot_len` that came in on `iif`, if it holds.
     fn for_packet(&self, tot_len: u16, iif: u32) -> Option<NextHop> {
         let hop = &self.hop;
@@ -146,17 +169,7 @@ pub fn route<P: PacketAccess>(
     if let NextHop::Resolved { ifindex, macs } = &next
         && let Some(entry) = maps::conntrack(&packet.tuple)
     {
-        // SAFETY: any 12 bytes are three words.
-        let [macs0, macs1, macs2] = unsafe { mem::transmute::<[u8; 12], [u32; 3]>(*macs) };
-        entry.hop = CachedHop {
-            ifindex: *ifindex,
-            iif,
-            macs0,
-            macs1,
-            macs2,
-        };
-        // After the route: another CPU that sees the length sees the route it belongs to.
-        entry.hop_len = packet.tot_len;
+        CachedRoute::resolved(packet.tot_len, iif, *ifindex, macs).write_to(entry);
     }
     next
 }
