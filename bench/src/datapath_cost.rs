@@ -233,7 +233,7 @@ impl Datapath {
             .program_mut(program_name::INGRESS)
             .context("no ingress program")?
             .try_into()?;
-        program.load()?;
+        lb_user::datapath::load_program(|| program.load())?;
         let mut config: Array<_, Config> = ebpf
             .map_mut(map_name::CONFIG)
             .context("config")?

@@ -10,7 +10,7 @@ use aya::programs::CgroupAttachMode;
 use aya::programs::cgroup_sock_addr::CgroupSockAddrLinkId;
 use lb_common::program_name;
 
-use crate::datapath::Datapath;
+use crate::datapath::{self, Datapath};
 use crate::error_chain;
 
 const PROGRAMS: [&str; 4] = [
@@ -44,7 +44,7 @@ impl CgroupHooks {
         let mut hooks = CgroupHooks { links: Vec::new() };
         for name in PROGRAMS {
             let program = datapath.sock_program(name)?;
-            program.load().with_context(|| format!("loading {name}"))?;
+            datapath::load_program(|| program.load()).with_context(|| format!("loading {name}"))?;
             let link = program
                 // A BPF link (Linux 5.7+) takes no mode flags and always sits beside others.
                 .attach(&dir, CgroupAttachMode::Single)

@@ -16,6 +16,7 @@ use lb_common::{
     Backend, BackendKey, Clock, Config, ConntrackEntry, ConntrackKey, Counter, Frontend,
     FrontendKey, SourceRangeKey, ipv4_be, map_name, program_name,
 };
+use nix::libc::EAGAIN;
 use nix::time::{ClockId, clock_getres};
 use tracing::{info, warn};
 
@@ -84,6 +85,25 @@ pub fn kernel_clock() -> Result<Clock, DatapathError> {
     match u32::try_from(tick_ns) {
         Ok(tick_ns) if tick_ns != 0 => Ok(Clock::with_tick(tick_ns)),
         _ => Err(DatapathError::Clock(format!("{tick_ns} ns"))),
+    }
+}
+
+/// Runs `load` (a program's `load()`) again while the kernel answers EAGAIN, at most 5 times:
+/// the verifier gives up with EAGAIN when a signal reaches the loading thread while it runs, as
+/// libbpf also retries.
+pub fn load_program(
+    mut load: impl FnMut() -> Result<(), ProgramError>,
+) -> Result<(), ProgramError> {
+    let mut attempts = 5;
+    loop {
+        match load() {
+            Err(ProgramError::LoadError { io_error, .. })
+                if io_error.raw_os_error() == Some(EAGAIN) && attempts > 1 =>
+            {
+                attempts -= 1;
+            }
+            done => return done,
+        }
     }
 }
 
@@ -156,13 +176,11 @@ impl Datapath {
             conntrack,
             xdp_egress,
         };
-        datapath
-            .ingress()?
-            .load()
-            .map_err(|source| DatapathError::Program {
-                name: program_name::INGRESS,
-                source,
-            })?;
+        let ingress = datapath.ingress()?;
+        load_program(|| ingress.load()).map_err(|source| DatapathError::Program {
+            name: program_name::INGRESS,
+            source,
+        })?;
         Ok(datapath)
     }
 
@@ -177,7 +195,8 @@ impl Datapath {
 
     /// Loads the XDP program (`--xdp`), which shares the maps of the ingress one.
     pub fn load_xdp(&mut self) -> Result<(), DatapathError> {
-        self.xdp()?.load().map_err(|source| DatapathError::Program {
+        let xdp = self.xdp()?;
+        load_program(|| xdp.load()).map_err(|source| DatapathError::Program {
             name: program_name::XDP,
             source,
         })
@@ -391,6 +410,44 @@ pub fn read_counters(pin_dir: &Path) -> Result<Vec<(Counter, u64)>, DatapathErro
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn load_error(errno: i32) -> ProgramError {
+        ProgramError::LoadError {
+            io_error: io::Error::from_raw_os_error(errno),
+            verifier_log: aya_obj::VerifierLog::new(String::new()),
+        }
+    }
+
+    #[test]
+    fn loads_are_retried_while_the_verifier_is_interrupted() {
+        let mut calls = 0;
+        let twice_interrupted = load_program(|| {
+            calls += 1;
+            if calls <= 2 {
+                Err(load_error(EAGAIN))
+            } else {
+                Ok(())
+            }
+        });
+        assert!(twice_interrupted.is_ok());
+        assert_eq!(calls, 3);
+
+        calls = 0;
+        let always = load_program(|| {
+            calls += 1;
+            Err(load_error(EAGAIN))
+        });
+        assert!(always.is_err());
+        assert_eq!(calls, 5);
+
+        calls = 0;
+        let refused = load_program(|| {
+            calls += 1;
+            Err(load_error(nix::libc::EACCES))
+        });
+        assert!(refused.is_err());
+        assert_eq!(calls, 1, "a verifier refusal is final");
+    }
 
     #[test]
     fn only_pins_of_other_abi_versions_are_stale() {

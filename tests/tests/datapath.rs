@@ -281,7 +281,7 @@ impl Datapath {
             .unwrap()
             .try_into()
             .unwrap();
-        program.load().expect("verifier accepts the program");
+        lb_user::datapath::load_program(|| program.load()).expect("verifier accepts the program");
         let mut datapath = Self {
             ebpf,
             ingress_ifindex: 0,
@@ -391,7 +391,7 @@ impl Datapath {
             .unwrap()
             .try_into()
             .unwrap();
-        program.load().expect("verifier accepts lb_xdp");
+        lb_user::datapath::load_program(|| program.load()).expect("verifier accepts lb_xdp");
         self
     }
 
