@@ -334,6 +334,53 @@ pub struct CachedHop {
     pub macs2: u32,
 }
 
+/// Map layouts of earlier releases, which an upgrading agent converts into today's (the pinned
+/// maps of a running datapath are never reused under another layout).
+pub mod legacy {
+    use super::{CachedHop, ConntrackEntry};
+
+    /// The conntrack map before connections cached their route (`ConntrackEntryV1` values, the
+    /// same `ConntrackKey`).
+    pub const CONNTRACK_V1: &str = "LB_CT_V1";
+
+    /// `LB_CT_V1`'s value: today's [`ConntrackEntry`] without its cached route.
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+    #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+    pub struct ConntrackEntryV1 {
+        pub last_seen_ns: u64,
+        pub src_addr: u32,
+        pub dst_addr: u32,
+        pub src_port: u16,
+        pub dst_port: u16,
+        pub service_id: u32,
+        pub state: u8,
+        pub flags: u8,
+        pub _pad0: u16,
+        pub _pad1: u32,
+    }
+
+    impl From<ConntrackEntryV1> for ConntrackEntry {
+        /// The same connection, with no route cached: its next packet asks the FIB.
+        fn from(old: ConntrackEntryV1) -> Self {
+            ConntrackEntry {
+                last_seen_ns: old.last_seen_ns,
+                src_addr: old.src_addr,
+                dst_addr: old.dst_addr,
+                src_port: old.src_port,
+                dst_port: old.dst_port,
+                service_id: old.service_id,
+                state: old.state,
+                flags: old.flags,
+                hop_len: 0,
+                hop: CachedHop::default(),
+            }
+        }
+    }
+
+    const _: () = assert!(core::mem::size_of::<ConntrackEntryV1>() == 32);
+}
+
 /// The entry translates replies (backend → client).
 pub const CT_F_REPLY: u8 = 1 << 0;
 /// The connection is masqueraded (source rewritten to the node address).
@@ -622,6 +669,7 @@ mod user {
     unsafe impl aya::Pod for Backend {}
     unsafe impl aya::Pod for ConntrackKey {}
     unsafe impl aya::Pod for ConntrackEntry {}
+    unsafe impl aya::Pod for legacy::ConntrackEntryV1 {}
     unsafe impl aya::Pod for Config {}
     unsafe impl aya::Pod for Clock {}
     unsafe impl aya::Pod for AffinityKey {}
