@@ -1,6 +1,6 @@
 //! Every manifest in deploy/ decodes as its k8s-openapi type with no field left over (so a typo
 //! in a field name fails), the kustomization lists exactly those files, and the DaemonSet has
-//! what the agent needs on a node.
+//! what the agent needs on a node (its node IP from the downward API included).
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
@@ -139,6 +139,26 @@ fn deploy_manifests_are_valid() -> Result<()> {
             .unwrap()
             .field_path
             == "spec.nodeName"
+    );
+    // The node IP from the downward API: start-up does not wait for the apiserver.
+    let host_ip = c
+        .env
+        .iter()
+        .flatten()
+        .find(|e| e.name == "HOST_IP")
+        .context("HOST_IP")?;
+    ensure!(
+        host_ip
+            .value_from
+            .as_ref()
+            .and_then(|v| v.field_ref.as_ref())
+            .is_some_and(|f| f.field_path == "status.hostIP"),
+        "{host_ip:?}"
+    );
+    ensure!(
+        c.args.iter().flatten().any(|a| a == "--node-ip=$(HOST_IP)"),
+        "{:?}",
+        c.args
     );
     for probe in [&c.readiness_probe, &c.liveness_probe] {
         let get = probe
