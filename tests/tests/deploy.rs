@@ -51,6 +51,7 @@ fn first_difference(want: &Value, have: &Value, path: String) -> Option<String> 
 fn deploy_manifests_are_valid() -> Result<()> {
     let mut files = BTreeSet::new();
     let mut daemonsets = Vec::new();
+    let mut roles = Vec::new();
     let mut kinds = BTreeSet::new();
     for entry in std::fs::read_dir(deploy_dir())? {
         let path = entry?.path();
@@ -72,7 +73,7 @@ fn deploy_manifests_are_valid() -> Result<()> {
                 "v1/ServiceAccount" => drop(typed::<ServiceAccount>(&file, &value)?),
                 "v1/ConfigMap" => drop(typed::<ConfigMap>(&file, &value)?),
                 "rbac.authorization.k8s.io/v1/ClusterRole" => {
-                    drop(typed::<ClusterRole>(&file, &value)?)
+                    roles.push(typed::<ClusterRole>(&file, &value)?)
                 }
                 "rbac.authorization.k8s.io/v1/ClusterRoleBinding" => {
                     drop(typed::<ClusterRoleBinding>(&file, &value)?)
@@ -97,6 +98,24 @@ fn deploy_manifests_are_valid() -> Result<()> {
     ensure!(
         listed == files,
         "kustomization lists {listed:?}, deploy/ has {files:?}"
+    );
+
+    // The agent's Recorder creates events.k8s.io Events and patches them into series.
+    let events_allowed = roles
+        .iter()
+        .flat_map(|r| r.rules.iter().flatten())
+        .any(|rule| {
+            let has =
+                |list: &Option<Vec<String>>, item: &str| list.iter().flatten().any(|i| i == item);
+            has(&rule.api_groups, "events.k8s.io")
+                && has(&rule.resources, "events")
+                && ["create", "patch"]
+                    .iter()
+                    .all(|verb| rule.verbs.iter().any(|v| v == verb))
+        });
+    ensure!(
+        events_allowed,
+        "no ClusterRole rule lets the agent create and patch Events"
     );
 
     let [ds] = daemonsets.as_slice() else {
