@@ -199,3 +199,56 @@ fn deploy_manifests_are_valid() -> Result<()> {
     );
     Ok(())
 }
+
+/// deploy/uninstall/: a DaemonSet that runs `lb cleanup` on every node's host bpffs, on the
+/// same --bpffs the agent's DaemonSet pins in, listed by its kustomization.
+#[test]
+fn uninstall_runs_lb_cleanup_on_every_node() -> Result<()> {
+    let dir = deploy_dir().join("uninstall");
+    let text = std::fs::read_to_string(dir.join("daemonset.yaml"))?;
+    let ds: DaemonSet = typed("uninstall/daemonset.yaml", &serde_yaml::from_str(&text)?)?;
+    let pod = ds.spec.template.spec.context("pod spec")?;
+    ensure!(
+        pod.tolerations
+            .iter()
+            .flatten()
+            .any(|t| t.operator.as_deref() == Some("Exists") && t.key.is_none()),
+        "runs on every node, whatever its taints"
+    );
+    let cleanup = pod
+        .init_containers
+        .iter()
+        .flatten()
+        .find(|c| {
+            c.args
+                .as_ref()
+                .is_some_and(|a| a.first().is_some_and(|a| a == "cleanup"))
+        })
+        .context("an init container runs `lb cleanup`")?;
+    ensure!(
+        cleanup
+            .args
+            .iter()
+            .flatten()
+            .any(|a| a == "--bpffs=/sys/fs/bpf/lb"),
+        "cleanup's --bpffs is the agent's default"
+    );
+    let mounts_host_bpffs = cleanup
+        .volume_mounts
+        .iter()
+        .flatten()
+        .any(|m| m.mount_path == "/sys/fs/bpf")
+        && pod.volumes.iter().flatten().any(|v| {
+            v.host_path
+                .as_ref()
+                .is_some_and(|h| h.path == "/sys/fs/bpf")
+        });
+    ensure!(mounts_host_bpffs, "cleanup sees the host's /sys/fs/bpf");
+    let kustomization: Value =
+        serde_yaml::from_str(&std::fs::read_to_string(dir.join("kustomization.yaml"))?)?;
+    ensure!(
+        kustomization["resources"] == serde_json::json!(["daemonset.yaml"]),
+        "{kustomization}"
+    );
+    Ok(())
+}

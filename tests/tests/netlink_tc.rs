@@ -43,7 +43,9 @@ fn ingress_filter_ids(ns: &Netns) -> Result<Vec<u32>> {
 #[test]
 fn a_restart_replaces_its_netlink_filter_and_cleanup_removes_it() -> Result<()> {
     let ns = Netns::new(unique_prefix())?;
-    ns.ip(&["link", "add", INTERFACE, "type", "veth", "peer", "name", "lbnl1"])?;
+    ns.ip(&[
+        "link", "add", INTERFACE, "type", "veth", "peer", "name", "lbnl1",
+    ])?;
     ns.ip(&["link", "set", INTERFACE, "up"])?;
 
     let first = ns.run(attach_as_an_agent_would)??;
