@@ -16,6 +16,7 @@ use lb_common::{
 use lb_user::apiserver::{self, ApiSource, Next};
 use lb_user::bpffs;
 use lb_user::cgroup_hooks::{self, CgroupHooks};
+use lb_user::cgroup_mount;
 use lb_user::coalesce::Coalescer;
 use lb_user::datapath::{self, Datapath, MapSizes};
 use lb_user::error_chain;
@@ -156,12 +157,13 @@ pub async fn run(args: AgentArgs) -> Result<()> {
         coalescer.queue(Instant::now(), Duration::ZERO);
     }
     // Before the interfaces, so "attached to the existing interfaces" means everything is.
-    let cgroup_hooks = if args.cgroup.as_os_str().is_empty() {
-        None
-    } else {
-        let hooks = CgroupHooks::attach(&mut state.datapath, &args.cgroup)?;
-        info!(cgroup = %args.cgroup.display(), "socket hooks attached");
-        Some(hooks)
+    let cgroup_hooks = match cgroup_mount::resolve(args.cgroup.as_deref())? {
+        None => None,
+        Some(cgroup) => {
+            let hooks = CgroupHooks::attach(&mut state.datapath, &cgroup)?;
+            info!(cgroup = %cgroup.display(), "socket hooks attached");
+            Some(hooks)
+        }
     };
     let mut hooks = Hooks::new(&args, &mut state.datapath).await?;
     for (index, name) in links.list().await? {

@@ -2,6 +2,7 @@
 pub mod apiserver;
 pub mod bpffs;
 pub mod cgroup_hooks;
+pub mod cgroup_mount;
 pub mod coalesce;
 pub mod datapath;
 pub mod health;
