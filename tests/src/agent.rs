@@ -134,7 +134,8 @@ impl Agent {
         wait: bool,
     ) -> Result<Self> {
         let log = fs::File::create(dir.path().join("agent.log"))?;
-        // Never the machine's root cgroup: a test that wants the socket hooks gives its own.
+        // Not the machine's root cgroup unless the test runs the defaults (the hooks translate
+        // only sockets of the node namespace): a test that wants the hooks gives its own cgroup.
         let cgroup: &[&str] = if extra_args.contains(&"--cgroup") || hooks == Hooks::Default {
             &[]
         } else {
