@@ -19,10 +19,22 @@ use crate::{
 /// cache line on every packet. Timeouts are tens of seconds and more.
 const REFRESH_NS: u64 = 1_000_000_000;
 
-/// The tuple a packet of a tracked connection is rewritten to, and its entry; `None` when it has
-/// no live entry (or opens a new connection on the tuple of a closing one). Keeps both entries of
-/// the connection fresh and in the same state.
-pub fn lookup(packet: &Packet, now: u64) -> Option<(ConntrackKey, &'static mut ConntrackEntry)> {
+/// A packet's live connection: its entry, and the tuple the packet is rewritten to.
+///
+/// `repr(C)` with the reference first, so that the niche of `Option<Tracked>` (a null reference)
+/// is at offset 0: LLVM 22 writes an enum's BTF as a union that holds its discriminant at the
+/// discriminant's offset, and the kernel refuses the object's whole BTF for a union member at
+/// any other offset than 0.
+#[repr(C)]
+pub struct Tracked {
+    pub entry: &'static mut ConntrackEntry,
+    pub to: ConntrackKey,
+}
+
+/// The live connection of a packet; `None` when it has no live entry (or opens a new connection
+/// on the tuple of a closing one). Keeps both entries of the connection fresh and in the same
+/// state.
+pub fn lookup(packet: &Packet, now: u64) -> Option<Tracked> {
     let entry = maps::conntrack(&packet.tuple)?;
     let proto = packet.tuple.proto;
     if expired(entry, proto, now) || reopens(entry, packet) {
@@ -39,7 +51,7 @@ pub fn lookup(packet: &Packet, now: u64) -> Option<(ConntrackKey, &'static mut C
             update(peer, state, refresh, now);
         }
     }
-    Some((to, entry))
+    Some(Tracked { entry, to })
 }
 
 /// What the packet quoted by an ICMP error (`quoted`, as it was when it failed) becomes,

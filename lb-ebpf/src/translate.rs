@@ -50,7 +50,7 @@ pub fn translation<P: PacketAccess>(ctx: &P) -> Result<Translation, Counter> {
     }
     fragment::follow(&mut packet)?;
     let now = maps::now_ns(config);
-    if let Some((to, entry)) = conntrack::lookup(&packet, now) {
+    if let Some(conntrack::Tracked { entry, to }) = conntrack::lookup(&packet, now) {
         maps::count(Counter::Translated);
         let route = CachedRoute::of(entry);
         return Ok(Translation::To { packet, to, route });

@@ -16,6 +16,7 @@ use lb_common::{
 use lb_user::apiserver::{self, ApiSource, Next};
 use lb_user::bpffs;
 use lb_user::cgroup_hooks;
+use lb_user::cgroup_mount;
 use lb_user::coalesce::Coalescer;
 use lb_user::datapath::{self, Datapath, MapSizes};
 use lb_user::error_chain;
@@ -162,12 +163,13 @@ pub async fn run(args: AgentArgs) -> Result<()> {
     }
     let pins = LinkPins::open(&args.bpffs)?;
     // Before the interfaces, so "attached to the existing interfaces" means everything is.
-    let cgroup_pins = if args.cgroup.as_os_str().is_empty() {
-        Vec::new()
-    } else {
-        let pins = cgroup_hooks::attach(&mut state.datapath, &pins, &args.cgroup)?;
-        info!(cgroup = %args.cgroup.display(), "socket hooks in place");
-        pins
+    let cgroup_pins = match cgroup_mount::resolve(args.cgroup.as_deref())? {
+        None => Vec::new(),
+        Some(cgroup) => {
+            let pins = cgroup_hooks::attach(&mut state.datapath, &pins, &cgroup)?;
+            info!(cgroup = %cgroup.display(), "socket hooks in place");
+            pins
+        }
     };
     let mut hooks = Hooks::new(&args, &mut state.datapath, pins).await?;
     let mut present = links.list().await?;

@@ -108,9 +108,11 @@ pub struct AgentArgs {
     pub sync_period: Duration,
     /// cgroup v2 directory whose sockets (host processes, hostNetwork pods) reach services
     /// through the socket hooks, at connect and send time; "" disables. Only sockets in the
-    /// agent's network namespace are translated.
-    #[arg(long, value_name = "PATH", default_value = "/sys/fs/cgroup", value_parser = |s: &str| Ok::<_, String>(PathBuf::from(s)))]
-    pub cgroup: PathBuf,
+    /// agent's network namespace are translated. Default: the cgroup v2 root mounted here (from
+    /// /proc/self/mountinfo), else one the agent mounts (on /sys/fs/cgroup when nothing is
+    /// mounted there, as under `ip netns exec`).
+    #[arg(long, value_name = "PATH", value_parser = |s: &str| Ok::<_, String>(PathBuf::from(s)))]
+    pub cgroup: Option<PathBuf>,
     /// bpffs directory for the pinned maps and links (mounted if needed). The datapath stays
     /// attached and pinned when the agent exits; a new agent swaps its programs in place and
     /// `lb cleanup` removes it. On a node this is the host's bpffs: one the agent mounts itself

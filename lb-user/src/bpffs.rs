@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use nix::mount::{MsFlags, mount};
 use nix::sys::statfs::{FsType, statfs};
-use tracing::info;
+use tracing::warn;
 
 const BPF_FS_MAGIC: FsType = FsType(0xcafe_4a11);
 const SYSFS_MAGIC: FsType = FsType(0x6265_6572);
@@ -109,7 +109,12 @@ fn mount_bpffs(path: &Path) -> Result<(), BpffsError> {
         path: path.to_owned(),
         source,
     })?;
-    info!(path = %path.display(), "mounted bpffs");
+    warn!(
+        path = %path.display(),
+        "mounted bpffs itself: the pins, and so the datapath, live only as long as this mount \
+         namespace (under `ip netns exec`, the agent's own: the datapath cannot outlive the \
+         agent); mount the host's bpffs there first, as the DaemonSet mounts /sys/fs/bpf"
+    );
     Ok(())
 }
 

@@ -39,8 +39,8 @@ pub fn attach(
     let metadata = dir.metadata()?;
     anyhow::ensure!(
         metadata.is_dir() && cgroup.join("cgroup.procs").exists(),
-        "--cgroup {}: not a cgroup v2 directory (no cgroup.procs; on a hybrid v1 + v2 host \
-         the v2 root is /sys/fs/cgroup/unified; \"\" disables the socket hooks)",
+        "--cgroup {}: not a cgroup v2 directory (no cgroup.procs; without --cgroup the agent \
+         finds the cgroup v2 root itself; \"\" disables the socket hooks)",
         cgroup.display()
     );
     // A cgroup's id is its inode number on cgroup2.

@@ -3,6 +3,7 @@ pub mod apiserver;
 pub mod bpf_link;
 pub mod bpffs;
 pub mod cgroup_hooks;
+pub mod cgroup_mount;
 pub mod coalesce;
 pub mod datapath;
 pub mod events;

@@ -50,6 +50,15 @@ pub fn stats(ns: &Netns) -> Result<std::collections::BTreeMap<String, u64>> {
         .collect()
 }
 
+/// The agent's socket hooks when the test gives no `--cgroup`.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Hooks {
+    /// `--cgroup ""`: none.
+    OffUnlessGiven,
+    /// The agent's default: on the cgroup v2 root.
+    Default,
+}
+
 pub struct Agent {
     child: Child,
     dir: tempfile::TempDir,
@@ -64,13 +73,29 @@ impl Agent {
 
     /// [`Agent::start`] on any node (e.g. one of a multi-node cluster).
     pub fn start_on(node: AgentNode<'_>, manifests: &str, extra_args: &[&str]) -> Result<Self> {
+        Self::start_manifests(node, manifests, extra_args, Hooks::OffUnlessGiven)
+    }
+
+    /// Starts the agent as a user would, with only the flags it requires (so its socket hooks
+    /// go on the cgroup v2 root it finds or mounts, translating sockets of the node namespace
+    /// only), and waits for its first sync.
+    pub fn start_with_default_flags(topology: &Topology, manifests: &str) -> Result<Self> {
+        Self::start_manifests(topology.agent_node(), manifests, &[], Hooks::Default)
+    }
+
+    fn start_manifests(
+        node: AgentNode<'_>,
+        manifests: &str,
+        extra_args: &[&str],
+        hooks: Hooks,
+    ) -> Result<Self> {
         let dir = tempfile::Builder::new().prefix("lbt-agent").tempdir()?;
         let manifest_dir = dir.path().join("manifests");
         fs::create_dir(&manifest_dir)?;
         fs::write(manifest_dir.join("services.yaml"), manifests)?;
         let mut args: Vec<OsString> = vec!["--manifests".into(), manifest_dir.into()];
         args.extend(["--node-ip".into(), node.ip.to_string().into()]);
-        Self::spawn(node, dir, args, extra_args, true)
+        Self::spawn(node, dir, args, extra_args, hooks, true)
     }
 
     /// Starts the agent on the apiserver `api` (in the node namespace) as node [`NODE_NAME`],
@@ -90,7 +115,14 @@ impl Agent {
             "--hostname-override".into(),
             NODE_NAME.into(),
         ];
-        Self::spawn(topology.agent_node(), dir, args, extra_args, wait)
+        Self::spawn(
+            topology.agent_node(),
+            dir,
+            args,
+            extra_args,
+            Hooks::OffUnlessGiven,
+            wait,
+        )
     }
 
     fn spawn(
@@ -98,11 +130,13 @@ impl Agent {
         dir: tempfile::TempDir,
         source_args: Vec<OsString>,
         extra_args: &[&str],
+        hooks: Hooks,
         wait: bool,
     ) -> Result<Self> {
         let log = fs::File::create(dir.path().join("agent.log"))?;
-        // Never the machine's root cgroup: a test that wants the socket hooks gives its own.
-        let cgroup: &[&str] = if extra_args.contains(&"--cgroup") {
+        // Not the machine's root cgroup unless the test runs the defaults (the hooks translate
+        // only sockets of the node namespace): a test that wants the hooks gives its own cgroup.
+        let cgroup: &[&str] = if extra_args.contains(&"--cgroup") || hooks == Hooks::Default {
             &[]
         } else {
             &["--cgroup", ""]

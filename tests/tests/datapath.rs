@@ -477,6 +477,25 @@ impl Datapath {
 
 /// A pod connects to the ClusterIP, the flow sticks to its backend, and the reply is translated
 /// back; both conntrack entries follow the connection's state.
+/// The kernel accepts the object's BTF, which aya only warns about when it does not: the loaded
+/// program carries it (so verifier logs and `bpftool prog dump` show source lines). Rust types in
+/// a function's signature can make LLVM write BTF the kernel refuses (see `conntrack::Tracked`).
+#[test]
+fn object_btf_is_accepted() {
+    let datapath = Datapath::new(config());
+    let program: &SchedClassifier = datapath
+        .ebpf
+        .program(program_name::INGRESS)
+        .unwrap()
+        .try_into()
+        .unwrap();
+    let info = program.info().expect("program info");
+    assert!(
+        info.btf_id().is_some(),
+        "the kernel refused the object's BTF"
+    );
+}
+
 #[test]
 fn cluster_ip_tcp_from_pod() {
     let datapath = Datapath::with_cluster_ip(&ENDPOINTS);

@@ -8,17 +8,18 @@
 //! tested here only, with real sockets.
 use std::{
     net::{Ipv4Addr, SocketAddr},
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use anyhow::{Context as _, Result, bail, ensure};
 use lb_tests::{
+    agent::Agent,
     cgroup::Cgroup,
     echo::{Answer, EchoServer, Proto, request},
     manifests::{IngressManifest, ServiceManifest, yaml},
     netns::{Netns, unique_prefix},
-    node::{CLUSTER_IP, Node, TARGET_PORT, vip},
-    topology::{NODE_IP, POD_GATEWAY},
+    node::{CLUSTER_IP, Node, PORT, TARGET_PORT, serve_pods, vip},
+    topology::{NODE_IP, POD_GATEWAY, Topology},
 };
 
 const NODE_PORT: u16 = 30080;
@@ -97,6 +98,44 @@ fn start(cgroup: &Cgroup) -> Result<Node> {
     let path = cgroup.agent_path();
     let path = path.to_str().context("cgroup path")?;
     Node::start(3, &[], &["--cgroup", path])
+}
+
+/// `lb agent` as a user runs it: only the flags it requires, under `ip netns exec`, which hides
+/// the host's cgroup2 and bpffs mounts (on this hybrid v1 + v2 machine cgroup2 is not even at
+/// /sys/fs/cgroup). It starts, warns that its own bpffs cannot outlive it, logs no BTF dump, and
+/// its socket hooks on the cgroup v2 root serve a socket of this test's thread in the node
+/// namespace: a backend answers, the client's peer is the ClusterIP. Once it has stopped, its
+/// hooks are gone (its mounts lived in its own mount namespace): the ClusterIP is unreachable.
+#[test]
+fn default_flags_under_ip_netns_exec_serve_node_local_traffic() -> Result<()> {
+    let topology = Topology::new(2)?;
+    let _servers = serve_pods(&topology, TARGET_PORT)?;
+    let endpoints = ["pod-a", "pod-b"];
+    let service = ServiceManifest::new("web", CLUSTER_IP, Proto::Tcp, PORT, TARGET_PORT)
+        .endpoints(endpoints.iter().map(|pod| topology.pod(pod).ip));
+    let mut agent = Agent::start_with_default_flags(&topology, &yaml(&[service]))?;
+
+    let answer = request(&topology.node, Proto::Tcp, vip()).context("ClusterIP from the node")?;
+    ensure!(endpoints.contains(&answer.server.as_str()), "{answer:?}");
+    ensure!(answer.peer == vip(), "the client's peer: {}", answer.peer);
+    let log = agent.log();
+    ensure!(!log.contains("BTF"), "BTF in the agent's log:\n{log}");
+    ensure!(
+        log.matches("mounted bpffs itself").count() == 1,
+        "no warning about its own bpffs:\n{log}"
+    );
+
+    agent.stop()?;
+    // The links go when their last reference does, the pins' with the agent's mount namespace.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while let Ok(answer) = request(&topology.node, Proto::Tcp, vip()) {
+        ensure!(
+            Instant::now() < deadline,
+            "the stopped agent's hooks still translate: {answer:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(())
 }
 
 /// ClusterIP (TCP, UDP) and NodePort on the node address and on 127.0.0.1 (TCP, UDP): a
