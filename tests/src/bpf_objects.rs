@@ -1,12 +1,14 @@
 //! The BPF programs, maps and links one process holds, by kernel id, and whether they are still
 //! loaded. Ids are unique in the kernel, so tests in parallel never mistake each other's objects.
 use std::{
-    collections::BTreeSet,
+    collections::{BTreeMap, BTreeSet},
     fs,
+    path::Path,
     time::{Duration, Instant},
 };
 
 use anyhow::{Context as _, Result, ensure};
+use aya::programs::links::{FdLink, LinkType, PinnedLink};
 
 /// Kernel ids of BPF objects.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -76,4 +78,44 @@ impl BpfIds {
             std::thread::sleep(Duration::from_millis(50));
         }
     }
+}
+
+/// A link pinned on a bpffs, as the kernel describes it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PinnedLinkInfo {
+    pub id: u32,
+    pub program: u32,
+    pub link_type: LinkType,
+}
+
+/// Every link pinned under `dir` (searched recursively), by path relative to `dir`.
+pub fn pinned_links(dir: &Path) -> Result<BTreeMap<String, PinnedLinkInfo>> {
+    let mut links = BTreeMap::new();
+    let mut dirs = vec![dir.to_path_buf()];
+    while let Some(current) = dirs.pop() {
+        let entries =
+            fs::read_dir(&current).with_context(|| format!("reading {}", current.display()))?;
+        for entry in entries {
+            let entry = entry?;
+            let path = entry.path();
+            if entry.file_type()?.is_dir() {
+                dirs.push(path);
+                continue;
+            }
+            let pinned = PinnedLink::from_pin(&path)
+                .with_context(|| format!("opening {}", path.display()))?;
+            // Dropped at once: the test holds no reference to the link.
+            let info = FdLink::from(pinned).info()?;
+            let name = path.strip_prefix(dir)?.to_string_lossy().into_owned();
+            links.insert(
+                name,
+                PinnedLinkInfo {
+                    id: info.id(),
+                    program: info.program_id(),
+                    link_type: info.link_type()?,
+                },
+            );
+        }
+    }
+    Ok(links)
 }

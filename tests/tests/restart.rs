@@ -9,15 +9,14 @@
 //! Every test mounts its own bpffs, as a node's host does for the DaemonSet.
 use std::{
     net::{Ipv4Addr, SocketAddr},
-    path::Path,
     time::{Duration, Instant},
 };
 
 use anyhow::{Context as _, Result, bail, ensure};
-use aya::programs::links::{LinkType, PinnedLink};
+use aya::programs::links::LinkType;
 use lb_tests::{
     agent::{Agent, lb_binary, stats_at},
-    bpf_objects::BpfIds,
+    bpf_objects::{BpfIds, pinned_links},
     bpffs::Bpffs,
     cgroup::Cgroup,
     echo::{EchoServer, Proto, request},
@@ -237,8 +236,8 @@ fn survives(scenario: Scenario, xdp: bool) -> Result<()> {
 }
 
 /// Takes the agent through `scenario` and checks new connections while no agent runs and after
-/// the restart, and that the new agent replaced the old one's programs rather than adding its
-/// own beside them (the old ones are released).
+/// the restart, and that the new agent replaced the old one's programs in place: the same pinned
+/// links, each with a new program, none added beside them, the old programs released.
 fn restart(node: &mut SurvivalNode, scenario: Scenario) -> Result<()> {
     let pin_dir = node.bpffs.pin_dir();
     let old_programs = BpfIds {
@@ -246,6 +245,8 @@ fn restart(node: &mut SurvivalNode, scenario: Scenario) -> Result<()> {
         ..BpfIds::default()
     };
     let forwarded_before = if node.xdp { node.xdp_forwarded()? } else { 0 };
+    let links_dir = pin_dir.join("links");
+    let links_before = pinned_links(&links_dir)?;
 
     let stopped_at = Instant::now();
     match scenario {
@@ -304,6 +305,20 @@ fn restart(node: &mut SurvivalNode, scenario: Scenario) -> Result<()> {
             node.agent.wait_for_sync(SYNC)?;
         }
     }
+    // bpf_link_update: the same links (ids), each with a new program.
+    let links_after = pinned_links(&links_dir)?;
+    for (name, before) in &links_before {
+        let after = links_after.get(name);
+        ensure!(
+            after.is_some_and(|a| a.id == before.id && a.program != before.program),
+            "link {name} was {before:?}, after the restart {after:?}:\n{}",
+            node.agent.log()
+        );
+    }
+    ensure!(
+        links_after.len() == links_before.len(),
+        "links before the restart {links_before:?}, after {links_after:?}"
+    );
     old_programs
         .await_released(RELEASE)
         .with_context(|| format!("the old agent's programs:\n{}", node.agent.log()))?;
@@ -371,20 +386,6 @@ fn node_local_udp(cgroup: &Cgroup, ns: &lb_tests::netns::Netns, to: SocketAddr) 
     }
 }
 
-/// The kind of each link pinned under `pin_dir`/links.
-fn pinned_link_types(pin_dir: &Path) -> Result<Vec<LinkType>> {
-    let dir = pin_dir.join("links");
-    let mut types = Vec::new();
-    for entry in std::fs::read_dir(&dir).with_context(|| format!("reading {}", dir.display()))? {
-        let path = entry?.path();
-        let link =
-            PinnedLink::from_pin(&path).with_context(|| format!("opening {}", path.display()))?;
-        let info = aya::programs::links::FdLink::from(link).info()?;
-        types.push(info.link_type()?);
-    }
-    Ok(types)
-}
-
 /// SIGTERM leaves every hook in place (tc, XDP, the socket hooks); `lb cleanup` then detaches
 /// them all and removes every pin: no program, map or link of the agent's stays loaded, no XDP
 /// program on the external interface, the service no longer answers, pod traffic still flows.
@@ -412,7 +413,8 @@ fn cleanup_removes_everything() -> Result<()> {
         !held.programs.is_empty() && !held.maps.is_empty() && !held.links.is_empty(),
         "the agent holds {held:?}"
     );
-    let types = pinned_link_types(&bpffs.pin_dir())?;
+    let links = pinned_links(&bpffs.pin_dir().join("links"))?;
+    let types: Vec<LinkType> = links.values().map(|l| l.link_type).collect();
     for wanted in [LinkType::Tcx, LinkType::Xdp, LinkType::Cgroup] {
         ensure!(
             types.contains(&wanted),
