@@ -15,13 +15,15 @@ use lb_common::{
 };
 use lb_user::apiserver::{self, ApiSource, Next};
 use lb_user::bpffs;
-use lb_user::cgroup_hooks::{self, CgroupHooks};
+use lb_user::cgroup_hooks;
 use lb_user::coalesce::Coalescer;
 use lb_user::datapath::{self, Datapath, MapSizes};
 use lb_user::error_chain;
 use lb_user::health::{self, Health, Routes};
+use lb_user::link_pins::LinkPins;
 use lb_user::links::{Attachments, InterfaceFilter, LinkEvent, LinkWatcher};
 use lb_user::manifests::{self, ManifestCache};
+use lb_user::map_pins;
 use lb_user::metrics::Metrics;
 use lb_user::model::{Model, Service, ServiceName, Specs};
 use lb_user::node_addresses;
@@ -91,7 +93,10 @@ pub async fn run(args: AgentArgs) -> Result<()> {
             affinity: args.affinity_max,
         },
     )?;
-    // No program is attached yet, so nothing reads the config while it is written.
+    // Before any program of ours is swapped in, so that they never miss an old connection.
+    let migrated = datapath.migrate_conntrack(&args.bpffs, false)?;
+    // The programs of a previous agent may be reading it: the values are the same unless the
+    // flags changed.
     datapath.write_config(&Config {
         node_addr: ipv4_be(node_ip.octets()),
         cluster_cidr_addr: ipv4_be(args.cluster_cidr.network().octets()),
@@ -155,19 +160,30 @@ pub async fn run(args: AgentArgs) -> Result<()> {
     } else {
         coalescer.queue(Instant::now(), Duration::ZERO);
     }
+    let pins = LinkPins::open(&args.bpffs)?;
     // Before the interfaces, so "attached to the existing interfaces" means everything is.
-    let cgroup_hooks = if args.cgroup.as_os_str().is_empty() {
-        None
+    let cgroup_pins = if args.cgroup.as_os_str().is_empty() {
+        Vec::new()
     } else {
-        let hooks = CgroupHooks::attach(&mut state.datapath, &args.cgroup)?;
-        info!(cgroup = %args.cgroup.display(), "socket hooks attached");
-        Some(hooks)
+        let pins = cgroup_hooks::attach(&mut state.datapath, &pins, &args.cgroup)?;
+        info!(cgroup = %args.cgroup.display(), "socket hooks in place");
+        pins
     };
-    let mut hooks = Hooks::new(&args, &mut state.datapath).await?;
-    for (index, name) in links.list().await? {
+    let mut hooks = Hooks::new(&args, &mut state.datapath, pins).await?;
+    let mut present = links.list().await?;
+    // The pod-side interfaces first: with --xdp, lb_xdp's redirect targets are then known when
+    // it is swapped in on the external one.
+    present.sort_by_key(|(_, name)| *name == args.external_interface);
+    for (index, name) in present {
         hooks.add(&mut state.datapath, index, &name).await?;
     }
     hooks.check_started(&args)?;
+    hooks.remove_stale_pins(&cgroup_pins);
+    if migrated > 0 {
+        // Connections the old programs opened while the first pass ran.
+        state.datapath.migrate_conntrack(&args.bpffs, true)?;
+    }
+    map_pins::remove_stale(&args.bpffs);
     let mut links_open = true;
 
     loop {
@@ -222,14 +238,11 @@ pub async fn run(args: AgentArgs) -> Result<()> {
         }
     }
 
-    info!(interfaces = hooks.tc.len(), "stopping: detaching");
-    hooks.detach_all(&mut state.datapath)?;
-    if let Some(hooks) = cgroup_hooks {
-        hooks.detach(&mut state.datapath)?;
-    }
     info!(
+        interfaces = hooks.tc.len(),
         failed_map_writes = state.reconciler.failed_total,
-        "stopped; maps stay pinned"
+        bpffs = %args.bpffs.display(),
+        "stopped; the datapath stays attached and pinned (`lb cleanup` removes it)"
     );
     Ok(())
 }
@@ -238,6 +251,7 @@ pub async fn run(args: AgentArgs) -> Result<()> {
 /// the external one (never on pod veths: for traffic the stack built, XDP there costs an skb
 /// copy and saves nothing).
 struct Hooks {
+    pins: LinkPins,
     tc: Attachments<SchedClassifier>,
     tc_filter: InterfaceFilter,
     xdp: Option<XdpHooks>,
@@ -254,7 +268,7 @@ struct XdpHooks {
 }
 
 impl Hooks {
-    async fn new(args: &AgentArgs, datapath: &mut Datapath) -> Result<Self> {
+    async fn new(args: &AgentArgs, datapath: &mut Datapath, pins: LinkPins) -> Result<Self> {
         let xdp = if args.xdp {
             datapath.load_xdp()?;
             Some(XdpHooks {
@@ -267,6 +281,7 @@ impl Hooks {
             None
         };
         Ok(Self {
+            pins,
             tc: Attachments::default(),
             tc_filter: InterfaceFilter::new(&args.external_interface, &args.pod_interfaces)?,
             xdp,
@@ -276,11 +291,16 @@ impl Hooks {
     /// Attaches what interface `index` named `name` gets. Only an XDP attach failure is an
     /// error: the external interface's driver cannot run XDP natively.
     async fn add(&mut self, datapath: &mut Datapath, index: u32, name: &str) -> Result<()> {
-        self.tc
-            .add(datapath.ingress()?, &self.tc_filter, index, name);
+        self.tc.add(
+            datapath.ingress()?,
+            &self.pins,
+            &self.tc_filter,
+            index,
+            name,
+        );
         if let Some(xdp) = &mut self.xdp {
             xdp.attachments
-                .try_add(datapath.xdp()?, &xdp.external, index, name)
+                .try_add(datapath.xdp()?, &self.pins, &xdp.external, index, name)
                 .with_context(|| format!("--xdp: attaching lb_xdp in native mode to {name}"))?;
             if self.tc_filter.matches(name) {
                 xdp.candidates.insert(index);
@@ -300,9 +320,9 @@ impl Hooks {
     }
 
     fn remove(&mut self, datapath: &mut Datapath, index: u32) -> Result<()> {
-        self.tc.remove(datapath.ingress()?, index);
+        self.tc.remove(&self.pins, index);
         if let Some(xdp) = &mut self.xdp {
-            xdp.attachments.remove(datapath.xdp()?, index);
+            xdp.attachments.remove(&self.pins, index);
             xdp.candidates.remove(&index);
             datapath.set_xdp_egress(index, false)?;
         }
@@ -362,12 +382,16 @@ impl Hooks {
         Ok(())
     }
 
-    fn detach_all(&mut self, datapath: &mut Datapath) -> Result<()> {
-        if let Some(xdp) = &mut self.xdp {
-            xdp.attachments.detach_all(datapath.xdp()?);
+    /// Unpins the links this agent does not hold: interfaces gone or no longer matching while
+    /// no agent ran, and hooks it does not use (XDP without --xdp, socket hooks without
+    /// --cgroup).
+    fn remove_stale_pins(&self, cgroup_pins: &[&str]) {
+        let mut keep: BTreeSet<String> = self.tc.pin_names().collect();
+        if let Some(xdp) = &self.xdp {
+            keep.extend(xdp.attachments.pin_names());
         }
-        self.tc.detach_all(datapath.ingress()?);
-        Ok(())
+        keep.extend(cgroup_pins.iter().map(|name| name.to_string()));
+        self.pins.remove_all_but(&keep);
     }
 }
 

@@ -24,6 +24,10 @@ pub enum Command {
     Agent(Box<AgentArgs>),
     /// Print the datapath's packet counters (summed over CPUs).
     Stats(StatsArgs),
+    /// Remove the datapath, as kube-proxy's --cleanup removes its rules: detach every hook and
+    /// remove every pin under --bpffs. The datapath stays in the kernel when the agent stops;
+    /// this is the only way it goes away (uninstall).
+    Cleanup(CleanupArgs),
 }
 
 #[derive(Debug, Args)]
@@ -104,7 +108,10 @@ pub struct AgentArgs {
     /// agent's network namespace are translated.
     #[arg(long, value_name = "PATH", default_value = "/sys/fs/cgroup", value_parser = |s: &str| Ok::<_, String>(PathBuf::from(s)))]
     pub cgroup: PathBuf,
-    /// bpffs directory for the pinned maps (mounted if needed); pins survive agent restarts.
+    /// bpffs directory for the pinned maps and links (mounted if needed). The datapath stays
+    /// attached and pinned when the agent exits; a new agent swaps its programs in place and
+    /// `lb cleanup` removes it. On a node this is the host's bpffs: one the agent mounts itself
+    /// (under `ip netns exec`) lives only as long as the agent.
     #[arg(long, value_name = "DIR", default_value = DEFAULT_BPFFS)]
     pub bpffs: PathBuf,
     /// Frontends map size: (ClusterIP, port, protocol) and (node IP, nodePort, protocol) entries.
@@ -125,6 +132,13 @@ pub struct AgentArgs {
 #[derive(Debug, Args)]
 pub struct StatsArgs {
     /// bpffs directory of the agent's pinned maps.
+    #[arg(long, value_name = "DIR", default_value = DEFAULT_BPFFS)]
+    pub bpffs: PathBuf,
+}
+
+#[derive(Debug, Args)]
+pub struct CleanupArgs {
+    /// bpffs directory of the agent's pins.
     #[arg(long, value_name = "DIR", default_value = DEFAULT_BPFFS)]
     pub bpffs: PathBuf,
 }

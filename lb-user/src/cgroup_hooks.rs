@@ -2,16 +2,19 @@
 //! every socket of its processes (and of its descendants') that connects or sends to a service
 //! in the agent's network namespace is pointed at a backend.
 use std::fs::File;
-use std::os::fd::AsRawFd as _;
+use std::os::fd::{AsFd as _, AsRawFd as _};
+use std::os::unix::fs::MetadataExt as _;
 use std::path::Path;
 
 use anyhow::{Context as _, Result};
 use aya::programs::CgroupAttachMode;
-use aya::programs::cgroup_sock_addr::CgroupSockAddrLinkId;
+use aya::programs::links::FdLink;
 use lb_common::program_name;
 
+use crate::bpf_link::LinkTarget;
 use crate::datapath::{self, Datapath};
 use crate::error_chain;
+use crate::link_pins::LinkPins;
 
 const PROGRAMS: [&str; 4] = [
     program_name::CONNECT4,
@@ -20,55 +23,48 @@ const PROGRAMS: [&str; 4] = [
     program_name::GETPEERNAME4,
 ];
 
-/// The hooks attached to one cgroup; detached by [`CgroupHooks::detach`] (or when the
-/// datapath is dropped).
-pub struct CgroupHooks {
-    links: Vec<(&'static str, CgroupSockAddrLinkId)>,
-}
-
-impl CgroupHooks {
-    /// Loads the hooks and attaches them to `cgroup` as BPF links, beside any other programs.
-    pub fn attach(datapath: &mut Datapath, cgroup: &Path) -> Result<Self> {
-        let dir = File::open(cgroup).with_context(|| {
-            format!(
-                "--cgroup {}: opening the cgroup v2 directory",
-                cgroup.display()
-            )
-        })?;
-        anyhow::ensure!(
-            dir.metadata()?.is_dir() && cgroup.join("cgroup.procs").exists(),
-            "--cgroup {}: not a cgroup v2 directory (no cgroup.procs; on a hybrid v1 + v2 host \
-             the v2 root is /sys/fs/cgroup/unified; \"\" disables the socket hooks)",
+/// Puts the hooks on `cgroup` as BPF links beside any other programs, pinned, or swaps them
+/// into the links a previous agent pinned there; returns the pin names.
+pub fn attach(
+    datapath: &mut Datapath,
+    pins: &LinkPins,
+    cgroup: &Path,
+) -> Result<Vec<&'static str>> {
+    let dir = File::open(cgroup).with_context(|| {
+        format!(
+            "--cgroup {}: opening the cgroup v2 directory",
             cgroup.display()
-        );
-        let mut hooks = CgroupHooks { links: Vec::new() };
-        for name in PROGRAMS {
-            let program = datapath.sock_program(name)?;
-            datapath::load_program(|| program.load()).with_context(|| format!("loading {name}"))?;
-            let link = program
-                // A BPF link (Linux 5.7+) takes no mode flags and always sits beside others.
-                .attach(&dir, CgroupAttachMode::Single)
-                .map_err(|err| {
-                    anyhow::anyhow!(
-                        "attaching {name} to {}: {}",
-                        cgroup.display(),
-                        error_chain(&err)
-                    )
-                })?;
-            hooks.links.push((name, link));
+        )
+    })?;
+    let metadata = dir.metadata()?;
+    anyhow::ensure!(
+        metadata.is_dir() && cgroup.join("cgroup.procs").exists(),
+        "--cgroup {}: not a cgroup v2 directory (no cgroup.procs; on a hybrid v1 + v2 host \
+         the v2 root is /sys/fs/cgroup/unified; \"\" disables the socket hooks)",
+        cgroup.display()
+    );
+    // A cgroup's id is its inode number on cgroup2.
+    let target = LinkTarget::Cgroup(metadata.ino());
+    for name in PROGRAMS {
+        let program = datapath.sock_program(name)?;
+        datapath::load_program(|| program.load()).with_context(|| format!("loading {name}"))?;
+        if pins.replace(name, target, program.fd()?.as_fd())? {
+            continue;
         }
-        Ok(hooks)
+        let link = program
+            // A BPF link (Linux 5.7+) takes no mode flags and always sits beside others.
+            .attach(&dir, CgroupAttachMode::Single)
+            .and_then(|id| program.take_link(id))
+            .map_err(|err| {
+                anyhow::anyhow!(
+                    "attaching {name} to {}: {}",
+                    cgroup.display(),
+                    error_chain(&err)
+                )
+            })?;
+        pins.pin(name, Some(FdLink::try_from(link)?))?;
     }
-
-    pub fn detach(self, datapath: &mut Datapath) -> Result<()> {
-        for (name, link) in self.links {
-            datapath
-                .sock_program(name)?
-                .detach(link)
-                .with_context(|| format!("detaching {name}"))?;
-        }
-        Ok(())
-    }
+    Ok(PROGRAMS.to_vec())
 }
 
 /// The network namespace's cookie (SO_NETNS_COOKIE, Linux 5.14+) of the calling thread, which

@@ -18,38 +18,11 @@ use lb_common::{
 };
 use nix::libc::EAGAIN;
 use nix::time::{ClockId, clock_getres};
-use tracing::{info, warn};
 
 use crate::map_batch;
+use crate::map_pins;
 use crate::reconcile::{MapContents, MapWriter, SourceRange};
 use crate::udp_flush::{self, UdpEndpoint};
-
-/// Removes from `pin_dir` the maps an agent of another ABI version pinned (`LB_*_V<n>` not in
-/// `map_name::ALL`), which no one reuses and would otherwise keep their memory (a conntrack map
-/// is hundreds of MiB). A map still used by attached programs lives on until they go.
-fn remove_stale_pins(pin_dir: &Path) {
-    let Ok(entries) = std::fs::read_dir(pin_dir) else {
-        return;
-    };
-    for entry in entries.filter_map(Result::ok) {
-        let name = entry.file_name();
-        let Some(name) = name.to_str() else { continue };
-        if is_stale_pin(name) {
-            match std::fs::remove_file(entry.path()) {
-                Ok(()) => info!(pin = name, "removed a map pinned by another ABI version"),
-                Err(err) => warn!(pin = name, %err, "could not remove a stale pinned map"),
-            }
-        }
-    }
-}
-
-fn is_stale_pin(name: &str) -> bool {
-    let versioned = name.starts_with("LB_")
-        && name
-            .rsplit_once("_V")
-            .is_some_and(|(_, v)| !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()));
-    versioned && !map_name::ALL.contains(&name)
-}
 
 /// The compiled lb-ebpf object, built by build.rs.
 pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lb"));
@@ -72,6 +45,8 @@ pub enum DatapathError {
         name: &'static str,
         source: ProgramError,
     },
+    #[error(transparent)]
+    MapPins(#[from] map_pins::MapPinError),
     #[error("the kernel's jiffy (resolution of CLOCK_MONOTONIC_COARSE): {0}")]
     Clock(String),
 }
@@ -127,8 +102,9 @@ pub struct Datapath {
 }
 
 impl Datapath {
-    /// Loads the object with every map pinned in `pin_dir` (reused when already pinned, so
-    /// conntrack survives an agent restart) and loads the ingress program.
+    /// Loads the object with every map pinned in `pin_dir` (reused when already pinned with this
+    /// build's layout, so conntrack survives an agent restart; an incompatible pinned map is an
+    /// error before anything changes) and loads the ingress program.
     pub fn load(pin_dir: &Path, sizes: MapSizes) -> Result<Self, DatapathError> {
         let mut loader = EbpfLoader::new();
         for name in map_name::ALL {
@@ -143,23 +119,9 @@ impl Datapath {
         for (name, size) in wanted {
             loader.map_max_entries(name, size);
         }
+        let declared = map_pins::declared(EBPF_OBJECT, &wanted.into_iter().collect())?;
+        map_pins::check(pin_dir, &declared)?;
         let mut ebpf = loader.load(EBPF_OBJECT)?;
-        remove_stale_pins(pin_dir);
-
-        for (name, size) in wanted {
-            let pinned = MapData::from_pin(pin_dir.join(name))
-                .and_then(|map| map.info())
-                .map_err(|source| DatapathError::Map { name, source })?
-                .max_entries();
-            if pinned != size {
-                warn!(
-                    map = name,
-                    pinned,
-                    requested = size,
-                    "pinned map keeps its size; remove the pin to resize (drops its contents)"
-                );
-            }
-        }
 
         let service_maps = ServiceMaps {
             frontends: take_map(&mut ebpf, map_name::FRONTENDS)?,
@@ -252,6 +214,19 @@ impl Datapath {
             ignore_missing(self.conntrack.remove(key)).map_err(err)?;
         }
         Ok(stale.len())
+    }
+
+    /// Copies the connections of an earlier agent's conntrack map (`map_pins::migrate_conntrack_v1`).
+    pub fn migrate_conntrack(
+        &mut self,
+        pin_dir: &Path,
+        only_new: bool,
+    ) -> Result<usize, DatapathError> {
+        Ok(map_pins::migrate_conntrack_v1(
+            pin_dir,
+            &mut self.conntrack,
+            only_new,
+        )?)
     }
 
     pub fn write_config(&mut self, config: &Config) -> Result<(), DatapathError> {
@@ -447,24 +422,6 @@ mod tests {
         });
         assert!(refused.is_err());
         assert_eq!(calls, 1, "a verifier refusal is final");
-    }
-
-    #[test]
-    fn only_pins_of_other_abi_versions_are_stale() {
-        assert!(is_stale_pin("LB_CT_V1"));
-        assert!(is_stale_pin("LB_FRONTEND_V3"));
-        for current in map_name::ALL {
-            assert!(!is_stale_pin(current), "{current}");
-        }
-        for not_ours in [
-            "cilium_ct4_global",
-            "LB_NOTES",
-            "LB_CT_Vx",
-            "LB_CT_V",
-            "lb_ct_v1",
-        ] {
-            assert!(!is_stale_pin(not_ours), "{not_ours}");
-        }
     }
 
     /// Needs root: creates the object's maps in the kernel (no program is loaded).

@@ -1,15 +1,18 @@
 //! The agent: desired state from manifests, one reconciler into the eBPF maps.
 pub mod apiserver;
+pub mod bpf_link;
 pub mod bpffs;
 pub mod cgroup_hooks;
 pub mod coalesce;
 pub mod datapath;
 pub mod health;
 pub mod k8s;
+pub mod link_pins;
 pub mod links;
 pub mod maglev;
 pub mod manifests;
 pub mod map_batch;
+pub mod map_pins;
 pub mod metrics;
 pub mod model;
 pub mod node_addresses;

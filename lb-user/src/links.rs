@@ -6,20 +6,28 @@ use std::collections::BTreeMap;
 use std::io;
 use std::net::{IpAddr, Ipv4Addr};
 
-use aya::programs::tc::{self, SchedClassifierLinkId, TcAttachType};
-use aya::programs::xdp::XdpLinkId;
+use std::marker::PhantomData;
+use std::os::fd::{AsFd as _, BorrowedFd};
+
+use aya::programs::links::FdLink;
+use aya::programs::tc::{
+    self, NlOptions, SchedClassifierLink, TcAttachOptions, TcAttachType, TcHandle,
+};
 use aya::programs::{ProgramError, SchedClassifier, Xdp, XdpMode};
 use aya::util::KernelVersion;
 use futures::channel::mpsc::UnboundedReceiver;
 use futures::{StreamExt as _, TryStreamExt as _};
+use lb_common::program_name;
 use rtnetlink::packet_core::{NetlinkMessage, NetlinkPayload};
 use rtnetlink::packet_route::RouteNetlinkMessage;
 use rtnetlink::packet_route::address::{AddressAttribute, AddressMessage};
 use rtnetlink::packet_route::link::{LinkAttribute, LinkMessage};
 use rtnetlink::{Handle, MulticastGroup};
-use tracing::{debug, info, warn};
+use tracing::{info, warn};
 
+use crate::bpf_link::LinkTarget;
 use crate::error_chain;
+use crate::link_pins::{LinkPinError, LinkPins};
 
 #[derive(Debug, thiserror::Error)]
 pub enum LinkError {
@@ -148,62 +156,131 @@ fn index_and_name(link: &LinkMessage) -> Option<(u32, String)> {
     })
 }
 
+/// tc filters before TCX (Linux 6.6) are netlink objects, not links, so they cannot be pinned:
+/// the agent's filter keeps this priority and handle, and a restart replaces it by them.
+const TC_NETLINK_PRIORITY: u16 = 0x4c42;
+const TC_NETLINK_HANDLE: TcHandle = TcHandle::new(0, 0x4c42);
+
 /// A program type and how it is attached to an interface.
 pub trait Attach {
-    type LinkId;
     /// Where it runs, for the logs.
     const HOOK: &'static str;
-    fn attach_to(&mut self, name: &str) -> Result<Self::LinkId, ProgramError>;
-    fn detach_from(&mut self, link: Self::LinkId) -> Result<(), ProgramError>;
+    /// The name its link on interface `index` is pinned as.
+    fn pin_name(index: u32) -> String;
+    fn program_fd(&self) -> Result<BorrowedFd<'_>, ProgramError>;
+    /// Attaches to interface `name`; the link, if the kernel made one.
+    fn attach_new(&mut self, name: &str) -> Result<Option<FdLink>, LinkPinError>;
+}
+
+/// Whether tc programs attach as TCX links (Linux 6.6+) rather than netlink filters.
+fn tcx() -> bool {
+    KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0))
 }
 
 impl Attach for SchedClassifier {
-    type LinkId = SchedClassifierLinkId;
     const HOOK: &'static str = "lb_ingress at tc ingress";
 
-    fn attach_to(&mut self, name: &str) -> Result<Self::LinkId, ProgramError> {
-        // aya attaches with TCX links from 6.6 on; older kernels take a netlink filter, which
-        // needs the clsact qdisc.
-        let tcx = KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0));
-        if !tcx {
-            match tc::qdisc_add_clsact(name) {
-                Err(tc::TcError::NetlinkError(err))
-                    if err.raw_os_error() == Some(nix::libc::EEXIST) => {}
-                other => other?,
-            }
-        }
-        self.attach(name, TcAttachType::Ingress)
+    fn pin_name(index: u32) -> String {
+        format!("tc_ingress_{index}")
     }
 
-    fn detach_from(&mut self, link: Self::LinkId) -> Result<(), ProgramError> {
-        self.detach(link)
+    fn program_fd(&self) -> Result<BorrowedFd<'_>, ProgramError> {
+        Ok(self.fd()?.as_fd())
     }
+
+    fn attach_new(&mut self, name: &str) -> Result<Option<FdLink>, LinkPinError> {
+        if tcx() {
+            let id = self.attach(name, TcAttachType::Ingress)?;
+            let link = self.take_link(id)?;
+            return Ok(Some(FdLink::try_from(link)?));
+        }
+        attach_netlink_filter(self, name)?;
+        Ok(None)
+    }
+}
+
+/// Puts the program on `name`'s tc ingress as a netlink filter (kernels before TCX): replacing
+/// the filter a previous agent left, by its priority and handle, else adding it. The filter is
+/// left attached when the agent exits, as a pinned link would be; `lb cleanup` removes it.
+fn attach_netlink_filter(program: &mut SchedClassifier, name: &str) -> Result<(), ProgramError> {
+    match tc::qdisc_add_clsact(name) {
+        Err(tc::TcError::NetlinkError(err)) if err.raw_os_error() == Some(nix::libc::EEXIST) => {}
+        other => other?,
+    }
+    let previous = SchedClassifierLink::attached(
+        name,
+        TcAttachType::Ingress,
+        TC_NETLINK_PRIORITY,
+        TC_NETLINK_HANDLE,
+        None,
+    )
+    .map_err(|err| ProgramError::from(tc::TcError::IoError(err)))?;
+    let id = match program.attach_to_link(previous) {
+        Ok(id) => id,
+        Err(_) => program.attach_with_options(
+            name,
+            TcAttachType::Ingress,
+            TcAttachOptions::Netlink(NlOptions {
+                priority: TC_NETLINK_PRIORITY,
+                handle: TC_NETLINK_HANDLE,
+                ..NlOptions::default()
+            }),
+        )?,
+    };
+    // Dropping the link would delete the filter: it must outlive the agent.
+    std::mem::forget(program.take_link(id)?);
+    Ok(())
+}
+
+/// Removes `lb_ingress` tc filters from every interface of this network namespace, on kernels
+/// before TCX (where they are netlink filters, not pinned links); the interfaces it was on.
+pub fn detach_netlink_filters() -> Result<Vec<String>, LinkError> {
+    if tcx() {
+        return Ok(Vec::new());
+    }
+    let interfaces = nix::net::if_::if_nameindex().map_err(|e| LinkError::Socket(e.into()))?;
+    let mut detached = Vec::new();
+    for interface in interfaces.iter() {
+        let name = interface.name().to_string_lossy();
+        // An error is no such filter, or no clsact qdisc at all.
+        if tc::qdisc_detach_program(&name, TcAttachType::Ingress, program_name::INGRESS).is_ok() {
+            detached.push(name.into_owned());
+        }
+    }
+    Ok(detached)
 }
 
 impl Attach for Xdp {
-    type LinkId = XdpLinkId;
     const HOOK: &'static str = "lb_xdp in native (driver) mode";
+
+    fn pin_name(index: u32) -> String {
+        format!("xdp_{index}")
+    }
+
+    fn program_fd(&self) -> Result<BorrowedFd<'_>, ProgramError> {
+        Ok(self.fd()?.as_fd())
+    }
 
     /// Native mode only: generic (skb) XDP runs after the skb is built, where it saves nothing
     /// over tc.
-    fn attach_to(&mut self, name: &str) -> Result<Self::LinkId, ProgramError> {
-        self.attach(name, XdpMode::Driver)
-    }
-
-    fn detach_from(&mut self, link: Self::LinkId) -> Result<(), ProgramError> {
-        self.detach(link)
+    fn attach_new(&mut self, name: &str) -> Result<Option<FdLink>, LinkPinError> {
+        let id = self.attach(name, XdpMode::Driver)?;
+        let link = self.take_link(id)?;
+        Ok(Some(FdLink::try_from(link)?))
     }
 }
 
-/// The interfaces a program is attached to, by index.
+/// The interfaces a program is on, by index, with their links pinned.
 pub struct Attachments<P: Attach> {
-    attached: BTreeMap<u32, (String, P::LinkId)>,
+    attached: BTreeMap<u32, String>,
+    _program: PhantomData<P>,
 }
 
 impl<P: Attach> Default for Attachments<P> {
     fn default() -> Self {
         Self {
             attached: BTreeMap::new(),
+            _program: PhantomData,
         }
     }
 }
@@ -217,10 +294,22 @@ impl<P: Attach> Attachments<P> {
         self.attached.is_empty()
     }
 
-    /// Attaches to interface `index` named `name` if it matches and is not attached yet.
-    /// A failure is logged, not returned: the interface may already be gone again.
-    pub fn add(&mut self, program: &mut P, filter: &InterfaceFilter, index: u32, name: &str) {
-        if let Err(err) = self.try_add(program, filter, index, name) {
+    /// The pin names of the links this agent holds.
+    pub fn pin_names(&self) -> impl Iterator<Item = String> + '_ {
+        self.attached.keys().map(|&index| P::pin_name(index))
+    }
+
+    /// Puts the program on interface `index` named `name` if it matches and does not have it
+    /// yet. A failure is logged, not returned: the interface may already be gone again.
+    pub fn add(
+        &mut self,
+        program: &mut P,
+        pins: &LinkPins,
+        filter: &InterfaceFilter,
+        index: u32,
+        name: &str,
+    ) {
+        if let Err(err) = self.try_add(program, pins, filter, index, name) {
             warn!(interface = name, index, hook = P::HOOK, error = %error_chain(&err), "attach failed");
         }
     }
@@ -229,26 +318,29 @@ impl<P: Attach> Attachments<P> {
     pub fn try_add(
         &mut self,
         program: &mut P,
+        pins: &LinkPins,
         filter: &InterfaceFilter,
         index: u32,
         name: &str,
-    ) -> Result<(), ProgramError> {
+    ) -> Result<(), LinkPinError> {
         if self.attached.contains_key(&index) || !filter.matches(name) {
             return Ok(());
         }
-        let link = program.attach_to(name)?;
-        info!(interface = name, index, "attached {}", P::HOOK);
-        self.attached.insert(index, (name.to_owned(), link));
+        let pin = P::pin_name(index);
+        if pins.replace(&pin, LinkTarget::Interface(index), program.program_fd()?)? {
+            info!(interface = name, index, "replaced {} in place", P::HOOK);
+        } else {
+            pins.pin(&pin, program.attach_new(name)?)?;
+            info!(interface = name, index, "attached {}", P::HOOK);
+        }
+        self.attached.insert(index, name.to_owned());
         Ok(())
     }
 
-    /// Forgets a vanished interface; the kernel dropped its attachment with it.
-    pub fn remove(&mut self, program: &mut P, index: u32) {
-        if let Some((name, link)) = self.attached.remove(&index) {
-            // Only releases our handle: there is nothing left to detach.
-            if let Err(err) = program.detach_from(link) {
-                debug!(interface = %name, index, error = %error_chain(&err), "release after removal");
-            }
+    /// Forgets a vanished interface and unpins its link, which the kernel detached with it.
+    pub fn remove(&mut self, pins: &LinkPins, index: u32) {
+        if let Some(name) = self.attached.remove(&index) {
+            pins.remove(&P::pin_name(index));
             info!(interface = %name, index, hook = P::HOOK, "interface gone");
         }
     }
@@ -260,17 +352,6 @@ impl<P: Attach> Attachments<P> {
             .filter(|i| !present.iter().any(|(p, _)| p == *i))
             .copied()
             .collect()
-    }
-
-    pub fn detach_all(&mut self, program: &mut P) {
-        for (index, (name, link)) in std::mem::take(&mut self.attached) {
-            match program.detach_from(link) {
-                Ok(()) => info!(interface = %name, index, hook = P::HOOK, "detached"),
-                Err(err) => {
-                    warn!(interface = %name, index, hook = P::HOOK, error = %error_chain(&err), "detach failed")
-                }
-            }
-        }
     }
 }
 

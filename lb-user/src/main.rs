@@ -1,6 +1,7 @@
 //! `lb`: see args.rs for the commands.
 mod agent;
 mod args;
+mod cleanup;
 mod stats;
 
 use std::io::IsTerminal as _;
@@ -24,5 +25,6 @@ fn main() -> anyhow::Result<()> {
             .build()?
             .block_on(agent::run(*args)),
         Command::Stats(args) => stats::run(args),
+        Command::Cleanup(args) => cleanup::run(args),
     }
 }

@@ -1,0 +1,50 @@
+//! `lb cleanup`: detaches every hook and removes every pin under --bpffs.
+use std::path::Path;
+
+use anyhow::{Context as _, Result};
+use lb_user::link_pins::{self, LINKS_DIR};
+use lb_user::links;
+
+use crate::args::CleanupArgs;
+
+pub fn run(args: CleanupArgs) -> Result<()> {
+    // Kernels before TCX: the tc filters are not pinned, they are found by program name.
+    for interface in links::detach_netlink_filters()? {
+        println!("detached lb_ingress (tc filter) from {interface}");
+    }
+    let dir = &args.bpffs;
+    if !dir.exists() {
+        println!("nothing pinned at {}", dir.display());
+        return Ok(());
+    }
+    // Links first: a removed link pin detaches its program.
+    let links = dir.join(LINKS_DIR);
+    for name in link_pins::pinned_names(&links) {
+        remove_pin(&links.join(&name))?;
+        println!("detached {name}");
+    }
+    remove_dir(&links)?;
+    for name in link_pins::pinned_names(dir) {
+        remove_pin(&dir.join(&name))?;
+        println!("removed map {name}");
+    }
+    remove_dir(dir)?;
+    Ok(())
+}
+
+fn remove_pin(path: &Path) -> Result<()> {
+    std::fs::remove_file(path).with_context(|| format!("removing {}", path.display()))
+}
+
+/// Removes an emptied pin directory; one that is a mount point itself stays, empty.
+fn remove_dir(path: &Path) -> Result<()> {
+    match std::fs::remove_dir(path) {
+        Err(err)
+            if err.kind() != std::io::ErrorKind::NotFound
+                && err.raw_os_error() != Some(nix::libc::EBUSY) =>
+        {
+            Err(err).with_context(|| format!("removing {}", path.display()))
+        }
+        _ => Ok(()),
+    }
+}
