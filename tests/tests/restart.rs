@@ -386,6 +386,15 @@ fn node_local_udp(cgroup: &Cgroup, ns: &lb_tests::netns::Netns, to: SocketAddr) 
     }
 }
 
+/// The names in the root directory of `bpffs`.
+fn bpffs_entries(bpffs: &Bpffs) -> Result<Vec<String>> {
+    let mut names = std::fs::read_dir(bpffs.root())?
+        .map(|e| Ok(e?.file_name().to_string_lossy().into_owned()))
+        .collect::<Result<Vec<_>>>()?;
+    names.sort();
+    Ok(names)
+}
+
 /// SIGTERM leaves every hook in place (tc, XDP, the socket hooks); `lb cleanup` then detaches
 /// them all and removes every pin: no program, map or link of the agent's stays loaded, no XDP
 /// program on the external interface, the service no longer answers, pod traffic still flows.
@@ -393,6 +402,8 @@ fn node_local_udp(cgroup: &Cgroup, ns: &lb_tests::netns::Netns, to: SocketAddr) 
 fn cleanup_removes_everything() -> Result<()> {
     let cgroup = Cgroup::new()?;
     let bpffs = Bpffs::mount()?;
+    // A new bpffs has the kernel's own entries (progs.debug, maps.debug with BPF_PRELOAD).
+    let fresh_bpffs = bpffs_entries(&bpffs)?;
     let bpffs_arg = bpffs.arg();
     let cgroup_path = cgroup.agent_path();
     let cgroup_arg = cgroup_path.to_str().context("cgroup path")?;
@@ -408,17 +419,20 @@ fn cleanup_removes_everything() -> Result<()> {
     ensure!(request(pod_a, Proto::Udp, vip())?.server == "pod-b");
     ensure!(node_local_udp(&cgroup, node_ns, vip())? == "pod-b");
 
-    let held = BpfIds::held_by(node.agent.pid())?;
+    // The agent holds its programs and maps; its links, pinned, it need not.
+    let links = pinned_links(&bpffs.pin_dir().join("links"))?;
+    let mut held = BpfIds::held_by(node.agent.pid())?;
+    held.links.extend(links.values().map(|l| l.id));
+    held.programs.extend(links.values().map(|l| l.program));
     ensure!(
-        !held.programs.is_empty() && !held.maps.is_empty() && !held.links.is_empty(),
+        !held.programs.is_empty() && !held.maps.is_empty(),
         "the agent holds {held:?}"
     );
-    let links = pinned_links(&bpffs.pin_dir().join("links"))?;
     let types: Vec<LinkType> = links.values().map(|l| l.link_type).collect();
     for wanted in [LinkType::Tcx, LinkType::Xdp, LinkType::Cgroup] {
         ensure!(
             types.contains(&wanted),
-            "no {wanted:?} link pinned: {types:?}"
+            "no {wanted:?} link pinned: {links:?}"
         );
     }
     let xdp_attached = || -> Result<bool> {
@@ -455,8 +469,11 @@ fn cleanup_removes_everything() -> Result<()> {
         "{} still exists after lb cleanup",
         bpffs.pin_dir().display()
     );
-    let left: Vec<_> = std::fs::read_dir(bpffs.root())?.collect();
-    ensure!(left.is_empty(), "left on the bpffs: {left:?}");
+    ensure!(
+        bpffs_entries(&bpffs)? == fresh_bpffs,
+        "left on the bpffs: {:?}, when mounted {fresh_bpffs:?}",
+        bpffs_entries(&bpffs)?
+    );
     held.await_released(RELEASE)
         .context("the agent's programs, maps and links after lb cleanup")?;
     ensure!(!xdp_attached()?, "XDP still attached after lb cleanup");
