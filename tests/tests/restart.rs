@@ -8,6 +8,7 @@
 //!
 //! Every test mounts its own bpffs, as a node's host does for the DaemonSet.
 use std::{
+    collections::{BTreeMap, BTreeSet},
     net::{Ipv4Addr, SocketAddr},
     time::{Duration, Instant},
 };
@@ -16,7 +17,7 @@ use anyhow::{Context as _, Result, bail, ensure};
 use aya::programs::links::LinkType;
 use lb_tests::{
     agent::{Agent, lb_binary, stats_at},
-    bpf_objects::{BpfIds, pinned_links},
+    bpf_objects::{BpfIds, PinnedLinkInfo, pinned_links},
     bpffs::Bpffs,
     cgroup::Cgroup,
     echo::{EchoServer, Proto, request},
@@ -487,5 +488,51 @@ fn cleanup_removes_everything() -> Result<()> {
     );
     let direct: SocketAddr = (node.ip("pod-b"), TARGET_PORT).into();
     ensure!(request(pod_a, Proto::Udp, direct)?.server == "pod-b");
+    Ok(())
+}
+
+/// Interfaces that come and go while no agent runs: the next agent unpins the link of a pod veth
+/// that went (the kernel then frees it) and attaches to one that appeared, whose pod, as a
+/// backend, answers through the ClusterIP (its replies translated on that veth).
+#[test]
+fn restart_follows_interfaces_changed_while_stopped() -> Result<()> {
+    let bpffs = Bpffs::mount()?;
+    let mut node = Node::start(3, &[], &["--bpffs", &bpffs.arg()])?;
+    let links_dir = bpffs.pin_dir().join("links");
+    let before = pinned_links(&links_dir)?;
+    let status = node.agent.stop()?;
+    ensure!(status.success(), "agent exit status {status}");
+
+    let gone = node.topology.pod("pod-c").host_interface.clone();
+    node.topology.node.ip(&["link", "del", &gone])?;
+    let pod_d = node.topology.add_pod()?;
+    let _server = EchoServer::start(&pod_d.ns, &pod_d.name, TARGET_PORT)?;
+    node.agent.restart(&[], true)?;
+
+    let after = pinned_links(&links_dir)?;
+    let ids = |links: &BTreeMap<String, PinnedLinkInfo>| -> BTreeSet<u32> {
+        links.values().map(|l| l.id).collect()
+    };
+    let unpinned = &ids(&before) - &ids(&after);
+    let added = &ids(&after) - &ids(&before);
+    ensure!(
+        unpinned.len() == 1 && added.len() == 1,
+        "links before {before:?}, after {after:?} ({gone} deleted, lbpd added):\n{}",
+        node.agent.log()
+    );
+    BpfIds {
+        links: unpinned,
+        ..BpfIds::default()
+    }
+    .await_released(RELEASE)
+    .context("the link of the deleted interface")?;
+
+    let service = node.service(Proto::Udp, &["pod-d"]);
+    node.agent.update_manifests(&yaml(&[service]))?;
+    let answer = request(&node.topology.pod("pod-a").ns, Proto::Udp, vip())?;
+    ensure!(
+        answer.server == "pod-d" && answer.peer == vip(),
+        "through the new veth: {answer:?}"
+    );
     Ok(())
 }
