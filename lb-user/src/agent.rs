@@ -1,6 +1,6 @@
 //! `lb agent`: load and pin the datapath, attach it to the node's interfaces, and keep its maps in
 //! sync with the apiserver (or a manifest directory) until SIGTERM/SIGINT.
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -28,7 +28,7 @@ use lb_user::metrics::Metrics;
 use lb_user::model::{Model, Service, ServiceName, Specs};
 use lb_user::node_addresses;
 use lb_user::nodeport::NodePortAllocator;
-use lb_user::reconcile::{Reconciler, SyncReport};
+use lb_user::reconcile::{Reconciler, SyncReport, WriteFailure};
 use lb_user::service_health::{self, ServiceHealth};
 use lb_user::udp_flush::UdpEndpoint;
 use lb_user::xdp_targets::XdpTargets;
@@ -184,6 +184,7 @@ pub async fn run(args: AgentArgs) -> Result<()> {
         state.datapath.migrate_conntrack(&args.bpffs, true)?;
     }
     map_pins::remove_stale(&args.bpffs);
+    state.health.lock().expect("health lock").attached();
     let mut links_open = true;
 
     loop {
@@ -481,6 +482,7 @@ impl Source {
         let Source::Api(api, _) = self else {
             unreachable!("--manifests requires --node-ip")
         };
+        info!("no --node-ip: waiting for this node's Node for its address before attaching");
         let mut logged = false;
         loop {
             if let Some(ip) = api.node().as_deref().and_then(apiserver::node_ip) {
@@ -493,6 +495,14 @@ impl Source {
                 logged = true;
             }
             api.next().await;
+        }
+    }
+
+    /// Shows the services whose map writes failed to the cluster's users: an Event on each
+    /// (apiserver); from manifests the log says it.
+    fn report_write_failures(&mut self, failed: &BTreeMap<ServiceName, WriteFailure>) {
+        if let Source::Api(api, _) = self {
+            api.report_write_failures(failed);
         }
     }
 
@@ -719,13 +729,16 @@ impl State {
         m.services.set(model.services.len() as i64);
         m.endpoints.set(endpoints as i64);
         m.map_write_failures.inc_by(report.failed as u64);
+        source.report_write_failures(&report.failed_services);
         for trigger in &desired.triggers {
             let latency = now.duration_since(*trigger).as_secs_f64();
             m.network_programming.observe(latency.max(0.0));
         }
-        if report.failed == 0 {
-            self.health.lock().expect("health lock").updated(now);
-        }
+        // Failed writes are retried, not a reason to fail /livez (health.rs).
+        self.health
+            .lock()
+            .expect("health lock")
+            .synced(now, report.failed);
         coalescer.ran(start, report.failed > 0);
         log_sync(&Sync {
             report,

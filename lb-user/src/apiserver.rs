@@ -2,10 +2,12 @@
 //! and this node's Node feed reflector stores; a snapshot of the stores converts to the same specs
 //! as the manifest source, through k8s.rs.
 //!
+//! Services whose map writes failed get an Event (events.rs).
+//!
 //! A store is only used whole: from its first complete list on, and never while it relists (the
 //! reflector swaps a relist in atomically at its end, and we do not sync until then), so a watch
 //! that fails halfway never deletes a live service.
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::{IpAddr, Ipv4Addr};
 use std::path::Path;
 use std::sync::Arc;
@@ -14,16 +16,18 @@ use futures::StreamExt as _;
 use jiff::Timestamp;
 use k8s_openapi::api::core::v1::{Node, NodeStatus, Service, ServiceStatus};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
-use kube::runtime::reflector::{self, Store};
+use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::watcher::{self, Event};
 use kube::runtime::{WatchStreamExt as _, reflector::store::Writer};
-use kube::{Api, Client, ResourceExt as _};
+use kube::{Api, Client, Resource as _, ResourceExt as _};
 use serde::de::DeserializeOwned;
 use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 
+use crate::events::WriteFailureEvents;
 use crate::k8s;
-use crate::model::{ServiceSpec, SliceSpec};
+use crate::model::{ServiceName, ServiceSpec, SliceSpec};
+use crate::reconcile::WriteFailure;
 
 /// The EndpointSlice annotation network programming latency is measured from.
 pub const TRIGGER_TIME_ANNOTATION: &str = "endpoints.kubernetes.io/last-change-trigger-time";
@@ -113,10 +117,12 @@ pub struct ApiSource {
     triggers: Vec<Timestamp>,
     /// Invalid objects already warned about (key, resourceVersion), so a sync does not repeat it.
     warned: HashSet<(String, String)>,
+    write_failure_events: WriteFailureEvents,
 }
 
 impl ApiSource {
-    /// Connects (in-cluster config, or `kubeconfig`) and starts the watchers; returns at once.
+    /// Connects (in-cluster config, or `kubeconfig`) and starts the watchers; returns at once,
+    /// without waiting for the apiserver.
     pub async fn start(kubeconfig: Option<&Path>, node_name: &str) -> Result<Self, ApiError> {
         let config = match kubeconfig {
             Some(path) => {
@@ -154,6 +160,7 @@ impl ApiSource {
             tx.clone(),
             trim_slice,
         );
+        let write_failure_events = WriteFailureEvents::start(client.clone(), node_name);
         let (nodes, writer) = reflector::store();
         spawn_watch(
             Api::<Node>::all(client),
@@ -174,6 +181,7 @@ impl ApiSource {
             trigger_seen: HashMap::new(),
             triggers: Vec::new(),
             warned: HashSet::new(),
+            write_failure_events,
         })
     }
 
@@ -245,6 +253,19 @@ impl ApiSource {
             Some(node) => node_eligible(&node),
             None => !self.node_listed(),
         }
+    }
+
+    /// An Event on each Service of `failed` (whose map writes failed), at most every few
+    /// minutes while they keep failing.
+    pub fn report_write_failures(&mut self, failed: &BTreeMap<ServiceName, WriteFailure>) {
+        let services = &self.services;
+        self.write_failure_events.report(failed, |name| {
+            let service = services.get(&ObjectRef::new(&name.name).within(&name.namespace))?;
+            let mut reference = service.object_ref(&());
+            // One Event series across the Service's changes.
+            reference.resource_version = None;
+            Some(reference)
+        });
     }
 
     /// Converts the stores; objects k8s.rs rejects are skipped (and warned about once).

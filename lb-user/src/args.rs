@@ -52,7 +52,10 @@ pub struct AgentArgs {
     #[arg(long, value_name = "ZONE", default_value = "")]
     pub zone: String,
     /// The node's address: NodePort frontends and the masquerade source. Required with
-    /// --manifests; from the apiserver, default the Node's first InternalIP (else ExternalIP).
+    /// --manifests. With it the agent starts, attaches and serves what the maps hold without
+    /// the apiserver (the DaemonSet passes status.hostIP). Without it, from the apiserver: the
+    /// Node's first InternalIP (else ExternalIP), and start-up waits for the Node before it
+    /// loads and attaches the datapath.
     #[arg(long, value_name = "IPV4")]
     pub node_ip: Option<Ipv4Addr>,
     /// Pod network; connections from outside it are masqueraded.

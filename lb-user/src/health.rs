@@ -5,6 +5,17 @@
 //! the health timeout ago (kube-proxy: twice its sync period). `/healthz` is also unhealthy when
 //! this node is being deleted or carries the cluster autoscaler's ToBeDeletedByClusterAutoscaler
 //! taint, so load balancers drain it; `/livez` ignores the node.
+//!
+//! Readiness at start: `/healthz` is 503 until the datapath is attached and one sync of the whole
+//! desired state wrote every entry (kube-proxy's /healthz is 200 from the start; a node that
+//! serves what the maps pinned before does not yet serve what the cluster wants).
+//!
+//! A sync whose map writes partly failed (a full map) still counts as a sync: the loop runs, the
+//! rest is written, and the failed entries are retried. So it never fails `/livez` (a restart
+//! would not make the map bigger), nor, once the agent was ready, `/healthz` (draining the node
+//! would take away every service it serves because some could not be written; a full map is
+//! likely full on every node). Failed writes are errors: logged, counted in
+//! `lb_map_write_failures_total`, and a Kubernetes Event on the Service in apiserver mode.
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -27,6 +38,10 @@ pub struct Health {
     last_updated: Option<Timestamp>,
     oldest_pending: Option<Timestamp>,
     node_eligible: bool,
+    /// The programs are attached to the interfaces present at start.
+    attached: bool,
+    /// A sync wrote the whole desired state without a failed write.
+    synced_whole: bool,
 }
 
 /// An answer: status and JSON body.
@@ -44,7 +59,14 @@ impl Health {
             oldest_pending: None,
             // Eligible while starting up, until the Node says otherwise (as kube-proxy).
             node_eligible: true,
+            attached: false,
+            synced_whole: false,
         }
+    }
+
+    /// The programs are attached to the interfaces present at start.
+    pub fn attached(&mut self) {
+        self.attached = true;
     }
 
     /// A change arrived that the maps do not hold yet.
@@ -52,10 +74,13 @@ impl Health {
         self.oldest_pending.get_or_insert(now);
     }
 
-    /// The maps hold every change queued before the sync started.
-    pub fn updated(&mut self, now: Timestamp) {
+    /// A sync of every change queued before it started ran; `failed_writes` of its map writes
+    /// failed (they are retried). Without failures the maps hold the whole desired state: every
+    /// sync reads the whole source, and after a failure the next one diffs every entry.
+    pub fn synced(&mut self, now: Timestamp, failed_writes: usize) {
         self.oldest_pending = None;
         self.last_updated = Some(now);
+        self.synced_whole |= failed_writes == 0;
     }
 
     pub fn set_node_eligible(&mut self, eligible: bool) {
@@ -81,7 +106,8 @@ impl Health {
     }
 
     pub fn healthz(&self, now: Timestamp) -> Answer {
-        let healthy = self.healthy(now) && self.node_eligible;
+        let ready = self.attached && self.synced_whole;
+        let healthy = ready && self.healthy(now) && self.node_eligible;
         Answer {
             status: if healthy { 200 } else { 503 },
             body: format!(
@@ -200,9 +226,17 @@ mod tests {
         s.parse().unwrap()
     }
 
+    /// Attached and one whole sync written: what the agent is once started.
+    fn ready(timeout: Duration, at: Timestamp) -> Health {
+        let mut h = Health::new(timeout);
+        h.attached();
+        h.synced(at, 0);
+        h
+    }
+
     #[test]
-    fn healthy_while_starting_and_when_synced() {
-        let mut h = Health::new(Duration::from_secs(60));
+    fn healthy_when_synced() {
+        let mut h = ready(Duration::from_secs(60), at("2025-03-01T09:00:00Z"));
         let now = at("2025-03-01T10:00:00.5Z");
         assert_eq!(
             h.healthz(now),
@@ -212,14 +246,53 @@ mod tests {
             }
         );
         h.queued(now);
-        h.updated(at("2025-03-01T10:00:01Z"));
+        h.synced(at("2025-03-01T10:00:01Z"), 0);
         assert_eq!(h.livez(at("2025-03-01T11:00:00Z")).status, 200);
     }
 
     #[test]
-    fn a_change_waiting_longer_than_the_timeout_is_unhealthy() {
+    fn not_ready_until_attached_and_a_sync_wrote_everything() {
+        let t0 = at("2025-03-01T10:00:00Z");
+        // The apiserver's order: attached, then synced (first with failed writes).
         let mut h = Health::new(Duration::from_secs(60));
-        h.updated(at("2025-03-01T09:59:00Z"));
+        assert_eq!((h.healthz(t0).status, h.livez(t0).status), (503, 200));
+        assert!(
+            h.healthz(t0)
+                .body
+                .starts_with(r#"{"lastUpdated": "0001-01-01 00:00:00 +0000 UTC","#)
+        );
+        h.attached();
+        assert_eq!(h.healthz(t0).status, 503);
+        h.queued(t0);
+        let t1 = at("2025-03-01T10:00:01Z");
+        h.synced(t1, 3);
+        assert_eq!((h.healthz(t1).status, h.livez(t1).status), (503, 200));
+        h.synced(t1, 0);
+        assert_eq!(h.healthz(t1).status, 200);
+        // The manifests' order: synced, then attached.
+        let mut h = Health::new(Duration::from_secs(60));
+        h.synced(t0, 0);
+        assert_eq!(h.healthz(t0).status, 503);
+        h.attached();
+        assert_eq!(h.healthz(t0).status, 200);
+    }
+
+    #[test]
+    fn failed_writes_fail_neither_livez_nor_a_ready_healthz() {
+        let mut h = ready(Duration::from_secs(2), at("2025-03-01T10:00:00Z"));
+        // A change whose writes fail at every retry (every 5 s), for a minute.
+        h.queued(at("2025-03-01T10:00:01Z"));
+        for second in (1..60).step_by(5) {
+            let now = at("2025-03-01T10:00:00Z") + jiff::SignedDuration::from_secs(second);
+            h.synced(now, 7);
+            let later = now + jiff::SignedDuration::from_secs(4);
+            assert_eq!((h.livez(later).status, h.healthz(later).status), (200, 200));
+        }
+    }
+
+    #[test]
+    fn a_change_waiting_longer_than_the_timeout_is_unhealthy() {
+        let mut h = ready(Duration::from_secs(60), at("2025-03-01T09:59:00Z"));
         h.queued(at("2025-03-01T10:00:00Z"));
         h.queued(at("2025-03-01T10:00:30Z"));
         assert_eq!(h.healthz(at("2025-03-01T10:00:59Z")).status, 200);
@@ -247,7 +320,7 @@ mod tests {
 
     #[test]
     fn an_ineligible_node_fails_healthz_only() {
-        let mut h = Health::new(Duration::from_secs(60));
+        let mut h = ready(Duration::from_secs(60), at("2025-03-01T09:00:00Z"));
         h.set_node_eligible(false);
         let now = at("2025-03-01T10:00:00Z");
         let healthz = h.healthz(now);

@@ -5,6 +5,7 @@ pub mod bpffs;
 pub mod cgroup_hooks;
 pub mod coalesce;
 pub mod datapath;
+pub mod events;
 pub mod health;
 pub mod k8s;
 pub mod link_pins;

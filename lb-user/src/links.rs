@@ -202,7 +202,10 @@ impl Attach for SchedClassifier {
 /// Puts the program on `name`'s tc ingress as a netlink filter (kernels before TCX): replacing
 /// the filter a previous agent left, by its priority and handle, else adding it. The filter is
 /// left attached when the agent exits, as a pinned link would be; `lb cleanup` removes it.
-fn attach_netlink_filter(program: &mut SchedClassifier, name: &str) -> Result<(), ProgramError> {
+pub fn attach_netlink_filter(
+    program: &mut SchedClassifier,
+    name: &str,
+) -> Result<(), ProgramError> {
     match tc::qdisc_add_clsact(name) {
         Err(tc::TcError::NetlinkError(err)) if err.raw_os_error() == Some(nix::libc::EEXIST) => {}
         other => other?,
@@ -232,12 +235,9 @@ fn attach_netlink_filter(program: &mut SchedClassifier, name: &str) -> Result<()
     Ok(())
 }
 
-/// Removes `lb_ingress` tc filters from every interface of this network namespace, on kernels
-/// before TCX (where they are netlink filters, not pinned links); the interfaces it was on.
+/// Removes `lb_ingress` tc filters from every interface of this network namespace: kernels
+/// before TCX have them as netlink filters, not pinned links. The interfaces it was on.
 pub fn detach_netlink_filters() -> Result<Vec<String>, LinkError> {
-    if tcx() {
-        return Ok(Vec::new());
-    }
     let interfaces = nix::net::if_::if_nameindex().map_err(|e| LinkError::Socket(e.into()))?;
     let mut detached = Vec::new();
     for interface in interfaces.iter() {

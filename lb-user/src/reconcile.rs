@@ -61,9 +61,22 @@ pub struct SyncReport {
     pub source_ranges_removed: usize,
     /// Map writes that failed in this sync; they are retried by the next one.
     pub failed: usize,
+    /// The services whose map writes failed in this sync, of those in the model (a failure to
+    /// remove what a deleted service left, or a ClusterIP's catch-all, names none).
+    pub failed_services: BTreeMap<ServiceName, WriteFailure>,
+    /// Those failures by service id, until they are named.
+    failed_ids: BTreeMap<u32, WriteFailure>,
     /// The endpoints of UDP service ports that this sync removed from the maps: their
     /// conntrack entries are to be flushed.
     pub removed_udp: BTreeSet<UdpEndpoint>,
+}
+
+/// A service's failed map writes in one sync.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WriteFailure {
+    pub writes: usize,
+    /// The first one: the operation and the error.
+    pub error: String,
 }
 
 impl SyncReport {
@@ -569,6 +582,7 @@ impl Reconciler {
         let mut report = self.apply(&desired, scope.as_ref(), maps);
         let udp_after = udp_endpoints(&self.written);
         report.removed_udp = udp_before.difference(&udp_after).copied().collect();
+        self.name_failures(&mut report);
         if report.failed == 0 {
             self.last = Some(last);
         }
@@ -590,7 +604,13 @@ impl Reconciler {
             Some(scope) => changed_in(&scope.backends, &desired.backends, &self.written.backends),
         };
         let failures = maps.insert_backends(&backends);
-        let failed = self.failures(&mut report, "backend insert", &backends, failures);
+        let failed = self.failures(
+            &mut report,
+            "backend insert",
+            &backends,
+            failures,
+            |_, (key, _)| key.service_id,
+        );
         let mut broken: BTreeSet<u32> = failed.iter().map(|&i| backends[i].0.service_id).collect();
         for (key, value) in skip_indices(&backends, &failed) {
             match self.written.backends.insert(*key, *value) {
@@ -619,6 +639,7 @@ impl Reconciler {
                 Err(err) => {
                     self.failed(
                         &mut report,
+                        range.service_id,
                         "source range insert",
                         &format!("{range:?}"),
                         &err,
@@ -643,7 +664,13 @@ impl Reconciler {
             .partition(|(key, _)| key.port != 0);
         let frontends: Vec<(FrontendKey, Frontend)> = ports.into_iter().chain(catch_alls).collect();
         let failures = maps.insert_frontends(&frontends);
-        let failed = self.failures(&mut report, "frontend insert", &frontends, failures);
+        let failed = self.failures(
+            &mut report,
+            "frontend insert",
+            &frontends,
+            failures,
+            |_, (_, value)| value.service_id,
+        );
         for (key, value) in skip_indices(&frontends, &failed) {
             match self.written.frontends.insert(*key, *value) {
                 Some(_) => report.frontends_updated += 1,
@@ -662,7 +689,13 @@ impl Reconciler {
             ),
         };
         let failures = maps.remove_frontends(&gone);
-        let failed = self.failures(&mut report, "frontend remove", &gone, failures);
+        let failed = self.failures(
+            &mut report,
+            "frontend remove",
+            &gone,
+            failures,
+            |written, key| written.frontends.get(key).map_or(0, |f| f.service_id),
+        );
         for key in skip_indices(&gone, &failed) {
             self.written.frontends.remove(key);
             report.frontends_removed += 1;
@@ -694,6 +727,7 @@ impl Reconciler {
                 }
                 Err(err) => self.failed(
                     &mut report,
+                    range.service_id,
                     "source range remove",
                     &format!("{range:?}"),
                     &err,
@@ -741,7 +775,9 @@ impl Reconciler {
             .copied()
             .collect();
         let failures = maps.remove_backends(&stale);
-        let failed = self.failures(&mut report, "backend remove", &stale, failures);
+        let failed = self.failures(&mut report, "backend remove", &stale, failures, |_, key| {
+            key.service_id
+        });
         for key in skip_indices(&stale, &failed) {
             self.written.backends.remove(key);
             report.backends_removed += 1;
@@ -749,33 +785,69 @@ impl Reconciler {
         report
     }
 
-    /// Logs and counts the entries of `entries` that failed; returns their indices.
+    /// Logs and counts the entries of `entries` that failed, each for the service id
+    /// `service_id` gives it (from the entry, or what the maps hold for it); returns their
+    /// indices.
     fn failures<T: std::fmt::Debug, E: std::error::Error>(
         &mut self,
         report: &mut SyncReport,
         op: &str,
         entries: &[T],
         failures: Vec<(usize, E)>,
+        service_id: impl Fn(&MapContents, &T) -> u32,
     ) -> BTreeSet<usize> {
         failures
             .into_iter()
             .map(|(index, err)| {
-                self.failed(report, op, &format!("{:?}", entries[index]), &err);
+                let entry = &entries[index];
+                let id = service_id(&self.written, entry);
+                self.failed(report, id, op, &format!("{entry:?}"), &err);
                 index
             })
             .collect()
     }
 
+    /// A failed write of an entry of service id `service_id` (0: of no one service).
     fn failed(
         &mut self,
         report: &mut SyncReport,
+        service_id: u32,
         op: &str,
         key: &str,
         err: &dyn std::error::Error,
     ) {
         report.failed += 1;
         self.failed_total += 1;
-        error!(op, key, error = %error_chain(err), failed_total = self.failed_total, "map write failed");
+        let error = error_chain(err);
+        error!(op, key, service_id, %error, failed_total = self.failed_total, "map write failed");
+        if service_id != 0 {
+            report
+                .failed_ids
+                .entry(service_id)
+                .or_insert_with(|| WriteFailure {
+                    writes: 0,
+                    error: format!("{op}: {error}"),
+                })
+                .writes += 1;
+        }
+    }
+
+    /// Names the services of the failures by id, by the service ports of the last sync.
+    fn name_failures(&self, report: &mut SyncReport) {
+        let by_id = std::mem::take(&mut report.failed_ids);
+        if by_id.is_empty() {
+            return;
+        }
+        for (port, service_id) in &self.ids {
+            let Some(failure) = by_id.get(service_id) else {
+                continue;
+            };
+            report
+                .failed_services
+                .entry(port.service.clone())
+                .and_modify(|f| f.writes += failure.writes)
+                .or_insert_with(|| failure.clone());
+        }
     }
 }
 
@@ -1608,6 +1680,16 @@ mod tests {
         );
         assert_eq!(report.failed, 1);
         assert_eq!(r.failed_total, 1);
+        assert_eq!(
+            report.failed_services,
+            BTreeMap::from([(
+                name("web"),
+                WriteFailure {
+                    writes: 1,
+                    error: "backend insert: map full".into()
+                }
+            )])
+        );
         // Nothing touched: the old frontend still counts 2 slots, both still there.
         assert!(maps.ops.is_empty(), "{:?}", maps.ops);
 
@@ -1617,6 +1699,7 @@ mod tests {
             &mut maps,
         );
         assert_eq!(report.failed, 0);
+        assert!(report.failed_services.is_empty());
         assert_eq!(maps.contents.backends.len(), 1);
         assert_eq!(
             port_frontend(&maps.contents).map(|f| f.backend_count),

@@ -2,7 +2,8 @@
 //! list/watch protocol to the agent's kube-rs client: JSON objects, resourceVersion, paged lists
 //! (limit/continue), label and field selectors, watch events (ADDED, MODIFIED, DELETED,
 //! BOOKMARK), `410 Gone` for an expired resourceVersion. A test can drop every connection, make
-//! the server go away and come back on the same port, and make lists of a resource fail.
+//! the server go away and come back on the same port, and make lists of a resource fail. It also
+//! takes the Events the agent creates and patches (events.k8s.io/v1), and keeps them.
 //!
 //! It listens on 127.0.0.1 inside a namespace (the node's), plain HTTP.
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -80,6 +81,8 @@ struct Inner {
     next_page: u64,
     /// Every request, as `METHOD path?query`.
     requests: Vec<String>,
+    /// The bodies of the Event creates and patches, in order.
+    events: Vec<Value>,
 }
 
 struct Shared {
@@ -261,6 +264,11 @@ current-context: fake
         self.shared.inner.lock().unwrap().requests.clone()
     }
 
+    /// The Events created and patched so far (each as its request body), in order.
+    pub fn events(&self) -> Vec<Value> {
+        self.shared.inner.lock().unwrap().events.clone()
+    }
+
     /// Goes away: the listener closes and every connection with it.
     pub fn stop(&mut self) {
         if let Some(runtime) = self.runtime.take() {
@@ -310,7 +318,7 @@ current-context: fake
                 tokio::spawn(async move {
                     let service = hyper::service::service_fn(move |req: Request<Incoming>| {
                         let shared = shared.clone();
-                        async move { Ok::<_, Infallible>(handle(&shared, &req)) }
+                        async move { Ok::<_, Infallible>(handle(&shared, req).await) }
                     });
                     let _ = hyper::server::conn::http1::Builder::new()
                         .serve_connection(TokioIo::new(stream), service)
@@ -458,16 +466,19 @@ fn percent_decode(s: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
-fn handle(shared: &Arc<Shared>, req: &Request<Incoming>) -> Response<Body> {
-    let path = req.uri().path();
-    let query = req.uri().query().unwrap_or_default();
+async fn handle(shared: &Arc<Shared>, req: Request<Incoming>) -> Response<Body> {
+    let path = req.uri().path().to_owned();
+    let query = req.uri().query().unwrap_or_default().to_owned();
     shared
         .inner
         .lock()
         .unwrap()
         .requests
         .push(format!("{} {path}?{query}", req.method()));
-    let Some(kind) = Kind::of_path(path) else {
+    if path.starts_with("/apis/events.k8s.io/v1/namespaces/") {
+        return event_response(shared, req).await;
+    }
+    let Some(kind) = Kind::of_path(&path) else {
         return full(
             StatusCode::NOT_FOUND,
             status(
@@ -477,12 +488,44 @@ fn handle(shared: &Arc<Shared>, req: &Request<Incoming>) -> Response<Body> {
             ),
         );
     };
-    let q = parse_query(query);
+    let q = parse_query(&query);
     if q.watch {
         watch_response(shared, kind, q)
     } else {
         list_response(shared, kind, q)
     }
+}
+
+/// An Event create (POST .../events) or patch (PATCH .../events/NAME): kept, and answered with
+/// the Event as sent, which is what the apiserver stores (the agent's Recorder sends whole
+/// Events, also as merge patches).
+async fn event_response(shared: &Shared, req: Request<Incoming>) -> Response<Body> {
+    let created = req.method() == hyper::Method::POST;
+    let body = match req.into_body().collect().await {
+        Ok(body) => body.to_bytes(),
+        Err(err) => {
+            return full(
+                StatusCode::BAD_REQUEST,
+                status(StatusCode::BAD_REQUEST, "BadRequest", &err.to_string()),
+            );
+        }
+    };
+    let Ok(mut event) = serde_json::from_slice::<Value>(&body) else {
+        return full(
+            StatusCode::BAD_REQUEST,
+            status(StatusCode::BAD_REQUEST, "BadRequest", "not JSON"),
+        );
+    };
+    let mut inner = shared.inner.lock().unwrap();
+    inner.rv += 1;
+    event["metadata"]["resourceVersion"] = json!(inner.rv.to_string());
+    inner.events.push(event.clone());
+    let code = if created {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
+    full(code, event)
 }
 
 fn list_response(shared: &Shared, kind: Kind, q: Query) -> Response<Body> {

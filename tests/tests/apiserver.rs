@@ -73,18 +73,18 @@ impl ApiNode {
         Self::start_with(pods, AGENT_ARGS, true, |_| {})
     }
 
-    /// `prepare` runs on the apiserver before the agent starts.
+    /// `prepare` runs on the apiserver before the agent starts (it may stop it).
     fn start_with(
         pods: usize,
         args: &[&str],
         wait: bool,
-        prepare: impl FnOnce(&FakeApiserver),
+        prepare: impl FnOnce(&mut FakeApiserver),
     ) -> Result<Self> {
         let topology = Topology::new(pods)?;
         let servers = serve_pods(&topology, TARGET_PORT)?;
-        let api = FakeApiserver::start(&topology.node)?;
+        let mut api = FakeApiserver::start(&topology.node)?;
         api.apply(&[node_object()]);
-        prepare(&api);
+        prepare(&mut api);
         let mut node = ApiNode {
             agent: Agent::start_api(&topology, &api, args, false)?,
             api,
@@ -521,4 +521,141 @@ fn health_fails_while_changes_wait() -> Result<()> {
     let (status, body) = http_get(ns, health, "/healthz")?;
     ensure!(status == 200, "{status} {body}");
     Ok(())
+}
+
+/// `path` answers `want` on every GET from now until `duration` has passed (polled every 100 ms).
+fn answers_throughout(ns: &Netns, path: &str, want: u16, duration: Duration) -> Result<()> {
+    let health: SocketAddr = (Ipv4Addr::LOCALHOST, 10256).into();
+    let end = Instant::now() + duration;
+    while Instant::now() < end {
+        let (status, body) = http_get(ns, health, path)?;
+        ensure!(status == want, "{path}: {status} {body}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    Ok(())
+}
+
+/// With --node-ip the agent needs no apiserver to start: while it is unreachable the agent
+/// loads and attaches the datapath, /livez is 200 and /healthz 503 (not ready: nothing synced);
+/// once the apiserver is back and listed, the first sync makes /healthz 200 and the service
+/// answers.
+#[test]
+fn starts_and_attaches_while_the_apiserver_is_down() -> Result<()> {
+    let node_ip = NODE_IP.to_string();
+    let args = ["--min-sync-period", "200ms", "--node-ip", &node_ip];
+    let mut node = ApiNode::start_with(3, &args, false, FakeApiserver::stop)?;
+    node.agent
+        .wait_for_log(lb_tests::agent::ATTACHED, SYNC)
+        .context("attaching while the apiserver is down")?;
+    let ns = &node.topology.node;
+    let health: SocketAddr = (Ipv4Addr::LOCALHOST, 10256).into();
+    let (status, body) = http_get(ns, health, "/healthz")?;
+    ensure!(status == 503, "/healthz before any sync: {status} {body}");
+    ensure!(
+        health_json(&body)?["lastUpdated"] == "0001-01-01 00:00:00 +0000 UTC",
+        "{body}"
+    );
+    // Not ready, but alive: nothing waits to be synced, the apiserver is away.
+    answers_throughout(ns, "/livez", 200, Duration::from_secs(1))?;
+    ensure!(
+        http_get(ns, health, "/healthz")?.0 == 503,
+        "ready before a sync"
+    );
+    let log = node.agent.log();
+    ensure!(
+        log.contains("watch failed") && !log.contains(lb_tests::agent::SYNC_DONE),
+        "{log}"
+    );
+
+    node.publish(&[node.service("web", WEB_IP, Proto::Tcp, &["pod-b", "pod-c"])]);
+    node.api.restart()?;
+    node.agent.wait_for_programmed(1, 2, SYNC)?;
+    let (status, body) = http_get(ns, health, "/healthz")?;
+    ensure!(
+        status == 200,
+        "/healthz after the first sync: {status} {body}"
+    );
+    let pod_a = &node.topology.pod("pod-a").ns;
+    assert_answered_by(
+        &requests(pod_a, Proto::Tcp, addr(WEB_IP), 20)?,
+        &["pod-b", "pod-c"],
+    )
+}
+
+/// A full backends map makes one service's writes fail, again at every retry: that is an error
+/// (logged, lb_map_write_failures_total, a Warning Event on the Service), not a reason to restart
+/// the agent: /livez stays 200 past twice the sync period, and so does /healthz (the node serves
+/// every other service). The other service keeps answering.
+#[test]
+fn full_maps_fail_writes_not_liveness() -> Result<()> {
+    let args = [
+        "--min-sync-period",
+        "200ms",
+        "--sync-period",
+        "1s",
+        "--backends-max",
+        "2",
+    ];
+    let mut node = ApiNode::start_with(3, &args, true, |_| {})?;
+    node.publish(&[node.service("web", WEB_IP, Proto::Tcp, &["pod-b"])]);
+    node.agent.wait_for_programmed(1, 1, SYNC)?;
+    // Three endpoints, one backend slot left.
+    node.publish(&[node.service("big", KEPT_IP, Proto::Tcp, &["pod-a", "pod-b", "pod-c"])]);
+    let ns = &node.topology.node;
+    let metrics: SocketAddr = (Ipv4Addr::LOCALHOST, 10249).into();
+    let failures = || -> Result<u64> {
+        let (_, text) = http_get(ns, metrics, "/metrics")?;
+        text.lines()
+            .find_map(|l| l.strip_prefix("lb_map_write_failures_total "))
+            .context("lb_map_write_failures_total")?
+            .parse()
+            .context("lb_map_write_failures_total")
+    };
+    let deadline = Instant::now() + SYNC;
+    while failures()? == 0 {
+        ensure!(
+            Instant::now() < deadline,
+            "no failed write:\n{}",
+            node.agent.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // The health timeout is 2 s; the failed writes are retried every 5 s.
+    answers_throughout(ns, "/livez", 200, Duration::from_secs(3))?;
+    answers_throughout(ns, "/healthz", 200, Duration::from_millis(500))?;
+    ensure!(node.agent.log().contains("map write failed"));
+
+    let deadline = Instant::now() + SYNC;
+    let event = loop {
+        let events = node.api.events();
+        if let Some(event) = events.iter().find(|e| e["regarding"]["name"] == "big") {
+            break event.clone();
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "no Event for the service; events: {events:?}\n{}",
+            node.agent.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    ensure!(
+        event["type"] == "Warning"
+            && event["reason"] == "MapWriteFailed"
+            && event["regarding"]["kind"] == "Service"
+            && event["regarding"]["namespace"] == "default"
+            && event["regarding"]["uid"].is_string()
+            && event["metadata"]["namespace"] == "default"
+            && event["reportingInstance"] == NODE_NAME
+            && event["note"]
+                .as_str()
+                .is_some_and(|n| n.contains(NODE_NAME)),
+        "{event:#}"
+    );
+    let events = node.api.events();
+    ensure!(
+        events.iter().all(|e| e["regarding"]["name"] == "big"),
+        "an Event for a service whose writes succeeded: {events:?}"
+    );
+    let pod_a = &node.topology.pod("pod-a").ns;
+    assert_answered_by(&requests(pod_a, Proto::Tcp, addr(WEB_IP), 10)?, &["pod-b"])
 }

@@ -1,6 +1,6 @@
 //! Every manifest in deploy/ decodes as its k8s-openapi type with no field left over (so a typo
 //! in a field name fails), the kustomization lists exactly those files, and the DaemonSet has
-//! what the agent needs on a node.
+//! what the agent needs on a node (its node IP from the downward API included).
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
@@ -51,6 +51,7 @@ fn first_difference(want: &Value, have: &Value, path: String) -> Option<String> 
 fn deploy_manifests_are_valid() -> Result<()> {
     let mut files = BTreeSet::new();
     let mut daemonsets = Vec::new();
+    let mut roles = Vec::new();
     let mut kinds = BTreeSet::new();
     for entry in std::fs::read_dir(deploy_dir())? {
         let path = entry?.path();
@@ -72,7 +73,7 @@ fn deploy_manifests_are_valid() -> Result<()> {
                 "v1/ServiceAccount" => drop(typed::<ServiceAccount>(&file, &value)?),
                 "v1/ConfigMap" => drop(typed::<ConfigMap>(&file, &value)?),
                 "rbac.authorization.k8s.io/v1/ClusterRole" => {
-                    drop(typed::<ClusterRole>(&file, &value)?)
+                    roles.push(typed::<ClusterRole>(&file, &value)?)
                 }
                 "rbac.authorization.k8s.io/v1/ClusterRoleBinding" => {
                     drop(typed::<ClusterRoleBinding>(&file, &value)?)
@@ -97,6 +98,24 @@ fn deploy_manifests_are_valid() -> Result<()> {
     ensure!(
         listed == files,
         "kustomization lists {listed:?}, deploy/ has {files:?}"
+    );
+
+    // The agent's Recorder creates events.k8s.io Events and patches them into series.
+    let events_allowed = roles
+        .iter()
+        .flat_map(|r| r.rules.iter().flatten())
+        .any(|rule| {
+            let has =
+                |list: &Option<Vec<String>>, item: &str| list.iter().flatten().any(|i| i == item);
+            has(&rule.api_groups, "events.k8s.io")
+                && has(&rule.resources, "events")
+                && ["create", "patch"]
+                    .iter()
+                    .all(|verb| rule.verbs.iter().any(|v| v == verb))
+        });
+    ensure!(
+        events_allowed,
+        "no ClusterRole rule lets the agent create and patch Events"
     );
 
     let [ds] = daemonsets.as_slice() else {
@@ -140,6 +159,26 @@ fn deploy_manifests_are_valid() -> Result<()> {
             .field_path
             == "spec.nodeName"
     );
+    // The node IP from the downward API: start-up does not wait for the apiserver.
+    let host_ip = c
+        .env
+        .iter()
+        .flatten()
+        .find(|e| e.name == "HOST_IP")
+        .context("HOST_IP")?;
+    ensure!(
+        host_ip
+            .value_from
+            .as_ref()
+            .and_then(|v| v.field_ref.as_ref())
+            .is_some_and(|f| f.field_path == "status.hostIP"),
+        "{host_ip:?}"
+    );
+    ensure!(
+        c.args.iter().flatten().any(|a| a == "--node-ip=$(HOST_IP)"),
+        "{:?}",
+        c.args
+    );
     for probe in [&c.readiness_probe, &c.liveness_probe] {
         let get = probe
             .as_ref()
@@ -157,6 +196,59 @@ fn deploy_manifests_are_valid() -> Result<()> {
             .as_ref()
             .and_then(|r| r.requests.as_ref())
             .is_some_and(|r| r.contains_key("memory"))
+    );
+    Ok(())
+}
+
+/// deploy/uninstall/: a DaemonSet that runs `lb cleanup` on every node's host bpffs, on the
+/// same --bpffs the agent's DaemonSet pins in, listed by its kustomization.
+#[test]
+fn uninstall_runs_lb_cleanup_on_every_node() -> Result<()> {
+    let dir = deploy_dir().join("uninstall");
+    let text = std::fs::read_to_string(dir.join("daemonset.yaml"))?;
+    let ds: DaemonSet = typed("uninstall/daemonset.yaml", &serde_yaml::from_str(&text)?)?;
+    let pod = ds.spec.template.spec.context("pod spec")?;
+    ensure!(
+        pod.tolerations
+            .iter()
+            .flatten()
+            .any(|t| t.operator.as_deref() == Some("Exists") && t.key.is_none()),
+        "runs on every node, whatever its taints"
+    );
+    let cleanup = pod
+        .init_containers
+        .iter()
+        .flatten()
+        .find(|c| {
+            c.args
+                .as_ref()
+                .is_some_and(|a| a.first().is_some_and(|a| a == "cleanup"))
+        })
+        .context("an init container runs `lb cleanup`")?;
+    ensure!(
+        cleanup
+            .args
+            .iter()
+            .flatten()
+            .any(|a| a == "--bpffs=/sys/fs/bpf/lb"),
+        "cleanup's --bpffs is the agent's default"
+    );
+    let mounts_host_bpffs = cleanup
+        .volume_mounts
+        .iter()
+        .flatten()
+        .any(|m| m.mount_path == "/sys/fs/bpf")
+        && pod.volumes.iter().flatten().any(|v| {
+            v.host_path
+                .as_ref()
+                .is_some_and(|h| h.path == "/sys/fs/bpf")
+        });
+    ensure!(mounts_host_bpffs, "cleanup sees the host's /sys/fs/bpf");
+    let kustomization: Value =
+        serde_yaml::from_str(&std::fs::read_to_string(dir.join("kustomization.yaml"))?)?;
+    ensure!(
+        kustomization["resources"] == serde_json::json!(["daemonset.yaml"]),
+        "{kustomization}"
     );
     Ok(())
 }
