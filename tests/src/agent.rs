@@ -4,7 +4,7 @@ use std::{
     ffi::OsString,
     fs,
     path::{Path, PathBuf},
-    process::{Child, Stdio},
+    process::{Child, Command, Stdio},
     time::{Duration, Instant},
 };
 
@@ -37,8 +37,17 @@ pub fn lb_binary() -> PathBuf {
 
 /// The datapath's counters, by name, as `lb stats` prints them in `ns` (where an agent runs).
 pub fn stats(ns: &Netns) -> Result<std::collections::BTreeMap<String, u64>> {
+    stats_with(ns, &["stats"])
+}
+
+/// [`stats`] of the maps pinned in `bpffs` (an agent's `--bpffs`), whether an agent runs or not.
+pub fn stats_at(ns: &Netns, bpffs: &str) -> Result<std::collections::BTreeMap<String, u64>> {
+    stats_with(ns, &["stats", "--bpffs", bpffs])
+}
+
+fn stats_with(ns: &Netns, args: &[&str]) -> Result<std::collections::BTreeMap<String, u64>> {
     let binary = lb_binary();
-    let output = ns.exec(&binary.to_string_lossy(), &["stats"])?;
+    let output = ns.exec(&binary.to_string_lossy(), args)?;
     String::from_utf8(output.stdout)?
         .lines()
         .map(|line| {
@@ -62,6 +71,10 @@ enum Hooks {
 pub struct Agent {
     child: Child,
     dir: tempfile::TempDir,
+    /// `lb agent` and its arguments as first started, for restarts.
+    command: Command,
+    /// How many times it was started: each start logs to a file of its own.
+    starts: usize,
     syncs_seen: usize,
 }
 
@@ -133,7 +146,6 @@ impl Agent {
         hooks: Hooks,
         wait: bool,
     ) -> Result<Self> {
-        let log = fs::File::create(dir.path().join("agent.log"))?;
         // Not the machine's root cgroup unless the test runs the defaults (the hooks translate
         // only sockets of the node namespace): a test that wants the hooks gives its own cgroup.
         let cgroup: &[&str] = if extra_args.contains(&"--cgroup") || hooks == Hooks::Default {
@@ -141,9 +153,8 @@ impl Agent {
         } else {
             &["--cgroup", ""]
         };
-        let child = node
-            .ns
-            .command(lb_binary())
+        let mut command = node.ns.command(lb_binary());
+        command
             .arg("agent")
             .args(source_args)
             .args(["--cluster-cidr", CLUSTER_CIDR])
@@ -152,14 +163,12 @@ impl Agent {
             .args(cgroup)
             .args(extra_args)
             .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(log.try_clone()?)
-            .stderr(log)
-            .spawn()
-            .with_context(|| format!("spawn {}", lb_binary().display()))?;
+            .stdin(Stdio::null());
         let mut agent = Agent {
-            child,
+            child: spawn_logged(&mut command, &dir.path().join("agent.log"))?,
             dir,
+            command,
+            starts: 1,
             syncs_seen: 0,
         };
         if wait {
@@ -169,6 +178,29 @@ impl Agent {
             agent.wait_for_log(ATTACHED, START_TIMEOUT)?;
         }
         Ok(agent)
+    }
+
+    /// Starts the agent again (after it exited) with the arguments of its first start and
+    /// `extra_args`, on the same bpffs, logging to a new file ([`Agent::log`] reads it). Waits
+    /// until its programs are in place and, if `wait_for_sync`, for its first sync.
+    pub fn restart(&mut self, extra_args: &[&str], wait_for_sync: bool) -> Result<()> {
+        if self.child.try_wait()?.is_none() {
+            bail!("restart while the agent still runs:\n{}", self.log());
+        }
+        let mut command = Command::new(self.command.get_program());
+        command
+            .args(self.command.get_args())
+            .args(extra_args)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null());
+        self.starts += 1;
+        self.syncs_seen = 0;
+        self.child = spawn_logged(&mut command, &self.log_path())?;
+        self.wait_for_log(ATTACHED, START_TIMEOUT)?;
+        if wait_for_sync {
+            self.wait_for_sync(START_TIMEOUT)?;
+        }
+        Ok(())
     }
 
     /// Waits for a sync (after those already seen) that left `services` services and
@@ -212,8 +244,16 @@ impl Agent {
         self.dir.path().join("manifests")
     }
 
+    /// The log of the latest start.
     pub fn log(&self) -> String {
-        fs::read_to_string(self.dir.path().join("agent.log")).unwrap_or_default()
+        fs::read_to_string(self.log_path()).unwrap_or_default()
+    }
+
+    fn log_path(&self) -> PathBuf {
+        match self.starts {
+            1 => self.dir.path().join("agent.log"),
+            n => self.dir.path().join(format!("agent-{n}.log")),
+        }
     }
 
     /// Replaces services.yaml (atomically, by rename) and waits until the agent has synced it.
@@ -245,9 +285,12 @@ impl Agent {
 
     /// Waits until the agent has logged a line containing `needle` (e.g. the attachment of an
     /// interface, which follows the first sync).
-    pub fn wait_for_log(&self, needle: &str, timeout: Duration) -> Result<()> {
+    pub fn wait_for_log(&mut self, needle: &str, timeout: Duration) -> Result<()> {
         let deadline = Instant::now() + timeout;
         while !self.log().contains(needle) {
+            if let Some(status) = self.child.try_wait()? {
+                bail!("agent exited ({status}) before {needle:?}:\n{}", self.log());
+            }
             if Instant::now() > deadline {
                 bail!("no {needle:?} within {timeout:?}:\n{}", self.log());
             }
@@ -272,6 +315,15 @@ impl Agent {
         self.child.kill()?;
         bail!("agent did not exit on SIGTERM:\n{}", self.log())
     }
+
+    /// Kills the agent with SIGKILL (as a crash or the OOM killer would) and reaps it.
+    pub fn kill(&mut self) -> Result<std::process::ExitStatus> {
+        if let Some(status) = self.child.try_wait()? {
+            bail!("the agent had already exited ({status}):\n{}", self.log());
+        }
+        kill(Pid::from_raw(self.child.id() as i32), Signal::SIGKILL)?;
+        Ok(self.child.wait()?)
+    }
 }
 
 /// The datapath counter `name` of the agent running in `ns`, as `lb stats` prints it there.
@@ -284,6 +336,16 @@ pub fn counter(ns: &Netns, name: &str) -> Result<u64> {
         .with_context(|| format!("no counter {name} in:\n{text}"))?
         .parse()
         .with_context(|| format!("counter {name}"))
+}
+
+/// Runs `command` with its stdout and stderr in a new file at `log`.
+fn spawn_logged(command: &mut Command, log: &Path) -> Result<Child> {
+    let log = fs::File::create(log)?;
+    command
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .spawn()
+        .with_context(|| format!("spawn {}", lb_binary().display()))
 }
 
 impl Drop for Agent {

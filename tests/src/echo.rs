@@ -178,10 +178,9 @@ pub fn error_kind(err: &anyhow::Error) -> Option<ErrorKind> {
         .map(std::io::Error::kind)
 }
 
-/// `count` requests from `ns`, at most `count` × the timeout in all.
+/// `count` requests from `ns`, up to the first that fails (at most `count` × the timeout in all).
 pub fn requests(ns: &Netns, proto: Proto, to: SocketAddr, count: usize) -> Result<Vec<Answer>> {
-    let answers = ns.run(move || (0..count).map(|_| proto.request(to)).collect::<Vec<_>>())?;
-    answers.into_iter().collect()
+    ns.run(move || (0..count).map(|_| proto.request(to)).collect())?
 }
 
 /// One request from `ns`.

@@ -8,7 +8,7 @@
 //! It listens on 127.0.0.1 inside a namespace (the node's), plain HTTP.
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::convert::Infallible;
-use std::net::SocketAddr;
+use std::net::{Ipv4Addr, SocketAddr};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -22,6 +22,7 @@ use hyper_util::rt::TokioIo;
 use serde_json::{Value, json};
 use tokio::sync::watch;
 
+use crate::manifests::ServiceManifest;
 use crate::netns::Netns;
 
 /// How often an idle watch gets a BOOKMARK.
@@ -180,6 +181,34 @@ current-context: fake
         let rv = inner.rv;
         drop(inner);
         self.shared.rv.send_replace(rv);
+    }
+
+    /// Creates or replaces the Services and EndpointSlices of test manifests.
+    pub fn publish(&self, services: &[ServiceManifest]) -> Result<()> {
+        let mut values = Vec::new();
+        for service in services {
+            for doc in service
+                .yaml()
+                .split("---\n")
+                .filter(|d| !d.trim().is_empty())
+            {
+                values.push(serde_yaml::from_str(doc).context("a test manifest")?);
+            }
+        }
+        self.apply_values(values);
+        Ok(())
+    }
+
+    /// Creates Node `name` with the InternalIP `ip` (an agent without --node-ip takes it).
+    pub fn add_node(&self, name: &str, ip: Ipv4Addr) {
+        self.apply_values(vec![json!({
+            "apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": name},
+            "status": {"addresses": [
+                {"type": "Hostname", "address": name},
+                {"type": "InternalIP", "address": ip.to_string()},
+            ]},
+        })]);
     }
 
     /// Deletes an object: a DELETED event.

@@ -5,8 +5,9 @@ use std::{
     time::{Duration, Instant},
 };
 
-use anyhow::{Result, ensure};
+use anyhow::{Context as _, Result, ensure};
 use lb_tests::{
+    bpffs::Bpffs,
     echo::{EchoServer, Proto, request, requests},
     manifests::{ServiceManifest, yaml},
     node::{Node, PORT, TARGET_PORT, vip},
@@ -257,10 +258,13 @@ fn broken_manifest_keeps_last_good_state() -> Result<()> {
     assert_answered_by(&answers, &["pod-b"])
 }
 
-/// SIGTERM detaches the programs: the service is gone, pod traffic still flows.
+/// SIGTERM leaves the datapath in place when its pins are on a bpffs that outlives the agent (as
+/// a node's host mounts it): the service still answers new flows, pod traffic still flows.
+/// Detaching is `lb cleanup`'s (tests/tests/restart.rs).
 #[test]
-fn sigterm_detaches() -> Result<()> {
-    let mut node = Node::start(2, &[], &[])?;
+fn sigterm_keeps_the_datapath() -> Result<()> {
+    let bpffs = Bpffs::mount()?;
+    let mut node = Node::start(2, &[], &["--bpffs", &bpffs.arg()])?;
     let service = node.service(Proto::Udp, &["pod-b"]);
     node.agent.update_manifests(&yaml(&[service]))?;
     let pod_a = node.topology.pod("pod-a");
@@ -271,9 +275,10 @@ fn sigterm_detaches() -> Result<()> {
         "agent exit status {status}:\n{}",
         node.agent.log()
     );
+    let answer = request(&pod_a.ns, Proto::Udp, vip()).context("the service after SIGTERM")?;
     ensure!(
-        request(&pod_a.ns, Proto::Udp, vip()).is_err(),
-        "still translated after SIGTERM"
+        answer.server == "pod-b" && answer.peer == vip(),
+        "after SIGTERM: {answer:?}"
     );
     let direct: SocketAddr = (node.ip("pod-b"), TARGET_PORT).into();
     ensure!(request(&pod_a.ns, Proto::Udp, direct)?.server == "pod-b");

@@ -1,8 +1,9 @@
 //! `lb agent --xdp`: external NodePort traffic through a real node namespace, translated and
 //! forwarded by `lb_xdp` on the external interface, the replies by tc on the pod veths.
-use anyhow::{Result, ensure};
+use anyhow::{Context as _, Result, ensure};
 use lb_tests::{
-    agent::stats,
+    agent::stats_at,
+    bpffs::Bpffs,
     echo::Proto,
     manifests::yaml,
     node::{Node, vip},
@@ -19,8 +20,12 @@ const REQUESTS: u64 = 30;
 /// the client's packets were redirected by XDP: all but the first to each backend, whose MAC the
 /// node has not resolved yet (those XDP passes to tc). With it off, XDP passes every one to tc,
 /// which still serves them.
+///
+/// After SIGTERM, with its pins on a bpffs that outlives the agent, `lb_xdp` stays attached and
+/// the NodePort still answers.
 fn external_to_node_port_via_xdp(proto: Proto, redirect_pods: bool) -> Result<()> {
-    let mut node = Node::start(3, &[], &["--xdp"])?;
+    let bpffs = Bpffs::mount()?;
+    let mut node = Node::start(3, &[], &["--xdp", "--bpffs", &bpffs.arg()])?;
     // XDP_REDIRECT into a veth needs NAPI on its peer, here the pods' eth0: GRO on turns it on
     // (veth_xdp_xmit; the node's CNI setup's part, see the README) and gives the node's end the
     // NDO_XMIT XDP feature, whose change notification the agent follows. Left off, a redirected
@@ -53,7 +58,7 @@ fn external_to_node_port_via_xdp(proto: Proto, redirect_pods: bool) -> Result<()
     node.agent.update_manifests(&yaml(&[service]))?;
 
     check_external_to_node_port(&node.topology, proto, vip(), NODE_PORT)?;
-    let counters = stats(&node.topology.node)?;
+    let counters = stats_at(&node.topology.node, &bpffs.arg())?;
     let (forwarded, passed) = (counters["xdp_forwarded"], counters["xdp_passed"]);
     if redirect_pods {
         ensure!(
@@ -70,7 +75,15 @@ fn external_to_node_port_via_xdp(proto: Proto, redirect_pods: bool) -> Result<()
 
     let status = node.agent.stop()?;
     ensure!(status.success(), "agent exit status {status}");
-    ensure!(!xdp_attached()?, "lb_xdp still attached after SIGTERM");
+    ensure!(xdp_attached()?, "lb_xdp detached by SIGTERM");
+    check_external_to_node_port(&node.topology, proto, vip(), NODE_PORT)
+        .context("the NodePort after SIGTERM")?;
+    let after = stats_at(&node.topology.node, &bpffs.arg())?["xdp_forwarded"];
+    ensure!(
+        !redirect_pods || after >= forwarded + REQUESTS,
+        "XDP forwarded {} packets of {REQUESTS} requests after SIGTERM",
+        after - forwarded
+    );
     Ok(())
 }
 
