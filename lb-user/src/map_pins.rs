@@ -51,6 +51,15 @@ pub enum MapPinError {
     },
 }
 
+/// A map as this build declares it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Declared {
+    pub layout: Layout,
+    /// Its size is a flag's (`--conntrack-max`, ...): a pinned map of another size is kept. Any
+    /// other map of another size is another layout (e.g. more counters).
+    pub sized_by_flag: bool,
+}
+
 /// How a pinned map compares with the object's declaration.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fit {
@@ -63,12 +72,13 @@ pub enum Fit {
     Incompatible,
 }
 
-pub fn fit(pinned: Layout, wanted: Layout) -> Fit {
+pub fn fit(pinned: Layout, declared: Declared) -> Fit {
+    let wanted = declared.layout;
     let same_but_size = Layout {
         max_entries: wanted.max_entries,
         ..pinned
     };
-    if same_but_size != wanted {
+    if same_but_size != wanted || (!declared.sized_by_flag && pinned != wanted) {
         Fit::Incompatible
     } else if pinned.max_entries != wanted.max_entries {
         Fit::Resized {
@@ -80,28 +90,30 @@ pub fn fit(pinned: Layout, wanted: Layout) -> Fit {
     }
 }
 
-/// The layouts `object` declares for its pinned maps, with the sizes in `sizes` applied.
+/// The layouts `object` declares for its pinned maps, with the flags' sizes in `sizes` applied.
 pub fn declared(
     object: &[u8],
     sizes: &BTreeMap<&str, u32>,
-) -> Result<BTreeMap<String, Layout>, MapPinError> {
+) -> Result<BTreeMap<String, Declared>, MapPinError> {
     let object = aya_obj::Object::parse(object)?;
     Ok(object
         .maps
         .iter()
         .filter(|(name, _)| map_name::ALL.contains(&name.as_str()))
         .map(|(name, map)| {
+            let size = sizes.get(name.as_str()).copied();
             let layout = Layout {
                 map_type: map.map_type(),
                 key_size: map.key_size(),
                 value_size: map.value_size(),
                 flags: map.map_flags(),
-                max_entries: sizes
-                    .get(name.as_str())
-                    .copied()
-                    .unwrap_or(map.max_entries()),
+                max_entries: size.unwrap_or(map.max_entries()),
             };
-            (name.clone(), layout)
+            let declared = Declared {
+                layout,
+                sized_by_flag: size.is_some(),
+            };
+            (name.clone(), declared)
         })
         .collect())
 }
@@ -128,7 +140,7 @@ fn pinned_layout(path: &Path, name: &str) -> Result<Option<Layout>, MapPinError>
 
 /// Checks every map pinned in `pin_dir` under a name of this build against its declared
 /// layout, before anything is loaded: an incompatible one is an error and changes nothing.
-pub fn check(pin_dir: &Path, declared: &BTreeMap<String, Layout>) -> Result<(), MapPinError> {
+pub fn check(pin_dir: &Path, declared: &BTreeMap<String, Declared>) -> Result<(), MapPinError> {
     for (name, &wanted) in declared {
         let Some(pinned) = pinned_layout(&pin_dir.join(name), name)? else {
             continue;
@@ -145,7 +157,7 @@ pub fn check(pin_dir: &Path, declared: &BTreeMap<String, Layout>) -> Result<(), 
                 return Err(MapPinError::Incompatible {
                     name: name.clone(),
                     pinned,
-                    wanted,
+                    wanted: wanted.layout,
                 });
             }
         }
@@ -261,7 +273,7 @@ mod tests {
     }
 
     #[test]
-    fn a_layout_fits_only_if_all_but_its_size_is_the_same() {
+    fn a_layout_fits_only_if_the_same_or_resized_by_its_flag() {
         let wanted = Layout {
             map_type: 9,
             key_size: 16,
@@ -269,18 +281,29 @@ mod tests {
             flags: 0,
             max_entries: 1024,
         };
-        assert_eq!(fit(wanted, wanted), Fit::Same);
+        let by_flag = Declared {
+            layout: wanted,
+            sized_by_flag: true,
+        };
+        let fixed = Declared {
+            layout: wanted,
+            sized_by_flag: false,
+        };
+        assert_eq!(fit(wanted, by_flag), Fit::Same);
+        assert_eq!(fit(wanted, fixed), Fit::Same);
         let bigger = Layout {
             max_entries: 4096,
             ..wanted
         };
         assert_eq!(
-            fit(bigger, wanted),
+            fit(bigger, by_flag),
             Fit::Resized {
                 pinned: 4096,
                 requested: 1024
             }
         );
+        // A map whose size is the object's (the counters): another size is another layout.
+        assert_eq!(fit(bigger, fixed), Fit::Incompatible);
         for other in [
             Layout {
                 map_type: 1,
@@ -296,7 +319,7 @@ mod tests {
             },
             Layout { flags: 1, ..wanted },
         ] {
-            assert_eq!(fit(other, wanted), Fit::Incompatible, "{other}");
+            assert_eq!(fit(other, by_flag), Fit::Incompatible, "{other}");
         }
     }
 
@@ -308,6 +331,8 @@ mod tests {
             assert!(declared.contains_key(name), "{name}");
         }
         let ct = declared[map_name::CONNTRACK];
+        assert!(ct.sized_by_flag && !declared[map_name::COUNTERS].sized_by_flag);
+        let ct = ct.layout;
         assert_eq!(ct.max_entries, 777);
         assert_eq!(ct.key_size as usize, size_of::<ConntrackKey>());
         assert_eq!(ct.value_size as usize, size_of::<ConntrackEntry>());
