@@ -15,8 +15,8 @@ pub struct Frame {
 }
 
 impl Frame {
-    /// TCP with `flags`, no payload; checksums as a sender would leave them to offload (the
-    /// datapath updates them incrementally and never verifies).
+    /// TCP with `flags`, no payload; the TCP checksum as a sender would leave it to offload (the
+    /// datapath updates it incrementally and never verifies it).
     pub fn tcp(src: SocketAddrV4, dst: SocketAddrV4, flags: u8) -> Self {
         let mut l4 = vec![0u8; 20];
         l4[0..2].copy_from_slice(&src.port().to_be_bytes());
@@ -76,11 +76,15 @@ impl Frame {
         Frame { bytes }
     }
 
-    /// Rewrites the source (a new flow) without fixing the IPv4 checksum: the datapath never
-    /// verifies it.
+    /// Rewrites the source (a new flow), with the IPv4 checksum the datapath verifies (the
+    /// TCP/UDP checksum it never does).
     pub fn set_source(&mut self, src: SocketAddrV4) {
         self.bytes[IP_SRC..IP_SRC + 4].copy_from_slice(&src.ip().octets());
         self.bytes[L4_SRC_PORT..L4_SRC_PORT + 2].copy_from_slice(&src.port().to_be_bytes());
+        let ip = &mut self.bytes[ETH_HLEN..ETH_HLEN + IPV4_HLEN];
+        ip[10..12].fill(0);
+        let checksum = ipv4_checksum(ip);
+        ip[10..12].copy_from_slice(&checksum.to_be_bytes());
     }
 }
 

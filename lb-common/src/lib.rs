@@ -7,6 +7,8 @@
 //! datapath compares and copies them without swapping. [`ipv4_be`] and [`port_be`] convert.
 #![no_std]
 
+pub mod valid;
+
 /// Names of the maps in the eBPF object. Pinned maps carry the ABI version in their name, so an agent
 /// with another layout never reuses them.
 pub mod map_name {
@@ -14,13 +16,13 @@ pub mod map_name {
     pub const BACKENDS: &str = "LB_BACKEND_V1";
     pub const CONNTRACK: &str = "LB_CT_V2";
     pub const CONFIG: &str = "LB_CONFIG_V3";
-    pub const COUNTERS: &str = "LB_COUNTER_V6";
+    pub const COUNTERS: &str = "LB_COUNTER_V7";
     pub const AFFINITY: &str = "LB_AFFINITY_V1";
     pub const ROUND_ROBIN: &str = "LB_RR_V1";
     pub const SOURCE_RANGES: &str = "LB_SOURCE_RANGE_V1";
     pub const SOCK_REVNAT: &str = "LB_SOCK_REVNAT_V1";
     pub const SOCK_BACKEND: &str = "LB_SOCK_BACKEND_V1";
-    pub const FRAGMENTS: &str = "LB_FRAGMENT_V1";
+    pub const FRAGMENTS: &str = "LB_FRAGMENT_V2";
     /// Not pinned (not in `ALL`): the interface indexes are the running agent's.
     pub const XDP_EGRESS: &str = "LB_XDP_EGRESS_V1";
     pub const ALL: [&str; 11] = [
@@ -515,17 +517,27 @@ pub struct FragmentKey {
     pub _pad: u8,
 }
 
-/// Value of `FRAGMENTS`: the ports of the datagram, carried by its first fragment only, so that
-/// the later ones find the same connection.
+/// Value of `FRAGMENTS`: what the datagram's first fragment told, so that the later ones find the
+/// same connection (its ports, which only the first carries) and overlaps are seen.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
-pub struct FragmentPorts {
+pub struct FirstFragment {
+    /// When the first fragment was seen (the datapath's clock): after `FRAGMENT_TIMEOUT_NS` the
+    /// record is of an earlier datagram that had the same IP ID.
+    pub seen_ns: u64,
     /// Network byte order.
     pub src_port: u16,
     /// Network byte order.
     pub dst_port: u16,
+    /// Where the first fragment's payload ends, in bytes from the start of the datagram's payload.
+    pub end: u16,
+    pub _pad: u16,
 }
+
+/// How long the fragments of one datagram are followed: Linux's `ipfrag_time` default, how long
+/// its reassembly waits for a datagram's fragments.
+pub const FRAGMENT_TIMEOUT_NS: u64 = 30 * SECOND_NS;
 
 /// Value of `SOCK_REVNAT`: the service address the application used, shown to it as the peer
 /// (getpeername) or the source of what the backend sends (recvmsg).
@@ -591,10 +603,26 @@ pub enum Counter {
     /// A later IPv4 fragment of no translated datagram (not service traffic, or its first
     /// fragment not seen yet): passed untouched.
     PassedFragment,
+    /// The IPv4 header checksum is wrong: passed untouched, for the stack to drop (ip_rcv) and
+    /// count (`InCsumErrors`) as it does without us.
+    PassedBadIpChecksum,
+    /// Dropped: a TCP data offset below 5 words or beyond the segment, which Linux's conntrack
+    /// holds invalid and its TCP discards.
+    DropBadTcpHeader,
+    /// Dropped: a UDP length below 8 or beyond the IP payload, which Linux's conntrack holds
+    /// invalid and its UDP discards.
+    DropBadUdpLength,
+    /// Dropped: a TCP flag combination Linux's conntrack holds invalid (`tcp_valid_flags`: no
+    /// flags, SYN with FIN or RST, FIN without ACK, "xmas"...).
+    DropBadTcpFlags,
+    /// Dropped: an IPv4 fragment that overlaps the datagram's first fragment (a second first
+    /// fragment with other ports or length, or a later one starting inside the first), for
+    /// which Linux's reassembly discards the whole datagram.
+    DropFragmentOverlap,
 }
 
 impl Counter {
-    pub const COUNT: u32 = 17;
+    pub const COUNT: u32 = 22;
     pub const ALL: [Counter; Self::COUNT as usize] = [
         Counter::NewConnection,
         Counter::Masqueraded,
@@ -613,6 +641,11 @@ impl Counter {
         Counter::XdpPassed,
         Counter::IcmpErrorTranslated,
         Counter::PassedFragment,
+        Counter::PassedBadIpChecksum,
+        Counter::DropBadTcpHeader,
+        Counter::DropBadUdpLength,
+        Counter::DropBadTcpFlags,
+        Counter::DropFragmentOverlap,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -634,6 +667,11 @@ impl Counter {
             Counter::XdpPassed => "xdp_passed",
             Counter::IcmpErrorTranslated => "icmp_error_translated",
             Counter::PassedFragment => "passed_fragment",
+            Counter::PassedBadIpChecksum => "passed_bad_ip_checksum",
+            Counter::DropBadTcpHeader => "drop_bad_tcp_header",
+            Counter::DropBadUdpLength => "drop_bad_udp_length",
+            Counter::DropBadTcpFlags => "drop_bad_tcp_flags",
+            Counter::DropFragmentOverlap => "drop_fragment_overlap",
         }
     }
 }
@@ -653,7 +691,7 @@ const _: () = {
     assert!(core::mem::size_of::<SockRevNat>() == 8);
     assert!(core::mem::size_of::<SockBackendKey>() == 16);
     assert!(core::mem::size_of::<FragmentKey>() == 12);
-    assert!(core::mem::size_of::<FragmentPorts>() == 4);
+    assert!(core::mem::size_of::<FirstFragment>() == 16);
     assert!(Counter::ALL[Counter::COUNT as usize - 1] as u32 == Counter::COUNT - 1);
 };
 
@@ -679,7 +717,7 @@ mod user {
     unsafe impl aya::Pod for SockRevNat {}
     unsafe impl aya::Pod for SockBackendKey {}
     unsafe impl aya::Pod for FragmentKey {}
-    unsafe impl aya::Pod for FragmentPorts {}
+    unsafe impl aya::Pod for FirstFragment {}
 }
 
 #[cfg(test)]

@@ -141,7 +141,11 @@ fn try_xdp(ctx: &XdpContext) -> Result<u32, Counter> {
 fn passes(reason: Counter) -> bool {
     matches!(
         reason,
-        Counter::Passed | Counter::PassedUnparsed | Counter::PassedFragment | Counter::XdpPassed
+        Counter::Passed
+            | Counter::PassedUnparsed
+            | Counter::PassedFragment
+            | Counter::PassedBadIpChecksum
+            | Counter::XdpPassed
     )
 }
 

@@ -10,9 +10,9 @@ use aya_ebpf::{
     maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, lpm_trie::Key},
 };
 use lb_common::{
-    AffinityKey, Backend, BackendKey, Config, ConntrackEntry, ConntrackKey, Counter, FragmentKey,
-    FragmentPorts, Frontend, FrontendKey, SockBackendKey, SockRevNat, SockRevNatKey,
-    SourceRangeKey, StickyBackend, default_size,
+    AffinityKey, Backend, BackendKey, Config, ConntrackEntry, ConntrackKey, Counter, FirstFragment,
+    FragmentKey, Frontend, FrontendKey, SockBackendKey, SockRevNat, SockRevNatKey, SourceRangeKey,
+    StickyBackend, default_size,
 };
 
 #[map(name = "LB_FRONTEND_V4")]
@@ -43,14 +43,14 @@ static SOCK_REVNAT: LruHashMap<SockRevNatKey, SockRevNat> =
 static SOCK_BACKEND: LruHashMap<SockBackendKey, StickyBackend> =
     LruHashMap::with_max_entries(default_size::SOCK_BACKEND, 0);
 
-#[map(name = "LB_FRAGMENT_V1")]
-static FRAGMENTS: LruHashMap<FragmentKey, FragmentPorts> =
+#[map(name = "LB_FRAGMENT_V2")]
+static FRAGMENTS: LruHashMap<FragmentKey, FirstFragment> =
     LruHashMap::with_max_entries(default_size::FRAGMENTS, 0);
 
 #[map(name = "LB_CONFIG_V3")]
 static CONFIG: Array<Config> = Array::with_max_entries(1, 0);
 
-#[map(name = "LB_COUNTER_V6")]
+#[map(name = "LB_COUNTER_V7")]
 static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(Counter::COUNT, 0);
 
 /// The value is unused: a key's presence allows its prefix.
@@ -190,12 +190,12 @@ pub fn random() -> u32 {
     unsafe { bpf_get_prandom_u32() }
 }
 
-pub fn fragment_ports(key: &FragmentKey) -> Option<FragmentPorts> {
+pub fn first_fragment(key: &FragmentKey) -> Option<FirstFragment> {
     // SAFETY: the value is copied out at once.
     unsafe { FRAGMENTS.get(key).copied() }
 }
 
 /// Best effort: when the map is full, LRU eviction makes room.
-pub fn remember_fragment_ports(key: &FragmentKey, ports: &FragmentPorts) {
-    let _ = FRAGMENTS.insert(key, ports, 0);
+pub fn remember_first_fragment(key: &FragmentKey, first: &FirstFragment) {
+    let _ = FRAGMENTS.insert(key, first, 0);
 }

@@ -1,7 +1,12 @@
 //! Ethernet + IPv4 + TCP/UDP headers → the 5-tuple and the offsets the rewrite needs; an ICMP
 //! message's IPv4 header, for the error translation (icmp.rs). A later IPv4 fragment has no
 //! ports: its tuple's are filled in from its first fragment (fragment.rs).
-use lb_common::{ConntrackKey, Counter, IPPROTO_ICMP, IPPROTO_TCP, IPPROTO_UDP};
+//!
+//! Malformed headers that Linux's IP input or conntrack hold invalid (`lb_common::valid`) are
+//! refused here, before any lookup, so that they are neither translated nor tracked.
+use core::mem;
+
+use lb_common::{ConntrackKey, Counter, IPPROTO_ICMP, IPPROTO_TCP, IPPROTO_UDP, valid};
 
 use crate::packet::PacketAccess;
 
@@ -13,15 +18,16 @@ pub const IPV4_MIN_HLEN: usize = 20;
 const IP_MF_AND_OFFSET: u16 = 0x3fff;
 /// The fragment offset alone: zero in the first fragment, which carries the ports.
 const IP_OFFSET: u16 = 0x1fff;
+/// IPv4 options: up to 40 bytes after the fixed header.
+const IPV4_OPTION_WORDS: usize = 10;
 const TCP_MIN_HLEN: usize = 20;
 const UDP_HLEN: usize = 8;
 const ICMP_HLEN: usize = 8;
-const TCP_FLAGS_OFFSET: usize = 13;
+/// The data offset (high nibble) and the flags byte after it.
+const TCP_OFFSET_AND_FLAGS: usize = 12;
+const UDP_LEN_OFFSET: usize = 4;
 
-pub const TCP_FIN: u8 = 0x01;
-pub const TCP_SYN: u8 = 0x02;
-pub const TCP_RST: u8 = 0x04;
-pub const TCP_ACK: u8 = 0x10;
+pub use lb_common::valid::{TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN};
 
 /// The fixed part of an IPv4 header, fields in network order.
 #[repr(C)]
@@ -50,6 +56,13 @@ impl Ipv4Header {
         self.version_ihl >> 4 == 4
             && self.header_len() >= IPV4_MIN_HLEN
             && u16::from_be(self.frag_off) & IP_OFFSET == 0
+    }
+
+    /// The sum of the fixed header's words, for the checksum check.
+    fn sum(&self) -> u64 {
+        // SAFETY: the fixed header is 20 bytes of plain old data, five 32-bit words.
+        let words = unsafe { mem::transmute::<Ipv4Header, [u32; 5]>(*self) };
+        words.iter().map(|&word| u64::from(word)).sum()
     }
 
     /// The 5-tuple of this header with the TCP/UDP `ports` after it.
@@ -105,7 +118,8 @@ pub struct Packet {
 }
 
 /// `Err(Passed)` for traffic that is not IPv4 TCP/UDP/ICMP, `Err(PassedUnparsed)` for ICMP
-/// fragments and truncated or inconsistent headers.
+/// fragments and truncated or inconsistent headers; the other `Err`s for headers Linux holds
+/// invalid (see their counters).
 pub fn packet<P: PacketAccess>(ctx: &P) -> Result<Packet, Counter> {
     let ether_type: u16 = ctx
         .load(ETH_TYPE_OFFSET)
@@ -140,6 +154,10 @@ pub fn packet<P: PacketAccess>(ctx: &P) -> Result<Packet, Counter> {
         IPPROTO_ICMP => return Err(Counter::PassedUnparsed),
         _ => return Err(Counter::Passed),
     };
+    // The stack (ip_rcv) checks it only after tc ingress.
+    if !valid::checksum(ip.sum() + options_sum(ctx)?) {
+        return Err(Counter::PassedBadIpChecksum);
+    }
     let l4 = ETH_HLEN + header_len;
     if fragment == Fragment::Later {
         return Ok(Packet {
@@ -153,7 +171,8 @@ pub fn packet<P: PacketAccess>(ctx: &P) -> Result<Packet, Counter> {
             ip_id: ip.id,
         });
     }
-    if tot_len - header_len < min_l4_len {
+    let l4_len = tot_len - header_len;
+    if l4_len < min_l4_len {
         return Err(Counter::PassedUnparsed);
     }
     let ports = if ip.proto == IPPROTO_ICMP {
@@ -161,12 +180,27 @@ pub fn packet<P: PacketAccess>(ctx: &P) -> Result<Packet, Counter> {
     } else {
         ctx.load(l4).map_err(|_| Counter::PassedUnparsed)?
     };
-    let tcp_flags = if ip.proto == IPPROTO_TCP {
-        ctx.load(l4 + TCP_FLAGS_OFFSET)
-            .map_err(|_| Counter::PassedUnparsed)?
-    } else {
-        0
-    };
+    let mut tcp_flags = 0;
+    if ip.proto == IPPROTO_TCP {
+        let [data_offset, flags]: [u8; 2] = ctx
+            .load(l4 + TCP_OFFSET_AND_FLAGS)
+            .map_err(|_| Counter::PassedUnparsed)?;
+        // A first fragment must hold the whole TCP header (RFC 1858's tiny fragments).
+        if !valid::tcp_data_offset(data_offset >> 4, l4_len) {
+            return Err(Counter::DropBadTcpHeader);
+        }
+        if !valid::tcp_flags(flags) {
+            return Err(Counter::DropBadTcpFlags);
+        }
+        tcp_flags = flags;
+    } else if ip.proto == IPPROTO_UDP {
+        let udp_len: u16 = ctx
+            .load(l4 + UDP_LEN_OFFSET)
+            .map_err(|_| Counter::PassedUnparsed)?;
+        if !valid::udp_length(u16::from_be(udp_len), l4_len, fragment == Fragment::Whole) {
+            return Err(Counter::DropBadUdpLength);
+        }
+    }
     Ok(Packet {
         tuple: ip.tuple(ports),
         l4,
@@ -177,4 +211,26 @@ pub fn packet<P: PacketAccess>(ctx: &P) -> Result<Packet, Counter> {
         fragment,
         ip_id: ip.id,
     })
+}
+
+/// The sum of the words of the IPv4 options, for the checksum check.
+// A function of its own that reads the IHL again, rather than taking it: the verifier follows
+// each of the loop's exits, and had it compared the caller's header length, each would carry
+// another range of it into the rest of the program, which the verifier then walks again for each.
+#[inline(never)]
+fn options_sum<P: PacketAccess>(ctx: &P) -> Result<u64, Counter> {
+    let version_ihl: u8 = ctx.load(ETH_HLEN).map_err(|_| Counter::PassedUnparsed)?;
+    let header_len = usize::from(version_ihl & 0x0f) * 4;
+    let mut sum = 0;
+    for word in 0..IPV4_OPTION_WORDS {
+        let offset = IPV4_MIN_HLEN + word * 4;
+        if offset >= header_len {
+            break;
+        }
+        let value: u32 = ctx
+            .load(ETH_HLEN + offset)
+            .map_err(|_| Counter::PassedUnparsed)?;
+        sum += u64::from(value);
+    }
+    Ok(sum)
 }

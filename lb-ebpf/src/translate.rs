@@ -48,8 +48,8 @@ pub fn translation<P: PacketAccess>(ctx: &P) -> Result<Translation, Counter> {
     if packet.tuple.proto == IPPROTO_ICMP {
         return Ok(Translation::Icmp(packet));
     }
-    fragment::follow(&mut packet)?;
     let now = maps::now_ns(config);
+    fragment::follow(ctx, &mut packet, now)?;
     if let Some(conntrack::Tracked { entry, to }) = conntrack::lookup(&packet, now) {
         maps::count(Counter::Translated);
         let route = CachedRoute::of(entry);

@@ -1248,6 +1248,263 @@ fn later_fragments_without_a_translated_first_pass_untouched() {
     assert_eq!(datapath.conntrack_len(), 0);
 }
 
+/// `bytes` (an Ethernet + IPv4 frame) with its IPv4 header checksum computed again.
+fn fix_ip_checksum(bytes: &mut [u8]) {
+    let (mut ip, _) = Ipv4Header::from_slice(&bytes[ETH_HLEN..]).unwrap();
+    ip.header_checksum = ip.calc_header_checksum();
+    let len = ip.header_len();
+    bytes[ETH_HLEN..ETH_HLEN + len].copy_from_slice(&ip.to_bytes());
+}
+
+/// The malformed variants of `packet` (IPv4 header without options) that Linux's IP input or
+/// conntrack holds invalid, each with the counter and tc verdict it must get.
+fn malformed(packet: &Packet) -> Vec<(&'static str, Vec<u8>, Counter, u32)> {
+    let l4 = ETH_HLEN + 20;
+    let edit = |change: &dyn Fn(&mut Vec<u8>)| {
+        let mut bytes = packet.build();
+        change(&mut bytes);
+        fix_ip_checksum(&mut bytes);
+        bytes
+    };
+    let mut bad_checksum = packet.build();
+    bad_checksum[ETH_HLEN + 10] ^= 0x01;
+    let mut cases = vec![(
+        "bad IPv4 header checksum",
+        bad_checksum,
+        Counter::PassedBadIpChecksum,
+        TC_ACT_OK,
+    )];
+    let segment_len = 20 + PAYLOAD.len();
+    match packet.proto {
+        Proto::Tcp => {
+            let data_offset = |words: u8| edit(&|b| b[l4 + 12] = words << 4);
+            let flags = |flags: u8| edit(&|b| b[l4 + 13] = flags);
+            let beyond = (segment_len / 4 + 1) as u8;
+            cases.extend(
+                [
+                    (
+                        "TCP data offset 4",
+                        data_offset(4),
+                        Counter::DropBadTcpHeader,
+                    ),
+                    (
+                        "TCP data offset 0",
+                        data_offset(0),
+                        Counter::DropBadTcpHeader,
+                    ),
+                    (
+                        "TCP data offset beyond the segment",
+                        data_offset(beyond),
+                        Counter::DropBadTcpHeader,
+                    ),
+                    ("SYN+FIN", flags(0x03), Counter::DropBadTcpFlags),
+                    ("SYN+FIN+ACK", flags(0x13), Counter::DropBadTcpFlags),
+                    ("null", flags(0), Counter::DropBadTcpFlags),
+                    (
+                        "xmas (FIN, PSH, URG)",
+                        flags(0x29),
+                        Counter::DropBadTcpFlags,
+                    ),
+                    ("FIN without ACK", flags(0x01), Counter::DropBadTcpFlags),
+                    ("SYN+RST", flags(0x06), Counter::DropBadTcpFlags),
+                ]
+                .map(|(name, bytes, counter)| (name, bytes, counter, TC_ACT_SHOT)),
+            );
+        }
+        Proto::Udp => {
+            let udp_len =
+                |len: u16| edit(&|b| b[l4 + 4..l4 + 6].copy_from_slice(&len.to_be_bytes()));
+            cases.extend(
+                [
+                    ("UDP length 7", udp_len(7), Counter::DropBadUdpLength),
+                    ("UDP length 0", udp_len(0), Counter::DropBadUdpLength),
+                    (
+                        "UDP length beyond the payload",
+                        udp_len((8 + PAYLOAD.len() + 1) as u16),
+                        Counter::DropBadUdpLength,
+                    ),
+                ]
+                .map(|(name, bytes, counter)| (name, bytes, counter, TC_ACT_SHOT)),
+            );
+        }
+    }
+    cases
+}
+
+impl Datapath {
+    /// Runs `bytes`, which must be neither translated nor tracked: `verdict` with the packet
+    /// unchanged, the conntrack table as it was, `counter` moved by one, nothing translated.
+    fn assert_refused(&self, name: &str, bytes: &[u8], counter: Counter, verdict: u32) {
+        let entries = self.conntrack_entries();
+        let translated = self.counter(Counter::Translated) + self.counter(Counter::NewConnection);
+        let count = self.counter(counter);
+        let (got, output) = self.run(bytes);
+        assert_eq!(got, verdict, "{name}: verdict");
+        assert_eq!(output, bytes, "{name}: untouched");
+        assert_eq!(self.conntrack_entries(), entries, "{name}: conntrack");
+        assert_eq!(
+            self.counter(Counter::Translated) + self.counter(Counter::NewConnection),
+            translated,
+            "{name}: not translated"
+        );
+        assert_eq!(self.counter(counter), count + 1, "{name}: {counter:?}");
+    }
+
+    fn conntrack_entries(&self) -> Vec<(ConntrackKey, ConntrackEntry)> {
+        let map = self.ebpf.map(map_name::CONNTRACK).unwrap();
+        let conntrack: HashMap<&MapData, ConntrackKey, ConntrackEntry> = map.try_into().unwrap();
+        let mut entries: Vec<_> = conntrack.iter().map(Result::unwrap).collect();
+        entries.sort_by_key(|(k, _)| (k.src_addr, k.dst_addr, k.src_port, k.dst_port, k.proto));
+        entries
+    }
+}
+
+/// Malformed packets to a frontend open no connection: no conntrack entry, no masquerade port
+/// (a NodePort, masqueraded), counted by reason; a bad IPv4 header checksum passes to the stack,
+/// which drops it (ip_rcv), the rest are dropped (the stack would forward them to a ClusterIP
+/// untranslated, where kube-proxy's `ctstate INVALID` rule drops them).
+#[test]
+fn malformed_packets_to_a_frontend_open_no_connection() {
+    let mut datapath = Datapath::with_cluster_ip(&ENDPOINTS);
+    for proto in [Proto::Tcp, Proto::Udp] {
+        let flags = FRONTEND_F_MASQUERADE;
+        datapath.service(proto, NODE_PORT, flags, SERVICE_ID + 1, &ENDPOINTS);
+    }
+    for proto in [Proto::Tcp, Proto::Udp] {
+        for (client, frontend) in [(POD, CLUSTER_IP), (EXTERNAL_CLIENT, NODE_PORT)] {
+            let request = Packet {
+                tcp_syn: true,
+                ..Packet::new(proto, client, frontend)
+            };
+            for (name, bytes, counter, verdict) in malformed(&request) {
+                datapath.assert_refused(name, &bytes, counter, verdict);
+            }
+        }
+    }
+    assert_eq!(datapath.conntrack_len(), 0);
+    assert_eq!(datapath.counter(Counter::Masqueraded), 0);
+    // The well-formed request still opens its connection.
+    datapath.translate(&Packet::new(Proto::Tcp, POD, CLUSTER_IP));
+    assert_eq!(datapath.conntrack_len(), 2);
+}
+
+/// Malformed packets of a tracked connection, either direction, are not translated and leave
+/// its entries as they were (a SYN+FIN or FIN without ACK does not close it).
+#[test]
+fn malformed_packets_of_a_connection_leave_it_alone() {
+    let datapath = Datapath::with_cluster_ip(&ENDPOINTS);
+    for proto in [Proto::Tcp, Proto::Udp] {
+        let request = Packet::new(proto, POD, CLUSTER_IP);
+        let backend = datapath.translate(&request).dst;
+        let reply = Packet::new(proto, backend, POD);
+        datapath.translate(&reply);
+        for packet in [request, reply] {
+            for (name, bytes, counter, verdict) in malformed(&packet) {
+                datapath.assert_refused(name, &bytes, counter, verdict);
+            }
+        }
+        let entry = datapath.conntrack(&ct_key(proto, POD, CLUSTER_IP)).unwrap();
+        assert_eq!(entry.state, CT_STATE_ESTABLISHED, "{proto:?}");
+    }
+    assert_eq!(datapath.conntrack_len(), 4);
+}
+
+/// lb_xdp applies the same checks: a bad IPv4 header checksum goes to the stack (and tc), the
+/// rest are dropped, counted by reason; nothing is tracked.
+#[test]
+fn xdp_refuses_malformed_packets() {
+    let mut datapath = Datapath::new(config()).with_xdp();
+    for proto in [Proto::Tcp, Proto::Udp] {
+        let flags = FRONTEND_F_MASQUERADE;
+        datapath.service(proto, NODE_PORT, flags, SERVICE_ID, &ENDPOINTS);
+        let request = Packet {
+            tcp_syn: true,
+            ..Packet::new(proto, EXTERNAL_CLIENT, NODE_PORT)
+        };
+        for (name, bytes, counter, verdict) in malformed(&request) {
+            let (xdp_verdict, output) = datapath.run_xdp(&bytes);
+            assert_eq!(output, bytes, "{name}: untouched");
+            if verdict == TC_ACT_OK {
+                assert_eq!(xdp_verdict, XDP_PASS, "{name}");
+                datapath.assert_refused(name, &bytes, counter, verdict);
+            } else {
+                assert_eq!(xdp_verdict, XDP_DROP, "{name}");
+            }
+        }
+    }
+    assert_eq!(datapath.conntrack_len(), 0);
+    assert_eq!(datapath.counter(Counter::NewConnection), 0);
+    assert_eq!(datapath.counter(Counter::XdpPassed), 2);
+    assert_eq!(datapath.counter(Counter::DropBadTcpHeader), 3);
+    assert_eq!(datapath.counter(Counter::DropBadTcpFlags), 6);
+    assert_eq!(datapath.counter(Counter::DropBadUdpLength), 3);
+}
+
+/// Fragments that overlap their datagram's first fragment are dropped, as Linux's reassembly
+/// discards the datagram: a second first fragment with other ports opens no connection, and a
+/// later fragment starting inside the first (which could rewrite the header it was tracked
+/// with) is not translated. Exact duplicates of a first fragment are translated alike.
+#[test]
+fn fragments_overlapping_their_first_are_dropped() {
+    let mut datapath = Datapath::new(config());
+    let flags = FRONTEND_F_MASQUERADE;
+    datapath.service(Proto::Udp, NODE_PORT, flags, SERVICE_ID, &ENDPOINTS);
+    let request = udp_fragments(EXTERNAL_CLIENT, NODE_PORT, 0x1234, 3000, 1480);
+    let (verdict, first) = datapath.run(&request[0]);
+    assert!(verdict == TC_ACT_OK || verdict == TC_ACT_REDIRECT);
+    assert_eq!(datapath.conntrack_len(), 2);
+    let (_, again) = datapath.run(&request[0]);
+    assert_eq!(again, first, "a duplicate");
+
+    let mut other_ports = request[0].clone();
+    let src_port = ETH_HLEN + 20;
+    other_ports[src_port..src_port + 2].copy_from_slice(&50_001u16.to_be_bytes());
+    datapath.assert_refused(
+        "a first fragment with other ports",
+        &other_ports,
+        Counter::DropFragmentOverlap,
+        TC_ACT_SHOT,
+    );
+    let mut longer = udp_fragments(EXTERNAL_CLIENT, NODE_PORT, 0x1234, 3000, 1488)[0].clone();
+    fix_ip_checksum(&mut longer);
+    datapath.assert_refused(
+        "a longer first fragment",
+        &longer,
+        Counter::DropFragmentOverlap,
+        TC_ACT_SHOT,
+    );
+    // The second fragment moved 8 bytes back, into the first (its UDP header's end).
+    let mut inside = request[1].clone();
+    inside[ETH_HLEN + 6..ETH_HLEN + 8].copy_from_slice(&(0x2000u16 | (1480 / 8 - 1)).to_be_bytes());
+    fix_ip_checksum(&mut inside);
+    datapath.assert_refused(
+        "a later fragment inside the first",
+        &inside,
+        Counter::DropFragmentOverlap,
+        TC_ACT_SHOT,
+    );
+    let mut at_the_start = request[1].clone();
+    at_the_start[ETH_HLEN + 6..ETH_HLEN + 8].copy_from_slice(&0x2001u16.to_be_bytes());
+    fix_ip_checksum(&mut at_the_start);
+    datapath.assert_refused(
+        "a later fragment over the UDP header",
+        &at_the_start,
+        Counter::DropFragmentOverlap,
+        TC_ACT_SHOT,
+    );
+    // The datagram's own fragments still follow their first.
+    for fragment in &request[1..] {
+        let (verdict, output) = datapath.run(fragment);
+        assert!(verdict == TC_ACT_OK || verdict == TC_ACT_REDIRECT);
+        assert_ne!(
+            output[ETH_HLEN + 16..ETH_HLEN + 20],
+            fragment[ETH_HLEN + 16..ETH_HLEN + 20]
+        );
+    }
+    assert_eq!(datapath.counter(Counter::NewConnection), 1);
+    assert_eq!(datapath.conntrack_len(), 2);
+}
+
 #[test]
 fn ttl_one_goes_to_the_stack_untranslated() {
     let datapath = Datapath::with_cluster_ip(&ENDPOINTS);
