@@ -5,7 +5,7 @@ use std::{
     fs,
     path::{Path, PathBuf},
     process::{Child, Stdio},
-    time::{Duration, Instant},
+    time::{Duration, Instant, SystemTime},
 };
 
 use anyhow::{Context as _, Result, bail};
@@ -54,6 +54,8 @@ pub struct Agent {
     child: Child,
     dir: tempfile::TempDir,
     syncs_seen: usize,
+    /// Just before the spawn, on the clock of the agent's log timestamps.
+    spawned_at: SystemTime,
 }
 
 impl Agent {
@@ -107,6 +109,7 @@ impl Agent {
         } else {
             &["--cgroup", ""]
         };
+        let spawned_at = SystemTime::now();
         let child = node
             .ns
             .command(lb_binary())
@@ -127,6 +130,7 @@ impl Agent {
             child,
             dir,
             syncs_seen: 0,
+            spawned_at,
         };
         if wait {
             agent.wait_for_sync(START_TIMEOUT)?;
@@ -168,6 +172,11 @@ impl Agent {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
+    }
+
+    /// When the process was spawned: its log lines' timestamps are on the same clock.
+    pub fn spawned_at(&self) -> SystemTime {
+        self.spawned_at
     }
 
     pub fn pid(&self) -> u32 {
