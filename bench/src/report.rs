@@ -390,15 +390,15 @@ fn write_restarts(md: &mut String, results: &Results) {
         "## B6 restart gap with {} Services × {} endpoints pinned (tc)\n\n\
          The agent that programmed them is ended by the signal, and a new one started with the \
          same flags on the same bpffs. Times from the new agent's spawn to its log lines: its \
-         first sync written (manifests are whole at start, so it comes before the programs) and \
+         object loaded and the pinned maps checked and read, its first sync written (manifests are whole at start, so it comes before the programs) and \
          every program swapped into its pinned link. The old programs serve in between: a probe \
          in the client pod opens a new connection to a ClusterIP every 1 ms throughout (from \
          {} answers before the signal to {} after the swap); its longest gap between two \
          answers, and when it ended (from the spawn), includes its own scheduling delays on \
          CPUs it shares with the agent's start.\n\n\
-         | signal | first sync s | programs swapped s | map writes | links replaced / new | \
+         | signal | maps loaded s | first sync s | programs swapped s | map writes | links replaced / new | \
          probe connections | failed | longest gap ms (ended at s) |\n\
-         | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+         | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         first.services,
         first.endpoints_per_service,
         crate::restart::ANSWERS_AROUND,
@@ -406,7 +406,7 @@ fn write_restarts(md: &mut String, results: &Results) {
     );
     for r in &results.restarts {
         if let Some(e) = &r.error {
-            let _ = writeln!(md, "| {} | error: {e} |||||||", r.signal);
+            let _ = writeln!(md, "| {} | error: {e} ||||||||", r.signal);
             continue;
         }
         let (connections, failed, gap) =
@@ -419,8 +419,9 @@ fn write_restarts(md: &mut String, results: &Results) {
             });
         let _ = writeln!(
             md,
-            "| {} | {:.3} | {:.3} | {} | {} / {} | {connections} | {failed} | {gap} |",
+            "| {} | {:.3} | {:.3} | {:.3} | {} | {} / {} | {connections} | {failed} | {gap} |",
             r.signal,
+            r.loaded_s,
             r.first_sync_s,
             r.swapped_s,
             r.first_sync_writes,

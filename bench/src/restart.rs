@@ -40,6 +40,8 @@ const MAX_PROBES: u64 = 200_000;
 /// Answers the probe must have before the old agent is ended and after the new one attached, so
 /// that it covers the whole restart.
 pub const ANSWERS_AROUND: u64 = 20;
+/// The agent's log line once its object is loaded and the pinned maps checked and read.
+const LOADED: &str = "datapath loaded, maps pinned";
 /// The agent's log line for a link whose program it swapped in place, and for a new link.
 const REPLACED: &str = "replaced lb_";
 const ATTACHED_NEW: &str = "attached lb_";
@@ -59,6 +61,8 @@ pub struct Restart {
     pub signal: &'static str,
     pub services: usize,
     pub endpoints_per_service: usize,
+    /// The new agent's spawn → its object loaded, the pinned maps checked and read.
+    pub loaded_s: f64,
     /// The new agent's spawn → its first "sync done".
     pub first_sync_s: f64,
     /// The new agent's spawn → "attached to the existing interfaces": every program swapped in.
@@ -100,6 +104,7 @@ pub fn run(
             signal: signal.as_str(),
             services: set.count,
             endpoints_per_service: set.filler_endpoints,
+            loaded_s: 0.0,
             first_sync_s: 0.0,
             swapped_s: 0.0,
             first_sync_writes: 0,
@@ -134,6 +139,7 @@ fn measure(
     count.longest_gap_end_s = seconds_between(spawned, count.longest_gap_end);
     restart.probe = Some(count);
 
+    restart.loaded_s = seconds_since(spawned, first_line(&log, LOADED)?)?;
     let first_sync = first_line(&log, SYNC_DONE)?;
     restart.first_sync_s = seconds_since(spawned, first_sync)?;
     restart.swapped_s = seconds_since(spawned, first_line(&log, ATTACHED)?)?;
@@ -282,9 +288,11 @@ fn probe(to: SocketAddr, stop: &AtomicBool, answered: &AtomicU64) -> ProbeCount 
 impl Restart {
     pub fn summary(&self) -> String {
         let mut text = format!(
-            "  tc restart after {}: first sync {:.3} s, programs swapped {:.3} s after the new \
-             agent's start ({} links replaced in place, {} attached anew, {} map writes)",
+            "  tc restart after {}: maps loaded {:.3} s, first sync {:.3} s, programs swapped \
+             {:.3} s after the new agent's start ({} links replaced in place, {} attached anew, \
+             {} map writes)",
             self.signal,
+            self.loaded_s,
             self.first_sync_s,
             self.swapped_s,
             self.links_replaced,

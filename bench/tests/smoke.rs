@@ -66,8 +66,9 @@ fn smoke_run_writes_results_report_and_plots() {
     assert_eq!(restarts.len(), 2, "{restarts:?}");
     for restart in restarts {
         assert!(restart["error"].is_null(), "{restart}");
+        let loaded = restart["loaded_s"].as_f64().unwrap();
         let first_sync = restart["first_sync_s"].as_f64().unwrap();
-        assert!(first_sync > 0.0, "{restart}");
+        assert!(loaded > 0.0 && first_sync >= loaded, "{restart}");
         assert!(
             restart["swapped_s"].as_f64().unwrap() >= first_sync,
             "{restart}"
