@@ -5,7 +5,7 @@ use std::{
     fs,
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
-    time::{Duration, Instant},
+    time::{Duration, Instant, SystemTime},
 };
 
 use anyhow::{Context as _, Result, bail};
@@ -76,6 +76,8 @@ pub struct Agent {
     /// How many times it was started: each start logs to a file of its own.
     starts: usize,
     syncs_seen: usize,
+    /// Just before the spawn, on the clock of the agent's log timestamps.
+    spawned_at: SystemTime,
 }
 
 impl Agent {
@@ -164,12 +166,14 @@ impl Agent {
             .args(extra_args)
             .env("RUST_LOG", "info")
             .stdin(Stdio::null());
+        let spawned_at = SystemTime::now();
         let mut agent = Agent {
             child: spawn_logged(&mut command, &dir.path().join("agent.log"))?,
             dir,
             command,
             starts: 1,
             syncs_seen: 0,
+            spawned_at,
         };
         if wait {
             agent.wait_for_sync(START_TIMEOUT)?;
@@ -195,6 +199,7 @@ impl Agent {
             .stdin(Stdio::null());
         self.starts += 1;
         self.syncs_seen = 0;
+        self.spawned_at = SystemTime::now();
         self.child = spawn_logged(&mut command, &self.log_path())?;
         self.wait_for_log(ATTACHED, START_TIMEOUT)?;
         if wait_for_sync {
@@ -234,6 +239,11 @@ impl Agent {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
+    }
+
+    /// When the process was spawned: its log lines' timestamps are on the same clock.
+    pub fn spawned_at(&self) -> SystemTime {
+        self.spawned_at
     }
 
     pub fn pid(&self) -> u32 {
