@@ -275,19 +275,23 @@ fn conntrack_and_stats_show_the_open_connections() -> Result<()> {
     // Filters select exactly the matching connections.
     let pod_b = SocketAddrV4::new(backend_ip("pod-b"), TARGET_PORT);
     let pod_b_arg = pod_b.to_string();
-    let filters: [(&[&str], Box<dyn Fn(&Expected) -> bool>); 4] = [
+    type Selects = Box<dyn Fn(&Expected) -> bool>;
+    let filters: [(&[&str], Selects); 4] = [
         (
             &["--service", &node_port.to_string()],
-            Box::new(|e: &Expected| e.service == node_port),
+            Box::new(move |e: &Expected| e.service == node_port),
         ),
-        (&["--backend", &pod_b_arg], Box::new(|e| e.backend == pod_b)),
+        (
+            &["--backend", &pod_b_arg],
+            Box::new(move |e| e.backend == pod_b),
+        ),
         (
             &["--client", &CLIENT_IP.to_string()],
-            Box::new(|e| *e.client.ip() == CLIENT_IP),
+            Box::new(move |e| *e.client.ip() == CLIENT_IP),
         ),
         (
             &["--service", &vip.to_string(), "--backend", &pod_b_arg],
-            Box::new(|e| e.service == vip && e.backend == pod_b),
+            Box::new(move |e| e.service == vip && e.backend == pod_b),
         ),
     ];
     for (args, matches) in &filters {
