@@ -636,6 +636,75 @@ impl Counter {
             Counter::PassedFragment => "passed_fragment",
         }
     }
+
+    /// What the counter counts, in one line, for `lb stats`.
+    pub const fn meaning(self) -> &'static str {
+        match self {
+            Counter::NewConnection => "new connections to a service, translated to a backend",
+            Counter::Masqueraded => {
+                "new connections whose source was masqueraded to the node address (of new_connection)"
+            }
+            Counter::Translated => "packets of tracked connections translated (either direction)",
+            Counter::Passed => "packets that are not service traffic, passed untouched",
+            Counter::PassedUnparsed => {
+                "packets with a truncated or inconsistent header, or ICMP fragments, passed untouched"
+            }
+            Counter::DropNoBackend => {
+                "dropped: the service's backend slot is missing from the backend map"
+            }
+            Counter::DropNoLocalBackend => {
+                "dropped: traffic policy Local and no endpoint on this node (there are some elsewhere)"
+            }
+            Counter::DropConntrackFull => "dropped: the conntrack map refused a new connection",
+            Counter::DropSnatPortsExhausted => {
+                "dropped: no free masquerade source port towards the backend"
+            }
+            Counter::DropRewriteFailed => "dropped: rewriting the packet failed",
+            Counter::FibFallback => {
+                "packets translated but without a route lookup answer, handed to the kernel stack"
+            }
+            Counter::Rejected => {
+                "new connections to a service without endpoints (or an undefined port), answered with ICMP port unreachable"
+            }
+            Counter::DropSourceRange => {
+                "dropped: a LoadBalancer IP reached from outside its loadBalancerSourceRanges"
+            }
+            Counter::XdpForwarded => {
+                "packets translated and redirected by XDP (also counted as new_connection or translated)"
+            }
+            Counter::XdpPassed => "packets XDP left to tc, which handles and counts them",
+            Counter::IcmpErrorTranslated => {
+                "ICMP errors about tracked connections, reverse-translated and forwarded"
+            }
+            Counter::PassedFragment => {
+                "later IPv4 fragments of no translated datagram, passed untouched"
+            }
+        }
+    }
+
+    /// The reason, as a user reads it (like Cilium's drop reasons), when the counter counts
+    /// dropped packets; `None` for every other counter. `lb stats` groups drops by it.
+    pub const fn drop_reason(self) -> Option<&'static str> {
+        match self {
+            Counter::DropNoBackend => Some("Service backend not found"),
+            Counter::DropNoLocalBackend => Some("No local endpoint (traffic policy Local)"),
+            Counter::DropConntrackFull => Some("Conntrack map full"),
+            Counter::DropSnatPortsExhausted => Some("Masquerade ports exhausted"),
+            Counter::DropRewriteFailed => Some("Packet rewrite failed"),
+            Counter::DropSourceRange => Some("Source outside loadBalancerSourceRanges"),
+            Counter::NewConnection
+            | Counter::Masqueraded
+            | Counter::Translated
+            | Counter::Passed
+            | Counter::PassedUnparsed
+            | Counter::FibFallback
+            | Counter::Rejected
+            | Counter::XdpForwarded
+            | Counter::XdpPassed
+            | Counter::IcmpErrorTranslated
+            | Counter::PassedFragment => None,
+        }
+    }
 }
 
 const _: () = {
@@ -724,6 +793,15 @@ mod tests {
             conntrack_timeout_ns(IPPROTO_TCP, CT_STATE_CLOSING),
             CT_TIMEOUT_TCP_CLOSING_NS
         );
+    }
+
+    #[test]
+    fn drops_and_only_drops_have_a_reason() {
+        for counter in Counter::ALL {
+            assert!(!counter.meaning().is_empty());
+            let is_drop = counter.name().starts_with("drop_");
+            assert_eq!(counter.drop_reason().is_some(), is_drop, "{counter:?}");
+        }
     }
 
     #[test]

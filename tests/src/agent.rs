@@ -47,14 +47,20 @@ pub fn stats_at(ns: &Netns, bpffs: &str) -> Result<std::collections::BTreeMap<St
 
 fn stats_with(ns: &Netns, args: &[&str]) -> Result<std::collections::BTreeMap<String, u64>> {
     let binary = lb_binary();
-    let output = ns.exec(&binary.to_string_lossy(), args)?;
-    String::from_utf8(output.stdout)?
-        .lines()
-        .map(|line| {
-            let (name, value) = line
-                .split_once(' ')
-                .with_context(|| format!("lb stats line {line:?}"))?;
-            Ok((name.to_owned(), value.parse()?))
+    let output = ns.exec(&binary.to_string_lossy(), &[args, &["-o", "json"]].concat())?;
+    let stats: serde_json::Value =
+        serde_json::from_slice(&output.stdout).with_context(|| format!("lb {args:?} -o json"))?;
+    stats["counters"]
+        .as_array()
+        .with_context(|| format!("no counters in {stats}"))?
+        .iter()
+        .map(|counter| {
+            let name = counter["name"].as_str();
+            let value = counter["value"].as_u64();
+            match (name, value) {
+                (Some(name), Some(value)) => Ok((name.to_owned(), value)),
+                _ => bail!("lb stats counter {counter}"),
+            }
         })
         .collect()
 }
@@ -338,14 +344,11 @@ impl Agent {
 
 /// The datapath counter `name` of the agent running in `ns`, as `lb stats` prints it there.
 pub fn counter(ns: &Netns, name: &str) -> Result<u64> {
-    let binary = lb_binary();
-    let output = ns.exec(&binary.to_string_lossy(), &["stats"])?;
-    let text = String::from_utf8(output.stdout)?;
-    text.lines()
-        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
-        .with_context(|| format!("no counter {name} in:\n{text}"))?
-        .parse()
-        .with_context(|| format!("counter {name}"))
+    let counters = stats(ns)?;
+    counters
+        .get(name)
+        .copied()
+        .with_context(|| format!("no counter {name} in {counters:?}"))
 }
 
 /// Runs `command` with its stdout and stderr in a new file at `log`.
