@@ -14,7 +14,7 @@ pub mod map_name {
     pub const BACKENDS: &str = "LB_BACKEND_V1";
     pub const CONNTRACK: &str = "LB_CT_V2";
     pub const CONFIG: &str = "LB_CONFIG_V3";
-    pub const COUNTERS: &str = "LB_COUNTER_V6";
+    pub const COUNTERS: &str = "LB_COUNTER_V7";
     pub const AFFINITY: &str = "LB_AFFINITY_V1";
     pub const ROUND_ROBIN: &str = "LB_RR_V1";
     pub const SOURCE_RANGES: &str = "LB_SOURCE_RANGE_V1";
@@ -591,10 +591,14 @@ pub enum Counter {
     /// A later IPv4 fragment of no translated datagram (not service traffic, or its first
     /// fragment not seen yet): passed untouched.
     PassedFragment,
+    /// Dropped: a new connection's translated tuple is another connection's (a client reaching
+    /// two frontends of one backend from one port), and no free source port of the range was
+    /// found to remap it to.
+    DropTupleClash,
 }
 
 impl Counter {
-    pub const COUNT: u32 = 17;
+    pub const COUNT: u32 = 18;
     pub const ALL: [Counter; Self::COUNT as usize] = [
         Counter::NewConnection,
         Counter::Masqueraded,
@@ -613,6 +617,7 @@ impl Counter {
         Counter::XdpPassed,
         Counter::IcmpErrorTranslated,
         Counter::PassedFragment,
+        Counter::DropTupleClash,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -634,6 +639,7 @@ impl Counter {
             Counter::XdpPassed => "xdp_passed",
             Counter::IcmpErrorTranslated => "icmp_error_translated",
             Counter::PassedFragment => "passed_fragment",
+            Counter::DropTupleClash => "drop_tuple_clash",
         }
     }
 

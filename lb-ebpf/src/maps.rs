@@ -50,7 +50,7 @@ static FRAGMENTS: LruHashMap<FragmentKey, FragmentPorts> =
 #[map(name = "LB_CONFIG_V3")]
 static CONFIG: Array<Config> = Array::with_max_entries(1, 0);
 
-#[map(name = "LB_COUNTER_V6")]
+#[map(name = "LB_COUNTER_V7")]
 static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(Counter::COUNT, 0);
 
 /// The value is unused: a key's presence allows its prefix.
