@@ -685,6 +685,9 @@ impl Counter {
             Counter::PassedFragment => {
                 "later IPv4 fragments of no translated datagram, passed untouched"
             }
+            Counter::DropTupleClash => {
+                "dropped: a new connection's translated tuple is another's and no free source port was found to remap it"
+            }
         }
     }
 
@@ -698,6 +701,7 @@ impl Counter {
             Counter::DropSnatPortsExhausted => Some("Masquerade ports exhausted"),
             Counter::DropRewriteFailed => Some("Packet rewrite failed"),
             Counter::DropSourceRange => Some("Source outside loadBalancerSourceRanges"),
+            Counter::DropTupleClash => Some("NAT tuple clash, no port to remap"),
             Counter::NewConnection
             | Counter::Masqueraded
             | Counter::Translated
