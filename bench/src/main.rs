@@ -11,6 +11,7 @@ mod memory;
 mod packet;
 mod plot;
 mod report;
+mod restart;
 mod results;
 mod rulesets;
 mod services;
@@ -69,8 +70,12 @@ pub enum Section {
     B4,
     /// Conntrack map full, masquerade ports exhausted.
     B5,
-    /// Control plane: change to first packet; programming 10k × 10 from nothing.
+    /// Control plane: change to first packet; programming 10k × 10 from nothing; the restart gap
+    /// on those pins.
     B6,
+    /// B6's restart gap alone: the agent programs 10k × 10 from nothing, then is restarted on
+    /// its pins.
+    B6Restart,
     /// Map and agent memory.
     B7,
 }
@@ -124,6 +129,11 @@ impl Plan {
         self.sections.contains(&section)
     }
 
+    /// Whether B6's restart gap is measured (after the bulk programming).
+    pub fn wants_restart(&self) -> bool {
+        self.wants(Section::B6) || self.wants(Section::B6Restart)
+    }
+
     /// The variants some wanted section measures.
     fn deployed_variants(&self) -> Vec<Variant> {
         self.variants
@@ -135,6 +145,7 @@ impl Plan {
                     || self.wants(Section::B5) && v == Variant::Tc
                     || (self.wants(Section::B6) || self.wants(Section::B7))
                         && !matches!(v, Variant::Direct | Variant::Xdp)
+                    || self.wants(Section::B6Restart) && v == Variant::Tc
             })
             .collect()
     }
@@ -174,6 +185,10 @@ impl Plan {
             // endpoints runs into its timeout.
             let endpoints = (self.bulk.0 * self.bulk.1) as f64;
             seconds += endpoints * 4e-4 + if endpoints >= 50_000.0 { 180.0 } else { 0.0 };
+        }
+        if self.wants_restart() {
+            // The agent's start on them, then two restarts.
+            seconds += 3.0 * (self.bulk.0 * self.bulk.1) as f64 * 1e-5 + 5.0;
         }
         Duration::from_secs_f64(seconds)
     }
@@ -261,9 +276,10 @@ fn main() -> Result<()> {
         results.write(&out)?;
         report::write(&results, &out)?;
     }
-    if plan.wants(Section::B6) || plan.wants(Section::B7) {
-        progress("B6 programming from nothing, B7 agent memory");
-        results.bulk = sweep::bulk(&plan, &mut deployments, bpffs.path(), &progress)?;
+    if plan.wants_restart() || plan.wants(Section::B7) {
+        progress("B6 programming from nothing and the restart gap, B7 agent memory");
+        (results.bulk, results.restarts) =
+            sweep::bulk(&plan, &mut deployments, bpffs.path(), &progress)?;
     }
     drop(deployments);
     interrupt::check()?;

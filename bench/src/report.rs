@@ -69,6 +69,7 @@ pub fn write(results: &Results, dir: &Path) -> Result<()> {
     write_conntrack(&mut md, results);
     write_control(&mut md, results);
     write_bulk(&mut md, results);
+    write_restarts(&mut md, results);
     write_memory(&mut md, results);
     write_errors(&mut md, results);
     fs::write(dir.join("report.md"), md)?;
@@ -378,6 +379,57 @@ fn write_bulk(md: &mut String, results: &Results) {
         "\nThe agent's time runs from its start to its first sync applied and its programs \
          attached: loading the eBPF object, the parse of the manifests and the map writes.\n\n",
     );
+}
+
+fn write_restarts(md: &mut String, results: &Results) {
+    let Some(first) = results.restarts.first() else {
+        return;
+    };
+    let _ = writeln!(
+        md,
+        "## B6 restart gap with {} Services × {} endpoints pinned (tc)\n\n\
+         The agent that programmed them is ended by the signal, and a new one started with the \
+         same flags on the same bpffs. Times from the new agent's spawn to its log lines: its \
+         object loaded and the pinned maps checked and read, its first sync written (manifests are whole at start, so it comes before the programs) and \
+         every program swapped into its pinned link. The old programs serve in between: a probe \
+         in the client pod opens a new connection to a ClusterIP every 1 ms throughout (from \
+         {} answers before the signal to {} after the swap); its longest gap between two \
+         answers, and when it ended (from the spawn), includes its own scheduling delays on \
+         CPUs it shares with the agent's start.\n\n\
+         | signal | maps loaded s | first sync s | programs swapped s | map writes | links replaced / new | \
+         probe connections | failed | longest gap ms (ended at s) |\n\
+         | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        first.services,
+        first.endpoints_per_service,
+        crate::restart::ANSWERS_AROUND,
+        crate::restart::ANSWERS_AROUND
+    );
+    for r in &results.restarts {
+        if let Some(e) = &r.error {
+            let _ = writeln!(md, "| {} | error: {e} ||||||||", r.signal);
+            continue;
+        }
+        let (connections, failed, gap) =
+            r.probe.map_or(("-".into(), "-".into(), "-".into()), |p| {
+                (
+                    (p.answered + p.failed).to_string(),
+                    p.failed.to_string(),
+                    format!("{:.1} ({:+.3})", p.longest_gap_ms, p.longest_gap_end_s),
+                )
+            });
+        let _ = writeln!(
+            md,
+            "| {} | {:.3} | {:.3} | {:.3} | {} | {} / {} | {connections} | {failed} | {gap} |",
+            r.signal,
+            r.loaded_s,
+            r.first_sync_s,
+            r.swapped_s,
+            r.first_sync_writes,
+            r.links_replaced,
+            r.links_attached
+        );
+    }
+    md.push('\n');
 }
 
 fn write_memory(md: &mut String, results: &Results) {

@@ -11,6 +11,7 @@ use crate::{
     datapath_cost::DatapathCost,
     flood::Flood,
     memory::MapMemory,
+    restart::Restart,
     sweep::Bulk,
     traffic::{ConnectionRate, RequestRate},
     variants::Variant,
@@ -38,6 +39,8 @@ pub struct Results {
     pub control: Vec<ControlPoint>,
     /// B6: programming many Services at once; B7: the agent's memory then.
     pub bulk: Vec<Bulk>,
+    /// B6: the tc agent of `bulk` restarted on its pins, once per signal.
+    pub restarts: Vec<Restart>,
     /// B7.
     pub maps: Vec<MapMemory>,
 }
@@ -60,6 +63,7 @@ impl Results {
             conntrack: Vec::new(),
             control: Vec::new(),
             bulk: Vec::new(),
+            restarts: Vec::new(),
             maps: Vec::new(),
         })
     }

@@ -6,6 +6,7 @@ use serde::Serialize;
 
 use crate::{
     Plan, Progress, interrupt, memory,
+    restart::{self, Restart},
     results::{Point, Round},
     services::ServiceSet,
     traffic::{connection_rate, request_rate},
@@ -77,15 +78,17 @@ fn measure_round(deployment: &Deployment, set: &ServiceSet, duration: Duration) 
 
 /// B6 (bulk) and B7 (agent memory): every variant programs `services` × `endpoints` from
 /// nothing: the loaders from a single Service, the agent by starting on them in a deployment of
-/// its own (start to its first sync, attached), as a node's agent does.
+/// its own (start to its first sync, attached), as a node's agent does. Then (B6 restart) that
+/// agent is restarted on its pins.
 pub fn bulk(
     plan: &Plan,
     deployments: &mut [Deployment],
     bpffs: &Path,
     progress: Progress,
-) -> Result<Vec<Bulk>> {
+) -> Result<(Vec<Bulk>, Vec<Restart>)> {
     let (services, endpoints) = plan.bulk;
     let mut bulk = Vec::new();
+    let mut restarts = Vec::new();
     for deployment in deployments.iter_mut() {
         if matches!(deployment.variant, Variant::Direct | Variant::Xdp) {
             continue;
@@ -127,8 +130,11 @@ pub fn bulk(
                 .unwrap_or_default()
         ));
         bulk.push(entry);
+        if deployment.variant == Variant::Tc && plan.wants_restart() {
+            restarts = restart::run(deployment, &set, progress)?;
+        }
     }
-    Ok(bulk)
+    Ok((bulk, restarts))
 }
 
 #[derive(Debug, Serialize)]

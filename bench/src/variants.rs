@@ -11,6 +11,10 @@ use std::{
 
 use anyhow::{Context as _, Result};
 use lb_tests::{agent::Agent, topology::CLUSTER_CIDR};
+use nix::{
+    sys::signal::{Signal, kill},
+    unistd::Pid,
+};
 use serde::Serialize;
 
 use crate::{
@@ -184,15 +188,7 @@ impl Deployment {
                 match &mut self.agent {
                     None => {
                         let start = Instant::now();
-                        let mut args = vec!["--bpffs", self.bpffs.to_str().expect("utf-8 path")];
-                        if self.variant == Variant::Xdp {
-                            args.push("--xdp");
-                        }
-                        args.extend(self.agent_args.iter().map(String::as_str));
-                        self.agent = Some(
-                            Agent::start(&self.topology.inner, &yaml, &args)
-                                .context("start the agent")?,
-                        );
+                        self.agent = Some(self.start_agent(&yaml)?);
                         Ok(start.elapsed())
                     }
                     Some(agent) => {
@@ -204,6 +200,35 @@ impl Deployment {
                 }
             }
         }
+    }
+
+    /// Starts the agent on `yaml` with this deployment's flags; returns once it has synced and
+    /// attached.
+    fn start_agent(&self, yaml: &str) -> Result<Agent> {
+        let mut args = vec!["--bpffs", self.bpffs.to_str().expect("utf-8 path")];
+        if self.variant == Variant::Xdp {
+            args.push("--xdp");
+        }
+        args.extend(self.agent_args.iter().map(String::as_str));
+        Agent::start(&self.topology.inner, yaml, &args).context("start the agent")
+    }
+
+    /// Ends the agent with `signal` (SIGTERM as a rolling update, SIGKILL as a crash) and starts
+    /// a new one with the same flags on the same pins and `set`; returns it once it has synced
+    /// and attached.
+    pub fn restart_agent(&mut self, signal: Signal, set: &ServiceSet) -> Result<&mut Agent> {
+        // Before the stop: the bench's own work is no part of the gap.
+        let yaml = set.yaml();
+        let mut old = self.agent.take().context("the agent is not running")?;
+        kill(Pid::from_raw(old.pid() as i32), signal).with_context(|| format!("{signal}"))?;
+        let status = old.stop()?;
+        anyhow::ensure!(
+            signal != Signal::SIGTERM || status.success(),
+            "the agent exited with {status} on SIGTERM:\n{}",
+            old.log()
+        );
+        drop(old);
+        Ok(self.agent.insert(self.start_agent(&yaml)?))
     }
 }
 

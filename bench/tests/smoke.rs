@@ -59,9 +59,39 @@ fn smoke_run_writes_results_report_and_plots() {
         assert!(latencies.iter().all(|l| l.as_f64().unwrap() > 0.0));
     }
 
+    // B6 restart, after SIGTERM and after SIGKILL: the new agent swapped its programs into the
+    // pinned links, its first sync found the maps already written, and every probe connection
+    // across the restart was answered.
+    let restarts = results["restarts"].as_array().unwrap();
+    assert_eq!(restarts.len(), 2, "{restarts:?}");
+    for restart in restarts {
+        assert!(restart["error"].is_null(), "{restart}");
+        let loaded = restart["loaded_s"].as_f64().unwrap();
+        let first_sync = restart["first_sync_s"].as_f64().unwrap();
+        assert!(loaded > 0.0 && first_sync >= loaded, "{restart}");
+        assert!(
+            restart["swapped_s"].as_f64().unwrap() >= first_sync,
+            "{restart}"
+        );
+        assert!(restart["links_replaced"].as_u64().unwrap() > 0, "{restart}");
+        assert_eq!(restart["links_attached"], 0, "{restart}");
+        assert_eq!(restart["first_sync_writes"], 0, "{restart}");
+        assert_eq!(restart["probe"]["failed"], 0, "{restart}");
+        assert!(
+            restart["probe"]["answered"].as_u64().unwrap() >= 40,
+            "{restart}"
+        );
+    }
+
     let report = std::fs::read_to_string(dir.path().join("report.md")).unwrap();
     assert!(report.contains("| 1 |"));
-    for section in ["## B4", "## B5", "## B6 control plane", "## B6 programming"] {
+    for section in [
+        "## B4",
+        "## B5",
+        "## B6 control plane",
+        "## B6 programming",
+        "## B6 restart",
+    ] {
         assert!(report.contains(section), "{section} missing:\n{report}");
     }
     assert!(dir.path().join("connections.svg").exists());

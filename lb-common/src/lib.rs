@@ -619,10 +619,14 @@ pub enum Counter {
     /// fragment with other ports or length, or a later one starting inside the first), for
     /// which Linux's reassembly discards the whole datagram.
     DropFragmentOverlap,
+    /// Dropped: a new connection's translated tuple is another connection's (a client reaching
+    /// two frontends of one backend from one port), and no free source port of the range was
+    /// found to remap it to.
+    DropTupleClash,
 }
 
 impl Counter {
-    pub const COUNT: u32 = 22;
+    pub const COUNT: u32 = 23;
     pub const ALL: [Counter; Self::COUNT as usize] = [
         Counter::NewConnection,
         Counter::Masqueraded,
@@ -646,6 +650,7 @@ impl Counter {
         Counter::DropBadUdpLength,
         Counter::DropBadTcpFlags,
         Counter::DropFragmentOverlap,
+        Counter::DropTupleClash,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -672,6 +677,98 @@ impl Counter {
             Counter::DropBadUdpLength => "drop_bad_udp_length",
             Counter::DropBadTcpFlags => "drop_bad_tcp_flags",
             Counter::DropFragmentOverlap => "drop_fragment_overlap",
+            Counter::DropTupleClash => "drop_tuple_clash",
+        }
+    }
+
+    /// What the counter counts, in one line, for `lb stats`.
+    pub const fn meaning(self) -> &'static str {
+        match self {
+            Counter::NewConnection => "new connections to a service, translated to a backend",
+            Counter::Masqueraded => {
+                "new connections whose source was masqueraded to the node address (of new_connection)"
+            }
+            Counter::Translated => "packets of tracked connections translated (either direction)",
+            Counter::Passed => "packets that are not service traffic, passed untouched",
+            Counter::PassedUnparsed => {
+                "packets with a truncated or inconsistent header, or ICMP fragments, passed untouched"
+            }
+            Counter::DropNoBackend => {
+                "dropped: the service's backend slot is missing from the backend map"
+            }
+            Counter::DropNoLocalBackend => {
+                "dropped: traffic policy Local and no endpoint on this node (there are some elsewhere)"
+            }
+            Counter::DropConntrackFull => "dropped: the conntrack map refused a new connection",
+            Counter::DropSnatPortsExhausted => {
+                "dropped: no free masquerade source port towards the backend"
+            }
+            Counter::DropRewriteFailed => "dropped: rewriting the packet failed",
+            Counter::FibFallback => {
+                "packets translated but without a route lookup answer, handed to the kernel stack"
+            }
+            Counter::Rejected => {
+                "new connections to a service without endpoints (or an undefined port), answered with ICMP port unreachable"
+            }
+            Counter::DropSourceRange => {
+                "dropped: a LoadBalancer IP reached from outside its loadBalancerSourceRanges"
+            }
+            Counter::XdpForwarded => {
+                "packets translated and redirected by XDP (also counted as new_connection or translated)"
+            }
+            Counter::XdpPassed => "packets XDP left to tc, which handles and counts them",
+            Counter::IcmpErrorTranslated => {
+                "ICMP errors about tracked connections, reverse-translated and forwarded"
+            }
+            Counter::PassedFragment => {
+                "later IPv4 fragments of no translated datagram, passed untouched"
+            }
+            Counter::DropTupleClash => {
+                "dropped: a new connection's translated tuple is another's and no free source port was found to remap it"
+            }
+            Counter::PassedBadIpChecksum => {
+                "packets with a wrong IPv4 header checksum, passed untouched for the stack to drop"
+            }
+            Counter::DropBadTcpHeader => {
+                "dropped: a TCP data offset below 5 words or beyond the segment"
+            }
+            Counter::DropBadUdpLength => "dropped: a UDP length below 8 or beyond the IP payload",
+            Counter::DropBadTcpFlags => {
+                "dropped: a TCP flag combination Linux's conntrack holds invalid (null, SYN+FIN, xmas...)"
+            }
+            Counter::DropFragmentOverlap => {
+                "dropped: an IPv4 fragment overlapping its datagram's first fragment"
+            }
+        }
+    }
+
+    /// The reason, as a user reads it (like Cilium's drop reasons), when the counter counts
+    /// dropped packets; `None` for every other counter. `lb stats` groups drops by it.
+    pub const fn drop_reason(self) -> Option<&'static str> {
+        match self {
+            Counter::DropNoBackend => Some("Service backend not found"),
+            Counter::DropNoLocalBackend => Some("No local endpoint (traffic policy Local)"),
+            Counter::DropConntrackFull => Some("Conntrack map full"),
+            Counter::DropSnatPortsExhausted => Some("Masquerade ports exhausted"),
+            Counter::DropRewriteFailed => Some("Packet rewrite failed"),
+            Counter::DropSourceRange => Some("Source outside loadBalancerSourceRanges"),
+            Counter::DropTupleClash => Some("NAT tuple clash, no port to remap"),
+            Counter::DropBadTcpHeader => Some("Invalid TCP header (data offset)"),
+            Counter::DropBadUdpLength => Some("Invalid UDP length"),
+            Counter::DropBadTcpFlags => Some("Invalid TCP flags"),
+            Counter::DropFragmentOverlap => Some("Overlapping IPv4 fragment"),
+            Counter::NewConnection
+            | Counter::Masqueraded
+            | Counter::Translated
+            | Counter::Passed
+            | Counter::PassedUnparsed
+            | Counter::FibFallback
+            | Counter::Rejected
+            | Counter::XdpForwarded
+            | Counter::XdpPassed
+            | Counter::IcmpErrorTranslated
+            | Counter::PassedFragment
+            | Counter::PassedBadIpChecksum => None,
         }
     }
 }
@@ -762,6 +859,15 @@ mod tests {
             conntrack_timeout_ns(IPPROTO_TCP, CT_STATE_CLOSING),
             CT_TIMEOUT_TCP_CLOSING_NS
         );
+    }
+
+    #[test]
+    fn drops_and_only_drops_have_a_reason() {
+        for counter in Counter::ALL {
+            assert!(!counter.meaning().is_empty());
+            let is_drop = counter.name().starts_with("drop_");
+            assert_eq!(counter.drop_reason().is_some(), is_drop, "{counter:?}");
+        }
     }
 
     #[test]

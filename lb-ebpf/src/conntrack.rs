@@ -3,7 +3,7 @@
 //! own rewrite turned around.
 use core::mem::MaybeUninit;
 
-use aya_ebpf::bindings::{BPF_ANY, BPF_NOEXIST};
+use aya_ebpf::bindings::BPF_NOEXIST;
 use lb_common::{
     Backend, CT_F_MASQUERADE, CT_F_REPLY, CT_STATE_CLOSING, CT_STATE_ESTABLISHED, CT_STATE_NEW,
     ConntrackEntry, ConntrackKey, Counter, IPPROTO_TCP, conntrack_timeout_ns,
@@ -114,6 +114,15 @@ fn rewrite_of(entry: &ConntrackEntry, proto: u8) -> ConntrackKey {
     }
 }
 
+/// Whether `a` and `b` rewrite to the same tuple. Field by field from the entries themselves: a
+/// tuple built to compare with would keep its fields live across helper calls, on the stack.
+fn same_rewrite(a: &ConntrackEntry, b: &ConntrackEntry) -> bool {
+    a.src_addr == b.src_addr
+        && a.dst_addr == b.dst_addr
+        && a.src_port == b.src_port
+        && a.dst_port == b.dst_port
+}
+
 /// The same flow seen from the other end.
 fn reversed(tuple: &ConntrackKey) -> ConntrackKey {
     ConntrackKey {
@@ -133,15 +142,24 @@ pub struct Connection {
     backend: Backend,
     service_id: u32,
     now: u64,
+    /// `CT_F_MASQUERADE` or 0, for both entries.
+    flags: u8,
 }
 
 impl Connection {
-    pub fn new(tuple: &ConntrackKey, service_id: u32, backend: &Backend, now: u64) -> Self {
+    pub fn new(
+        tuple: &ConntrackKey,
+        service_id: u32,
+        backend: &Backend,
+        masquerade: bool,
+        now: u64,
+    ) -> Self {
         Self {
             tuple: *tuple,
             backend: *backend,
             service_id,
             now,
+            flags: if masquerade { CT_F_MASQUERADE } else { 0 },
         }
     }
 
@@ -156,15 +174,6 @@ impl Connection {
             _pad0: 0,
             _pad1: 0,
         }
-    }
-
-    /// Replies come back as if from the frontend.
-    fn reply_entry<'a>(
-        &self,
-        flags: u8,
-        slot: &'a mut MaybeUninit<ConntrackEntry>,
-    ) -> &'a ConntrackEntry {
-        self.entry(&reversed(&self.tuple), flags | CT_F_REPLY, slot)
     }
 
     /// The entry that rewrites to `to`, with no route cached yet, built in `slot`: a zeroed
@@ -188,34 +197,31 @@ impl Connection {
         entry
     }
 
-    /// Tracks the reply direction with the client's own source: the backend answers the client
-    /// address directly.
-    pub fn track_reply(&self) -> Result<ConntrackKey, Counter> {
-        let to = self.translated(self.tuple.src_addr, self.tuple.src_port);
-        let mut slot = MaybeUninit::uninit();
-        if maps::conntrack_insert(&reversed(&to), self.reply_entry(0, &mut slot), BPF_ANY) {
-            Ok(to)
-        } else {
-            Err(Counter::DropConntrackFull)
-        }
-    }
-
-    /// Tracks the reply direction with the masquerade source `node_addr:port` if no live
-    /// connection uses it; an expired one is taken over. `Ok(None)`: the source is in use.
+    /// Tracks the reply direction with the backend seeing the client as `src_addr:port`, unless
+    /// a live connection of another flow is seen from there: a flow never overwrites another's
+    /// entry, or that one's replies would come back translated as this one's (Linux's NAT
+    /// remaps such a clash). An expired entry is taken over, and so is one of this same flow: a
+    /// connection it reopens, or the one another CPU seeing its first packet at the same time
+    /// wrote. `Ok(None)`: the source is another connection's.
     // A frame of its own: masquerade::claim_source's loop runs deepest on the 512-byte stack.
     #[inline(never)]
-    pub fn claim_reply(&self, node_addr: u32, port: u16) -> Result<Option<ConntrackKey>, Counter> {
-        let to = self.translated(node_addr, port);
+    pub fn claim_reply(&self, src_addr: u32, port: u16) -> Result<Option<ConntrackKey>, Counter> {
+        let to = self.translated(src_addr, port);
         let key = reversed(&to);
         let mut slot = MaybeUninit::uninit();
-        let entry = self.reply_entry(CT_F_MASQUERADE, &mut slot);
+        // Replies come back as if from the frontend.
+        let entry = self.entry(&reversed(&self.tuple), self.flags | CT_F_REPLY, &mut slot);
         if maps::conntrack_insert(&key, entry, BPF_NOEXIST) {
             return Ok(Some(to));
         }
         match maps::conntrack(&key) {
-            Some(live) if !expired(live, self.tuple.proto, self.now) => Ok(None),
-            Some(stale) => {
-                *stale = *entry;
+            Some(held)
+                if !expired(held, self.tuple.proto, self.now) && !same_rewrite(held, entry) =>
+            {
+                Ok(None)
+            }
+            Some(ours) => {
+                *ours = *entry;
                 Ok(Some(to))
             }
             // The insert failed for want of room, not because the source was taken.
@@ -224,15 +230,40 @@ impl Connection {
     }
 
     /// Tracks the original direction, rewritten to `to`, once its reply entry is in place.
-    pub fn track_original(&self, to: &ConntrackKey, masquerade: bool) -> Result<(), Counter> {
-        let flags = if masquerade { CT_F_MASQUERADE } else { 0 };
-        // BPF_ANY: an expired entry of an earlier connection with this tuple is replaced.
+    /// `Ok(Some(theirs))`: another CPU saw the flow's first packet at the same time and won the
+    /// insert; this packet follows its connection (rewritten to `theirs`), so that one flow is
+    /// one connection with one endpoint.
+    // A frame of its own, as claim_reply's: inlined, its entry would deepen every program's.
+    #[inline(never)]
+    pub fn track_original(&self, to: &ConntrackKey) -> Result<Option<ConntrackKey>, Counter> {
         let mut slot = MaybeUninit::uninit();
-        if maps::conntrack_insert(&self.tuple, self.entry(to, flags, &mut slot), BPF_ANY) {
-            Ok(())
-        } else {
-            maps::conntrack_remove(&reversed(to));
-            Err(Counter::DropConntrackFull)
+        let entry = self.entry(to, self.flags, &mut slot);
+        if maps::conntrack_insert(&self.tuple, entry, BPF_NOEXIST) {
+            return Ok(None);
+        }
+        let proto = self.tuple.proto;
+        match maps::conntrack(&self.tuple) {
+            // A closing entry is here only when this packet reopens it (`lookup`): a racing
+            // CPU's connection would be new.
+            Some(winner)
+                if !expired(winner, proto, self.now) && winner.state != CT_STATE_CLOSING =>
+            {
+                let theirs = rewrite_of(winner, proto);
+                // Unless both chose the same backend and source, and so wrote the same reply
+                // entry.
+                if theirs != *to {
+                    maps::conntrack_remove(&reversed(to));
+                }
+                Ok(Some(theirs))
+            }
+            Some(stale) => {
+                *stale = *entry;
+                Ok(None)
+            }
+            None => {
+                maps::conntrack_remove(&reversed(to));
+                Err(Counter::DropConntrackFull)
+            }
         }
     }
 }

@@ -24,27 +24,36 @@ pub fn needed(config: &Config, frontend: &Frontend, client: u32, backend: &Backe
                 || client & config.cluster_cidr_mask != config.cluster_cidr_addr)
 }
 
-/// Tracks the reply direction of `connection` from `node_addr` and a free source port of the
-/// configured range, which makes the translated tuple unique. Starts at a random point of the
-/// range so that concurrent connections rarely contend for the same port.
-pub fn claim_source(config: &Config, connection: &Connection) -> Result<ConntrackKey, Counter> {
+/// Tracks the reply direction of `connection` from `src_addr` and a port of the configured range
+/// no live connection uses with it, which makes the translated tuple unique: the node address
+/// for a masqueraded connection, the client's own for one whose translated tuple is another
+/// connection's (as Linux's NAT remaps a clashing source port). Starts at a random point of the
+/// range so that concurrent connections rarely contend for the same port. `Ok(None)`: no free
+/// port found.
+pub fn claim_source(
+    config: &Config,
+    connection: &Connection,
+    src_addr: u32,
+) -> Result<Option<ConntrackKey>, Counter> {
     let min = u32::from(config.snat_port_min);
-    let span = (u32::from(config.snat_port_max) + 1)
+    let Some(span) = (u32::from(config.snat_port_max) + 1)
         .checked_sub(min)
         .filter(|&span| span > 0)
-        .ok_or(Counter::DropSnatPortsExhausted)?;
-    let start = maps::random()
-        .checked_rem(span)
-        .ok_or(Counter::DropSnatPortsExhausted)?;
+    else {
+        return Ok(None);
+    };
+    let Some(start) = maps::random().checked_rem(span) else {
+        return Ok(None);
+    };
     for i in 0..PORT_TRIES.min(span) {
         let mut offset = start + i;
         if offset >= span {
             offset -= span;
         }
         let port = ((min + offset) as u16).to_be();
-        if let Some(to) = connection.claim_reply(config.node_addr, port)? {
-            return Ok(to);
+        if let Some(to) = connection.claim_reply(src_addr, port)? {
+            return Ok(Some(to));
         }
     }
-    Err(Counter::DropSnatPortsExhausted)
+    Ok(None)
 }

@@ -88,17 +88,36 @@ fn connect(
     now: u64,
 ) -> Result<ConntrackKey, Counter> {
     let (_, backend) = service::select_backend(frontend, backends, tuple, now)?;
-    let connection = Connection::new(tuple, frontend.service_id, &backend, now);
     let masquerade = masquerade::needed(config, frontend, tuple.src_addr, &backend);
-    let to = if masquerade {
-        masquerade::claim_source(config, &connection)?
+    let connection = Connection::new(tuple, frontend.service_id, &backend, masquerade, now);
+    // Not masqueraded, the backend sees the client's own source unless another connection's
+    // translated tuple is the same (a client reaching two frontends of one backend from one
+    // port); then, as for masquerade, a port of the range.
+    let (src_addr, own_source) = if masquerade {
+        (config.node_addr, None)
     } else {
-        connection.track_reply()?
+        let own = connection.claim_reply(tuple.src_addr, tuple.src_port)?;
+        (tuple.src_addr, own)
     };
-    connection.track_original(&to, masquerade)?;
-    maps::count(Counter::NewConnection);
-    if masquerade {
-        maps::count(Counter::Masqueraded);
+    let to = match own_source {
+        Some(to) => to,
+        None => masquerade::claim_source(config, &connection, src_addr)?.ok_or(if masquerade {
+            Counter::DropSnatPortsExhausted
+        } else {
+            Counter::DropTupleClash
+        })?,
+    };
+    match connection.track_original(&to)? {
+        None => {
+            maps::count(Counter::NewConnection);
+            if masquerade {
+                maps::count(Counter::Masqueraded);
+            }
+            Ok(to)
+        }
+        Some(theirs) => {
+            maps::count(Counter::Translated);
+            Ok(theirs)
+        }
     }
-    Ok(to)
 }

@@ -1,10 +1,10 @@
 //! Command line.
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::ops::RangeInclusive;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 use ipnet::Ipv4Net;
 use lb_common::default_size;
 use lb_user::model::Scheduler;
@@ -22,8 +22,13 @@ pub struct Cli {
 pub enum Command {
     /// Program the datapath from the apiserver (or a manifest directory) and keep it in sync.
     Agent(Box<AgentArgs>),
-    /// Print the datapath's packet counters (summed over CPUs).
+    /// Print the datapath's packet counters (summed over CPUs), each with its meaning, and the
+    /// drops by reason.
     Stats(StatsArgs),
+    /// List the connections the datapath tracks (both directions of each as one row), as
+    /// `conntrack -L`; `lb conntrack delete` deletes them, as `conntrack -D`. Packets and bytes
+    /// are not counted per connection.
+    Conntrack(ConntrackArgs),
     /// Remove the datapath, as kube-proxy's --cleanup removes its rules: detach every hook and
     /// remove every pin under --bpffs. The datapath stays in the kernel when the agent stops;
     /// this is the only way it goes away (uninstall).
@@ -139,6 +144,50 @@ pub struct StatsArgs {
     /// bpffs directory of the agent's pinned maps.
     #[arg(long, value_name = "DIR", default_value = DEFAULT_BPFFS)]
     pub bpffs: PathBuf,
+    #[arg(short, long, value_enum, default_value_t)]
+    pub output: Output,
+}
+
+/// How the inspection commands print.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
+pub enum Output {
+    #[default]
+    Table,
+    Json,
+}
+
+#[derive(Debug, Args)]
+#[command(args_conflicts_with_subcommands = true)]
+pub struct ConntrackArgs {
+    #[command(subcommand)]
+    pub command: Option<ConntrackCommand>,
+    #[command(flatten)]
+    pub query: ConntrackQuery,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ConntrackCommand {
+    /// Delete the connections the filters select (every one without a filter), both
+    /// directions, which frees their masquerade ports; prints them.
+    Delete(ConntrackQuery),
+}
+
+#[derive(Debug, Args)]
+pub struct ConntrackQuery {
+    /// Only connections to this frontend (a ClusterIP's, or a node address and nodePort).
+    #[arg(long, value_name = "IP:PORT")]
+    pub service: Option<SocketAddrV4>,
+    /// Only connections to this backend.
+    #[arg(long, value_name = "IP:PORT")]
+    pub backend: Option<SocketAddrV4>,
+    /// Only connections from this client.
+    #[arg(long, value_name = "IP")]
+    pub client: Option<Ipv4Addr>,
+    /// bpffs directory of the agent's pinned maps.
+    #[arg(long, value_name = "DIR", default_value = DEFAULT_BPFFS)]
+    pub bpffs: PathBuf,
+    #[arg(short, long, value_enum, default_value_t)]
+    pub output: Output,
 }
 
 #[derive(Debug, Args)]
@@ -299,6 +348,47 @@ mod tests {
             Cli::try_parse_from(["lb", "agent", "--manifests", "/m", "--kubeconfig", "/k"])
                 .is_err()
         );
+    }
+
+    #[test]
+    fn conntrack_command_lines() {
+        let parse = |args: &[&str]| match Cli::try_parse_from(args).map(|c| c.command) {
+            Ok(Command::Conntrack(a)) => Ok(a),
+            Ok(other) => panic!("{other:?}"),
+            Err(e) => Err(e),
+        };
+        let list = parse(&[
+            "lb",
+            "conntrack",
+            "--service",
+            "10.96.0.10:80",
+            "-o",
+            "json",
+        ])
+        .unwrap();
+        assert!(list.command.is_none());
+        assert_eq!(list.query.service, Some("10.96.0.10:80".parse().unwrap()));
+        assert_eq!(list.query.output, Output::Json);
+        assert_eq!(list.query.bpffs, PathBuf::from(DEFAULT_BPFFS));
+        let delete = parse(&[
+            "lb",
+            "conntrack",
+            "delete",
+            "--backend",
+            "10.244.1.3:8080",
+            "--client",
+            "198.51.100.2",
+            "--bpffs",
+            "/b",
+        ])
+        .unwrap();
+        let Some(ConntrackCommand::Delete(query)) = delete.command else {
+            panic!("not delete")
+        };
+        assert_eq!(query.backend, Some("10.244.1.3:8080".parse().unwrap()));
+        assert_eq!(query.client, Some("198.51.100.2".parse().unwrap()));
+        assert_eq!(query.output, Output::Table);
+        assert!(parse(&["lb", "conntrack", "--backend", "10.244.1.3"]).is_err());
     }
 
     #[test]

@@ -5,6 +5,7 @@ pub mod bpffs;
 pub mod cgroup_hooks;
 pub mod cgroup_mount;
 pub mod coalesce;
+pub mod connections;
 pub mod datapath;
 pub mod events;
 pub mod health;

@@ -2,6 +2,7 @@
 mod agent;
 mod args;
 mod cleanup;
+mod conntrack;
 mod stats;
 
 use std::io::IsTerminal as _;
@@ -25,6 +26,7 @@ fn main() -> anyhow::Result<()> {
             .build()?
             .block_on(agent::run(*args)),
         Command::Stats(args) => stats::run(args),
+        Command::Conntrack(args) => conntrack::run(args),
         Command::Cleanup(args) => cleanup::run(args),
     }
 }

@@ -5,7 +5,7 @@ use std::{
     fs,
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
-    time::{Duration, Instant},
+    time::{Duration, Instant, SystemTime},
 };
 
 use anyhow::{Context as _, Result, bail};
@@ -47,14 +47,20 @@ pub fn stats_at(ns: &Netns, bpffs: &str) -> Result<std::collections::BTreeMap<St
 
 fn stats_with(ns: &Netns, args: &[&str]) -> Result<std::collections::BTreeMap<String, u64>> {
     let binary = lb_binary();
-    let output = ns.exec(&binary.to_string_lossy(), args)?;
-    String::from_utf8(output.stdout)?
-        .lines()
-        .map(|line| {
-            let (name, value) = line
-                .split_once(' ')
-                .with_context(|| format!("lb stats line {line:?}"))?;
-            Ok((name.to_owned(), value.parse()?))
+    let output = ns.exec(&binary.to_string_lossy(), &[args, &["-o", "json"]].concat())?;
+    let stats: serde_json::Value =
+        serde_json::from_slice(&output.stdout).with_context(|| format!("lb {args:?} -o json"))?;
+    stats["counters"]
+        .as_array()
+        .with_context(|| format!("no counters in {stats}"))?
+        .iter()
+        .map(|counter| {
+            let name = counter["name"].as_str();
+            let value = counter["value"].as_u64();
+            match (name, value) {
+                (Some(name), Some(value)) => Ok((name.to_owned(), value)),
+                _ => bail!("lb stats counter {counter}"),
+            }
         })
         .collect()
 }
@@ -76,6 +82,8 @@ pub struct Agent {
     /// How many times it was started: each start logs to a file of its own.
     starts: usize,
     syncs_seen: usize,
+    /// Just before the spawn, on the clock of the agent's log timestamps.
+    spawned_at: SystemTime,
 }
 
 impl Agent {
@@ -164,12 +172,14 @@ impl Agent {
             .args(extra_args)
             .env("RUST_LOG", "info")
             .stdin(Stdio::null());
+        let spawned_at = SystemTime::now();
         let mut agent = Agent {
             child: spawn_logged(&mut command, &dir.path().join("agent.log"))?,
             dir,
             command,
             starts: 1,
             syncs_seen: 0,
+            spawned_at,
         };
         if wait {
             agent.wait_for_sync(START_TIMEOUT)?;
@@ -195,6 +205,7 @@ impl Agent {
             .stdin(Stdio::null());
         self.starts += 1;
         self.syncs_seen = 0;
+        self.spawned_at = SystemTime::now();
         self.child = spawn_logged(&mut command, &self.log_path())?;
         self.wait_for_log(ATTACHED, START_TIMEOUT)?;
         if wait_for_sync {
@@ -234,6 +245,11 @@ impl Agent {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
+    }
+
+    /// When the process was spawned: its log lines' timestamps are on the same clock.
+    pub fn spawned_at(&self) -> SystemTime {
+        self.spawned_at
     }
 
     pub fn pid(&self) -> u32 {
@@ -328,14 +344,11 @@ impl Agent {
 
 /// The datapath counter `name` of the agent running in `ns`, as `lb stats` prints it there.
 pub fn counter(ns: &Netns, name: &str) -> Result<u64> {
-    let binary = lb_binary();
-    let output = ns.exec(&binary.to_string_lossy(), &["stats"])?;
-    let text = String::from_utf8(output.stdout)?;
-    text.lines()
-        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
-        .with_context(|| format!("no counter {name} in:\n{text}"))?
-        .parse()
-        .with_context(|| format!("counter {name}"))
+    let counters = stats(ns)?;
+    counters
+        .get(name)
+        .copied()
+        .with_context(|| format!("no counter {name} in {counters:?}"))
 }
 
 /// Runs `command` with its stdout and stderr in a new file at `log`.

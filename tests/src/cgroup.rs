@@ -72,6 +72,21 @@ impl Cgroup {
         }
         Ok(cmd)
     }
+
+    /// Runs `program` with `args` inside `ns` and this cgroup; its standard output.
+    pub fn output(&self, ns: &Netns, program: &str, args: &[&str]) -> Result<String> {
+        let out = self
+            .command(ns, program)?
+            .args(args)
+            .output()
+            .with_context(|| format!("spawn {program}"))?;
+        anyhow::ensure!(
+            out.status.success(),
+            "{program}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(String::from_utf8(out.stdout)?)
+    }
 }
 
 impl Drop for Cgroup {

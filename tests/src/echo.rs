@@ -28,38 +28,49 @@ pub struct Answer {
     pub peer: SocketAddr,
 }
 
-/// TCP and UDP servers on one port, stopped on drop.
-pub struct EchoServer {
+/// What one server of a [`ServerPair`] does until `stop` is set, as the server `name`.
+pub type Serve<S> = fn(&S, &str, &Arc<AtomicBool>);
+
+/// A TCP and a UDP server on one port, each on a thread of its own, stopped on drop.
+pub struct ServerPair {
     stop: Arc<AtomicBool>,
     threads: Vec<JoinHandle<()>>,
 }
 
-impl EchoServer {
-    /// Serves TCP and UDP on 0.0.0.0:`port` inside `ns`, answering `"<name> <source>"`.
-    pub fn start(ns: &Netns, name: &str, port: u16) -> Result<Self> {
-        let (tcp, udp) = ns.run(move || -> Result<_> {
-            let tcp = TcpListener::bind(("0.0.0.0", port))?;
-            tcp.set_nonblocking(true)?;
-            let udp = UdpSocket::bind(("0.0.0.0", port))?;
-            udp.set_read_timeout(Some(POLL * 10))?;
-            Ok((tcp, udp))
+impl ServerPair {
+    /// Serves TCP and UDP on 0.0.0.0:`port` inside `ns`; the UDP socket's reads time out after
+    /// `udp_poll`, for `udp` to look at its stop flag.
+    pub fn start(
+        ns: &Netns,
+        name: &str,
+        port: u16,
+        udp_poll: Duration,
+        tcp: Serve<TcpListener>,
+        udp: Serve<UdpSocket>,
+    ) -> Result<Self> {
+        let (listener, socket) = ns.run(move || -> Result<_> {
+            let listener = TcpListener::bind(("0.0.0.0", port))?;
+            listener.set_nonblocking(true)?;
+            let socket = UdpSocket::bind(("0.0.0.0", port))?;
+            socket.set_read_timeout(Some(udp_poll))?;
+            Ok((listener, socket))
         })??;
         let stop = Arc::new(AtomicBool::new(false));
         let threads = vec![
             std::thread::spawn({
                 let (stop, name) = (stop.clone(), name.to_string());
-                move || serve_tcp(&tcp, &name, &stop)
+                move || tcp(&listener, &name, &stop)
             }),
             std::thread::spawn({
                 let (stop, name) = (stop.clone(), name.to_string());
-                move || serve_udp(&udp, &name, &stop)
+                move || udp(&socket, &name, &stop)
             }),
         ];
-        Ok(EchoServer { stop, threads })
+        Ok(ServerPair { stop, threads })
     }
 }
 
-impl Drop for EchoServer {
+impl Drop for ServerPair {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
         for thread in self.threads.drain(..) {
@@ -68,7 +79,20 @@ impl Drop for EchoServer {
     }
 }
 
-fn serve_tcp(listener: &TcpListener, name: &str, stop: &AtomicBool) {
+/// TCP and UDP servers on one port answering `"<name> <source>"`, stopped on drop.
+pub struct EchoServer {
+    _servers: ServerPair,
+}
+
+impl EchoServer {
+    /// Serves TCP and UDP on 0.0.0.0:`port` inside `ns`, answering `"<name> <source>"`.
+    pub fn start(ns: &Netns, name: &str, port: u16) -> Result<Self> {
+        let servers = ServerPair::start(ns, name, port, POLL * 10, serve_tcp, serve_udp)?;
+        Ok(EchoServer { _servers: servers })
+    }
+}
+
+fn serve_tcp(listener: &TcpListener, name: &str, stop: &Arc<AtomicBool>) {
     while !stop.load(Ordering::Relaxed) {
         match listener.accept() {
             Ok((mut stream, peer)) => {
@@ -85,7 +109,7 @@ fn serve_tcp(listener: &TcpListener, name: &str, stop: &AtomicBool) {
     }
 }
 
-fn serve_udp(socket: &UdpSocket, name: &str, stop: &AtomicBool) {
+fn serve_udp(socket: &UdpSocket, name: &str, stop: &Arc<AtomicBool>) {
     let mut buf = [0u8; 512];
     while !stop.load(Ordering::Relaxed) {
         if let Ok((_, peer)) = socket.recv_from(&mut buf) {

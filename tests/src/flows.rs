@@ -18,7 +18,10 @@ use std::{
 
 use anyhow::{Context as _, Result, bail, ensure};
 
-use crate::{echo::Proto, netns::Netns};
+use crate::{
+    echo::{Proto, ServerPair},
+    netns::Netns,
+};
 
 /// How often a flow sends a line.
 pub const ECHO_EVERY: Duration = Duration::from_millis(10);
@@ -37,41 +40,14 @@ const SERVER_POLL: Duration = Duration::from_millis(50);
 /// TCP and UDP servers on one port that answer each line (TCP) or datagram (UDP) with
 /// `"<name> <line>"`, any number of lines per connection. Stopped on drop.
 pub struct LineEchoServer {
-    stop: Arc<AtomicBool>,
-    threads: Vec<JoinHandle<()>>,
+    _servers: ServerPair,
 }
 
 impl LineEchoServer {
     /// Serves on 0.0.0.0:`port` inside `ns`.
     pub fn start(ns: &Netns, name: &str, port: u16) -> Result<Self> {
-        let (tcp, udp) = ns.run(move || -> Result<_> {
-            let tcp = TcpListener::bind(("0.0.0.0", port))?;
-            tcp.set_nonblocking(true)?;
-            let udp = UdpSocket::bind(("0.0.0.0", port))?;
-            udp.set_read_timeout(Some(SERVER_POLL))?;
-            Ok((tcp, udp))
-        })??;
-        let stop = Arc::new(AtomicBool::new(false));
-        let threads = vec![
-            std::thread::spawn({
-                let (stop, name) = (stop.clone(), name.to_string());
-                move || accept_lines(&tcp, &name, &stop)
-            }),
-            std::thread::spawn({
-                let (stop, name) = (stop.clone(), name.to_string());
-                move || echo_datagrams(&udp, &name, &stop)
-            }),
-        ];
-        Ok(LineEchoServer { stop, threads })
-    }
-}
-
-impl Drop for LineEchoServer {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        for thread in self.threads.drain(..) {
-            let _ = thread.join();
-        }
+        let servers = ServerPair::start(ns, name, port, SERVER_POLL, accept_lines, echo_datagrams)?;
+        Ok(LineEchoServer { _servers: servers })
     }
 }
 
@@ -119,7 +95,7 @@ fn echo_lines(stream: TcpStream, name: &str, stop: &AtomicBool) {
     }
 }
 
-fn echo_datagrams(socket: &UdpSocket, name: &str, stop: &AtomicBool) {
+fn echo_datagrams(socket: &UdpSocket, name: &str, stop: &Arc<AtomicBool>) {
     let mut buf = [0u8; 512];
     while !stop.load(Ordering::Relaxed) {
         if let Ok((len, peer)) = socket.recv_from(&mut buf) {

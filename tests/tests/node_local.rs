@@ -38,17 +38,7 @@ enum Outcome {
 
 /// What a client process in `ns` and `cgroup` printed for `args`.
 fn node_client(cgroup: &Cgroup, ns: &Netns, args: &[&str]) -> Result<String> {
-    let out = cgroup
-        .command(ns, env!("CARGO_BIN_EXE_lb-node-client"))?
-        .args(args)
-        .output()
-        .context("spawn lb-node-client")?;
-    ensure!(
-        out.status.success(),
-        "lb-node-client: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Ok(String::from_utf8(out.stdout)?)
+    cgroup.output(ns, env!("CARGO_BIN_EXE_lb-node-client"), args)
 }
 
 /// One request from a client process in `ns` and `cgroup`.

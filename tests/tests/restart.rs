@@ -370,17 +370,11 @@ fn flows_survive_restart_with_apiserver_down_xdp() -> Result<()> {
 /// What `lb-node-client` (in `cgroup` and `ns`) got for one UDP request to `to`: the server's
 /// name, or the error it printed.
 fn node_local_udp(cgroup: &Cgroup, ns: &lb_tests::netns::Netns, to: SocketAddr) -> Result<String> {
-    let out = cgroup
-        .command(ns, env!("CARGO_BIN_EXE_lb-node-client"))?
-        .args(["udp", &to.to_string()])
-        .output()
-        .context("spawn lb-node-client")?;
-    ensure!(
-        out.status.success(),
-        "lb-node-client: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let text = String::from_utf8(out.stdout)?;
+    let text = cgroup.output(
+        ns,
+        env!("CARGO_BIN_EXE_lb-node-client"),
+        &["udp", &to.to_string()],
+    )?;
     match text.split_whitespace().next() {
         Some(first) => Ok(first.to_string()),
         None => bail!("lb-node-client printed nothing"),

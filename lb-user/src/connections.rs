@@ -1,0 +1,430 @@
+//! The connections the datapath tracks, for `lb conntrack`: one per pair of conntrack entries
+//! (original and reply direction, see `lb_common::ConntrackEntry`), read from the pinned map.
+use std::collections::BTreeMap;
+use std::net::{Ipv4Addr, SocketAddrV4};
+use std::path::Path;
+use std::time::Duration;
+
+use aya::maps::{HashMap, Map, MapData, MapError};
+use lb_common::{
+    CT_F_MASQUERADE, CT_F_REPLY, CT_STATE_CLOSING, CT_STATE_ESTABLISHED, CT_STATE_NEW,
+    ConntrackEntry, ConntrackKey, IPPROTO_TCP, IPPROTO_UDP, conntrack_timeout_ns, map_name,
+};
+use nix::libc::ENOENT;
+use nix::time::{ClockId, clock_gettime};
+
+/// One connection, joined from the entries of its two directions.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Connection {
+    pub proto: u8,
+    pub client: SocketAddrV4,
+    /// The frontend the client reached (ClusterIP, node address of a NodePort, ...).
+    pub service: SocketAddrV4,
+    pub backend: SocketAddrV4,
+    /// The source the backend sees, when it is not the client (masquerade).
+    pub masquerade: Option<SocketAddrV4>,
+    /// `CT_STATE_*`.
+    pub state: u8,
+    /// When the connection expires unless a packet comes, in the datapath's clock (ns).
+    pub expires_ns: u64,
+    /// The keys of its entries: client → service, and backend → the source the backend saw.
+    /// Either may be missing (being created, or removed behind the datapath's back).
+    pub original: Option<ConntrackKey>,
+    pub reply: Option<ConntrackKey>,
+}
+
+fn socket(addr: u32, port: u16) -> SocketAddrV4 {
+    SocketAddrV4::new(Ipv4Addr::from(addr.to_ne_bytes()), u16::from_be(port))
+}
+
+/// What identifies a connection in either of its entries: protocol, client, service, backend
+/// and the source the backend sees.
+type Identity = (u8, SocketAddrV4, SocketAddrV4, SocketAddrV4, SocketAddrV4);
+
+fn identity(key: &ConntrackKey, entry: &ConntrackEntry) -> Identity {
+    if entry.flags & CT_F_REPLY == 0 {
+        // client → service, rewritten to seen source → backend.
+        (
+            key.proto,
+            socket(key.src_addr, key.src_port),
+            socket(key.dst_addr, key.dst_port),
+            socket(entry.dst_addr, entry.dst_port),
+            socket(entry.src_addr, entry.src_port),
+        )
+    } else {
+        // backend → seen source, rewritten to service → client.
+        (
+            key.proto,
+            socket(entry.dst_addr, entry.dst_port),
+            socket(entry.src_addr, entry.src_port),
+            socket(key.src_addr, key.src_port),
+            socket(key.dst_addr, key.dst_port),
+        )
+    }
+}
+
+/// The connections of `entries` that have a live entry at `now` (the datapath's clock, ns):
+/// the datapath ignores expired entries, which stay in the LRU map until it needs the room.
+/// Sorted by protocol, client, service and backend.
+pub fn join(
+    entries: impl IntoIterator<Item = (ConntrackKey, ConntrackEntry)>,
+    now: u64,
+) -> Vec<Connection> {
+    let mut connections: BTreeMap<Identity, Connection> = BTreeMap::new();
+    for (key, entry) in entries {
+        let expires_ns = entry
+            .last_seen_ns
+            .saturating_add(conntrack_timeout_ns(key.proto, entry.state));
+        if expires_ns < now {
+            continue;
+        }
+        let id = identity(&key, &entry);
+        let (proto, client, service, backend, seen) = id;
+        let connection = connections.entry(id).or_insert_with(|| Connection {
+            proto,
+            client,
+            service,
+            backend,
+            masquerade: (entry.flags & CT_F_MASQUERADE != 0).then_some(seen),
+            state: entry.state,
+            expires_ns,
+            original: None,
+            reply: None,
+        });
+        // Both entries age and change state together; the later one is the latest word.
+        if expires_ns > connection.expires_ns {
+            connection.expires_ns = expires_ns;
+            connection.state = entry.state;
+        }
+        if entry.flags & CT_F_REPLY == 0 {
+            connection.original = Some(key);
+        } else {
+            connection.reply = Some(key);
+        }
+    }
+    connections.into_values().collect()
+}
+
+/// Which connections to show or delete; `None` matches any.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Filter {
+    pub service: Option<SocketAddrV4>,
+    pub backend: Option<SocketAddrV4>,
+    pub client: Option<Ipv4Addr>,
+}
+
+impl Filter {
+    pub fn matches(&self, connection: &Connection) -> bool {
+        self.service.is_none_or(|s| s == connection.service)
+            && self.backend.is_none_or(|b| b == connection.backend)
+            && self.client.is_none_or(|c| c == *connection.client.ip())
+    }
+}
+
+pub fn protocol_name(proto: u8) -> String {
+    match proto {
+        IPPROTO_TCP => "tcp".into(),
+        IPPROTO_UDP => "udp".into(),
+        other => other.to_string(),
+    }
+}
+
+pub fn state_name(state: u8) -> &'static str {
+    match state {
+        CT_STATE_NEW => "new",
+        CT_STATE_ESTABLISHED => "established",
+        CT_STATE_CLOSING => "closing",
+        _ => "unknown",
+    }
+}
+
+/// Whole seconds from `now` to `expires_ns` (the datapath's clock).
+pub fn expires_in_s(expires_ns: u64, now: u64) -> u64 {
+    Duration::from_nanos(expires_ns.saturating_sub(now)).as_secs()
+}
+
+/// The datapath's clock now (`lb_common::Clock`, in ns). It counts jiffies, which is
+/// CLOCK_MONOTONIC at tick resolution lagging by a fraction of a second: expiries read from it
+/// are early by that much at most.
+pub fn datapath_now() -> Result<u64, nix::Error> {
+    let now = Duration::from(clock_gettime(ClockId::CLOCK_MONOTONIC_COARSE)?);
+    Ok(u64::try_from(now.as_nanos()).unwrap_or(u64::MAX))
+}
+
+/// The pinned conntrack map in `pin_dir`.
+pub struct ConntrackMap {
+    map: HashMap<MapData, ConntrackKey, ConntrackEntry>,
+}
+
+impl ConntrackMap {
+    pub fn open(pin_dir: &Path) -> Result<Self, MapError> {
+        let data = MapData::from_pin(pin_dir.join(map_name::CONNTRACK))?;
+        let map = HashMap::try_from(Map::from_map_data(data)?)?;
+        Ok(ConntrackMap { map })
+    }
+
+    /// Every entry; those the datapath replaces during the walk may be missed or seen twice.
+    pub fn entries(&self) -> Result<Vec<(ConntrackKey, ConntrackEntry)>, MapError> {
+        self.map.iter().collect()
+    }
+
+    /// Deletes both entries of `connection`; entries already gone are no failure.
+    pub fn delete(&mut self, connection: &Connection) -> Result<(), MapError> {
+        for key in [connection.original, connection.reply].iter().flatten() {
+            match self.map.remove(key) {
+                Err(MapError::SyscallError(err)) if err.io_error.raw_os_error() == Some(ENOENT) => {
+                }
+                other => other?,
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lb_common::{CT_TIMEOUT_TCP_ESTABLISHED_NS, CT_TIMEOUT_UDP_NS, ipv4_be, port_be};
+
+    const SECOND: u64 = 1_000_000_000;
+
+    fn addr(s: &str) -> SocketAddrV4 {
+        s.parse().unwrap()
+    }
+
+    fn key(src: SocketAddrV4, dst: SocketAddrV4, proto: u8) -> ConntrackKey {
+        ConntrackKey {
+            src_addr: ipv4_be(src.ip().octets()),
+            dst_addr: ipv4_be(dst.ip().octets()),
+            src_port: port_be(src.port()),
+            dst_port: port_be(dst.port()),
+            proto,
+            _pad0: 0,
+            _pad1: 0,
+        }
+    }
+
+    fn entry(to: ConntrackKey, flags: u8, state: u8, last_seen_ns: u64) -> ConntrackEntry {
+        ConntrackEntry {
+            last_seen_ns,
+            src_addr: to.src_addr,
+            dst_addr: to.dst_addr,
+            src_port: to.src_port,
+            dst_port: to.dst_port,
+            service_id: 7,
+            state,
+            flags,
+            ..ConntrackEntry::default()
+        }
+    }
+
+    /// Both entries of a connection as the datapath writes them.
+    fn entries(
+        proto: u8,
+        client: &str,
+        service: &str,
+        backend: &str,
+        masquerade: Option<&str>,
+        last_seen_ns: u64,
+    ) -> [(ConntrackKey, ConntrackEntry); 2] {
+        let (client, service, backend) = (addr(client), addr(service), addr(backend));
+        let seen = masquerade.map_or(client, addr);
+        let masq = if masquerade.is_some() {
+            CT_F_MASQUERADE
+        } else {
+            0
+        };
+        let state = CT_STATE_ESTABLISHED;
+        [
+            (
+                key(client, service, proto),
+                entry(key(seen, backend, proto), masq, state, last_seen_ns),
+            ),
+            (
+                key(backend, seen, proto),
+                entry(
+                    key(service, client, proto),
+                    CT_F_REPLY | masq,
+                    state,
+                    last_seen_ns,
+                ),
+            ),
+        ]
+    }
+
+    #[test]
+    fn both_directions_make_one_connection() {
+        let now = 100 * SECOND;
+        let mut all: Vec<_> = [
+            entries(
+                IPPROTO_TCP,
+                "198.51.100.2:40000",
+                "198.51.100.1:30080",
+                "10.244.1.3:8080",
+                Some("198.51.100.1:61000"),
+                now - SECOND,
+            ),
+            entries(
+                IPPROTO_UDP,
+                "10.244.1.2:40001",
+                "10.96.0.10:53",
+                "10.244.1.4:53",
+                None,
+                now - 2 * SECOND,
+            ),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        // A reply entry alone (its original removed) is still the connection.
+        let [_, orphan] = entries(
+            IPPROTO_UDP,
+            "10.244.1.2:40002",
+            "10.96.0.10:53",
+            "10.244.1.4:53",
+            None,
+            now,
+        );
+        all.push(orphan);
+        // The map's order is a hash's: interleave.
+        all.swap(0, 3);
+
+        let connections = join(all.clone(), now);
+        assert_eq!(connections.len(), 3, "{connections:#?}");
+        let tcp = &connections[0];
+        assert_eq!(tcp.proto, IPPROTO_TCP);
+        assert_eq!(tcp.client, addr("198.51.100.2:40000"));
+        assert_eq!(tcp.service, addr("198.51.100.1:30080"));
+        assert_eq!(tcp.backend, addr("10.244.1.3:8080"));
+        assert_eq!(tcp.masquerade, Some(addr("198.51.100.1:61000")));
+        assert_eq!(tcp.state, CT_STATE_ESTABLISHED);
+        assert_eq!(tcp.expires_ns, now - SECOND + CT_TIMEOUT_TCP_ESTABLISHED_NS);
+        let tcp_keys: Vec<_> = all[..4]
+            .iter()
+            .filter(|(k, _)| k.proto == IPPROTO_TCP)
+            .map(|(k, _)| *k)
+            .collect();
+        assert!(tcp_keys.contains(&tcp.original.unwrap()));
+        assert!(tcp_keys.contains(&tcp.reply.unwrap()));
+        assert_ne!(tcp.original, tcp.reply);
+
+        let udp = &connections[1];
+        assert_eq!(udp.client, addr("10.244.1.2:40001"));
+        assert_eq!(udp.masquerade, None);
+        assert!(udp.original.is_some() && udp.reply.is_some());
+        assert_eq!(
+            expires_in_s(udp.expires_ns, now),
+            (CT_TIMEOUT_UDP_NS - 2 * SECOND) / SECOND
+        );
+        let orphan = &connections[2];
+        assert_eq!(orphan.client, addr("10.244.1.2:40002"));
+        assert_eq!(orphan.backend, addr("10.244.1.4:53"));
+        assert_eq!((orphan.original, orphan.reply.is_some()), (None, true));
+    }
+
+    #[test]
+    fn expired_connections_are_left_out() {
+        let udp = entries(
+            IPPROTO_UDP,
+            "10.244.1.2:40001",
+            "10.96.0.10:53",
+            "10.244.1.4:53",
+            None,
+            SECOND,
+        );
+        assert_eq!(join(udp, SECOND + CT_TIMEOUT_UDP_NS).len(), 1);
+        assert!(join(udp, 2 * SECOND + CT_TIMEOUT_UDP_NS).is_empty());
+    }
+
+    #[test]
+    fn filters_select_by_service_backend_and_client() {
+        let now = 10 * SECOND;
+        let all = join(
+            [
+                entries(
+                    IPPROTO_TCP,
+                    "198.51.100.2:40000",
+                    "10.96.0.10:80",
+                    "10.244.1.3:8080",
+                    None,
+                    now,
+                ),
+                entries(
+                    IPPROTO_TCP,
+                    "198.51.100.2:40001",
+                    "10.96.0.10:80",
+                    "10.244.1.4:8080",
+                    None,
+                    now,
+                ),
+                entries(
+                    IPPROTO_TCP,
+                    "198.51.100.3:40000",
+                    "10.96.0.11:80",
+                    "10.244.1.3:8080",
+                    None,
+                    now,
+                ),
+            ]
+            .into_iter()
+            .flatten(),
+            now,
+        );
+        let clients = |filter: Filter| -> Vec<String> {
+            all.iter()
+                .filter(|c| filter.matches(c))
+                .map(|c| c.client.to_string())
+                .collect()
+        };
+        assert_eq!(clients(Filter::default()).len(), 3);
+        let service = Some(addr("10.96.0.10:80"));
+        let backend = Some(addr("10.244.1.3:8080"));
+        assert_eq!(
+            clients(Filter {
+                service,
+                ..Filter::default()
+            }),
+            ["198.51.100.2:40000", "198.51.100.2:40001"]
+        );
+        assert_eq!(
+            clients(Filter {
+                backend,
+                ..Filter::default()
+            }),
+            ["198.51.100.2:40000", "198.51.100.3:40000"]
+        );
+        assert_eq!(
+            clients(Filter {
+                client: Some("198.51.100.3".parse().unwrap()),
+                ..Filter::default()
+            }),
+            ["198.51.100.3:40000"]
+        );
+        assert_eq!(
+            clients(Filter {
+                service,
+                backend,
+                client: None
+            }),
+            ["198.51.100.2:40000"]
+        );
+        let wrong_port = Some(addr("10.244.1.3:8081"));
+        assert!(
+            clients(Filter {
+                backend: wrong_port,
+                ..Filter::default()
+            })
+            .is_empty()
+        );
+    }
+
+    #[test]
+    fn names() {
+        assert_eq!(protocol_name(IPPROTO_TCP), "tcp");
+        assert_eq!(protocol_name(IPPROTO_UDP), "udp");
+        assert_eq!(state_name(CT_STATE_NEW), "new");
+        assert_eq!(state_name(CT_STATE_CLOSING), "closing");
+        assert_eq!(expires_in_s(10 * SECOND + 999_999_999, 0), 10);
+        assert_eq!(expires_in_s(SECOND, 2 * SECOND), 0);
+    }
+}
