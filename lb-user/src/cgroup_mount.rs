@@ -8,7 +8,7 @@ use std::io;
 use std::path::{Path, PathBuf};
 
 use nix::mount::{MsFlags, mount};
-use nix::sys::statfs::{CGROUP2_SUPER_MAGIC, SYSFS_MAGIC, statfs};
+use nix::sys::statfs::{CGROUP2_SUPER_MAGIC, FsType, SYSFS_MAGIC, statfs};
 use procfs_core::FromRead as _;
 use procfs_core::process::MountInfos;
 use tracing::info;
@@ -46,12 +46,13 @@ fn find_or_mount() -> Result<PathBuf, CgroupMountError> {
     let mounts = MountInfos::from_file(MOUNTINFO)?;
     for root in cgroup2_roots(&mounts) {
         // A later mount on the same directory hides this one.
-        if is_cgroup2(root)? {
+        if is_on(root, CGROUP2_SUPER_MAGIC)? {
             return Ok(root.to_owned());
         }
     }
     let path = Path::new(SYS_FS_CGROUP);
-    let path = if is_empty_sysfs_dir(path)? {
+    // sysfs keeps /sys/fs/cgroup as an empty directory to mount on: nothing is mounted there.
+    let path = if is_on(path, SYSFS_MAGIC)? {
         path
     } else {
         let own = Path::new(OWN_MOUNT);
@@ -74,21 +75,10 @@ fn cgroup2_roots(mounts: &MountInfos) -> impl Iterator<Item = &Path> {
         .map(|m| m.mount_point.as_path())
 }
 
-fn is_cgroup2(path: &Path) -> Result<bool, CgroupMountError> {
+/// Whether `path` is on a file system of type `magic` (false when it does not exist).
+fn is_on(path: &Path, magic: FsType) -> Result<bool, CgroupMountError> {
     match statfs(path) {
-        Ok(st) => Ok(st.filesystem_type() == CGROUP2_SUPER_MAGIC),
-        Err(nix::Error::ENOENT) => Ok(false),
-        Err(source) => Err(CgroupMountError::Statfs {
-            path: path.to_owned(),
-            source,
-        }),
-    }
-}
-
-/// sysfs keeps /sys/fs/cgroup as an empty directory to mount on: nothing is mounted there.
-fn is_empty_sysfs_dir(path: &Path) -> Result<bool, CgroupMountError> {
-    match statfs(path) {
-        Ok(st) => Ok(st.filesystem_type() == SYSFS_MAGIC),
+        Ok(st) => Ok(st.filesystem_type() == magic),
         Err(nix::Error::ENOENT) => Ok(false),
         Err(source) => Err(CgroupMountError::Statfs {
             path: path.to_owned(),
