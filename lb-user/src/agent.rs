@@ -76,7 +76,7 @@ pub async fn run(args: AgentArgs) -> Result<()> {
         }
         None => {
             let api = ApiSource::start(args.kubeconfig.as_deref(), &node_name(&args)?).await?;
-            Source::Api(api, Specs::default())
+            Source::Api(Box::new(api), Specs::default())
         }
     };
     let node_ip = match args.node_ip {
@@ -425,7 +425,7 @@ enum Source {
         events: mpsc::UnboundedReceiver<notify::Result<notify::Event>>,
     },
     /// With the specs of its last snapshot.
-    Api(ApiSource, Specs),
+    Api(Box<ApiSource>, Specs),
 }
 
 /// What changed in the desired state a source holds (see [`Source::specs`]).
@@ -533,11 +533,10 @@ impl Source {
                 }
             },
             Source::Api(api, specs) => {
-                let snapshot = api.snapshot();
-                *specs = Specs::from_lists(snapshot.services, snapshot.slices);
+                let update = api.update(specs);
                 Some(Desired {
-                    changed: None,
-                    triggers: snapshot.triggers,
+                    changed: Some(update.changed),
+                    triggers: update.triggers,
                 })
             }
         }

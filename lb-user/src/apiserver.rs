@@ -7,7 +7,7 @@
 //! A store is only used whole: from its first complete list on, and never while it relists (the
 //! reflector swaps a relist in atomically at its end, and we do not sync until then), so a watch
 //! that fails halfway never deletes a live service.
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::{IpAddr, Ipv4Addr};
 use std::path::Path;
 use std::sync::Arc;
@@ -24,9 +24,10 @@ use serde::de::DeserializeOwned;
 use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 
+use crate::change_tracker::{ChangeTracker, Kind, ObjectVersion};
 use crate::events::WriteFailureEvents;
 use crate::k8s;
-use crate::model::{ServiceName, ServiceSpec, SliceSpec};
+use crate::model::{ServiceName, Specs};
 use crate::reconcile::WriteFailure;
 
 /// The EndpointSlice annotation network programming latency is measured from.
@@ -62,6 +63,15 @@ impl Resource {
     fn index(self) -> usize {
         self as usize
     }
+
+    /// The kind of object whose changes the tracker follows; the Node is not one.
+    fn tracked(self) -> Option<Kind> {
+        match self {
+            Resource::Services => Some(Kind::Service),
+            Resource::EndpointSlices => Some(Kind::EndpointSlice),
+            Resource::Node => None,
+        }
+    }
 }
 
 /// What a watcher reported.
@@ -69,8 +79,9 @@ impl Resource {
 enum Report {
     Relisting,
     Listed,
-    Changed {
-        trigger: Option<(String, Timestamp)>,
+    Applied {
+        object: ObjectVersion,
+        trigger: Option<Timestamp>,
     },
     Deleted {
         key: String,
@@ -94,12 +105,12 @@ enum ListState {
     Relisting,
 }
 
-/// The desired state the stores hold, converted.
+/// What [`ApiSource::update`] brought into the specs.
 #[derive(Debug, Default)]
-pub struct Snapshot {
-    pub services: Vec<ServiceSpec>,
-    pub slices: Vec<SliceSpec>,
-    /// Trigger times of the slice changes since the last snapshot.
+pub struct Update {
+    /// The services whose Service or EndpointSlices changed.
+    pub changed: BTreeSet<ServiceName>,
+    /// Trigger times of the slice changes since the last update.
     pub triggers: Vec<Timestamp>,
 }
 
@@ -115,8 +126,7 @@ pub struct ApiSource {
     /// new change.
     trigger_seen: HashMap<String, Timestamp>,
     triggers: Vec<Timestamp>,
-    /// Invalid objects already warned about (key, resourceVersion), so a sync does not repeat it.
-    warned: HashSet<(String, String)>,
+    tracker: ChangeTracker,
     write_failure_events: WriteFailureEvents,
 }
 
@@ -150,6 +160,7 @@ impl ApiSource {
             Resource::Services,
             tx.clone(),
             trim_service,
+            service_of_service,
         );
         let (slices, writer) = reflector::store();
         spawn_watch(
@@ -159,6 +170,7 @@ impl ApiSource {
             Resource::EndpointSlices,
             tx.clone(),
             trim_slice,
+            service_of_slice,
         );
         let write_failure_events = WriteFailureEvents::start(client.clone(), node_name);
         let (nodes, writer) = reflector::store();
@@ -169,6 +181,7 @@ impl ApiSource {
             Resource::Node,
             tx,
             trim_node,
+            |_| None,
         );
         Ok(Self {
             services,
@@ -180,7 +193,7 @@ impl ApiSource {
             started: Timestamp::now(),
             trigger_seen: HashMap::new(),
             triggers: Vec::new(),
-            warned: HashSet::new(),
+            tracker: ChangeTracker::default(),
             write_failure_events,
         })
     }
@@ -192,8 +205,12 @@ impl ApiSource {
             return std::future::pending().await;
         };
         let list = &mut self.lists[resource.index()];
+        let tracked = resource.tracked();
         match report {
             Report::Relisting => {
+                if let Some(kind) = tracked {
+                    self.tracker.relisting(kind);
+                }
                 if *list == ListState::Whole {
                     info!(
                         ?resource,
@@ -204,22 +221,31 @@ impl ApiSource {
                 Next::Nothing
             }
             Report::Listed => {
+                if let Some(kind) = tracked {
+                    self.tracker.relisted(kind);
+                }
                 let first = *list == ListState::NeverListed;
                 *list = ListState::Whole;
                 info!(?resource, first, "list complete");
                 Next::Changed
             }
-            Report::Changed { trigger } => {
-                if let Some((key, at)) = trigger
+            Report::Applied { object, trigger } => {
+                if let Some(at) = trigger
                     && at >= self.started
-                    && self.trigger_seen.insert(key, at) != Some(at)
+                    && self.trigger_seen.insert(object.key.clone(), at) != Some(at)
                 {
                     self.triggers.push(at);
+                }
+                if let Some(kind) = tracked {
+                    self.tracker.applied(kind, object);
                 }
                 Next::Changed
             }
             Report::Deleted { key } => {
                 self.trigger_seen.remove(&key);
+                if let Some(kind) = tracked {
+                    self.tracker.deleted(kind, &key);
+                }
                 Next::Changed
             }
             Report::Failed(error) => {
@@ -268,46 +294,60 @@ impl ApiSource {
         });
     }
 
-    /// Converts the stores; objects k8s.rs rejects are skipped (and warned about once).
-    pub fn snapshot(&mut self) -> Snapshot {
-        let mut warned = HashSet::new();
-        let services = self.convert(&self.services, k8s::service, &mut warned);
-        let slices = self.convert(&self.slices, k8s::endpoint_slice, &mut warned);
-        self.warned = warned;
-        Snapshot {
-            services,
-            slices,
+    /// Converts the Services whose Service or slices changed since the last update into
+    /// `specs`; objects k8s.rs rejects are skipped with a warning (once per version: unchanged
+    /// objects are not converted again).
+    pub fn update(&mut self, specs: &mut Specs) -> Update {
+        let changed = self.tracker.take_changed();
+        for name in &changed {
+            let service = self
+                .services
+                .get(&ObjectRef::new(&name.name).within(&name.namespace))
+                .and_then(|svc| convert(svc.as_ref(), k8s::service));
+            match service {
+                Some(spec) => specs.services.insert(name.clone(), spec),
+                None => specs.services.remove(name),
+            };
+            let slices: BTreeMap<_, _> = self
+                .tracker
+                .slices_of(name)
+                .filter_map(|key| {
+                    let (namespace, slice) = key.split_once('/')?;
+                    let object = self.slices.get(&ObjectRef::new(slice).within(namespace))?;
+                    let spec = convert(object.as_ref(), k8s::endpoint_slice)?;
+                    Some(((key.to_owned(), 0), spec))
+                })
+                .collect();
+            if slices.is_empty() {
+                specs.slices.remove(name);
+            } else {
+                specs.slices.insert(name.clone(), slices);
+            }
+        }
+        Update {
+            changed,
             triggers: std::mem::take(&mut self.triggers),
         }
     }
+}
 
-    fn convert<K, T, E>(
-        &self,
-        store: &Store<K>,
-        to_spec: impl Fn(&K) -> Result<Option<T>, E>,
-        warned: &mut HashSet<(String, String)>,
-    ) -> Vec<T>
-    where
-        K: kube::Resource<DynamicType = ()> + Clone + 'static,
-        E: std::fmt::Display,
-    {
-        let mut specs = Vec::new();
-        for object in store.state() {
-            match to_spec(&object) {
-                Ok(spec) => specs.extend(spec),
-                Err(err) => {
-                    let key = (
-                        format!("{} {}", K::kind(&()), object_key(object.as_ref())),
-                        object.resource_version().unwrap_or_default(),
-                    );
-                    if !self.warned.contains(&key) {
-                        warn!(object = %key.0, error = %err, "ignored: invalid");
-                    }
-                    warned.insert(key);
-                }
-            }
+/// The object as a spec; None, with a warning, if k8s.rs rejects it.
+fn convert<K, T, E>(object: &K, to_spec: impl Fn(&K) -> Result<Option<T>, E>) -> Option<T>
+where
+    K: kube::Resource<DynamicType = ()>,
+    E: std::fmt::Display,
+{
+    match to_spec(object) {
+        Ok(spec) => spec,
+        Err(err) => {
+            warn!(
+                object = %format!("{} {}", K::kind(&()), object_key(object)),
+                version = object.meta().resource_version.as_deref().unwrap_or_default(),
+                error = %err,
+                "ignored: invalid"
+            );
+            None
         }
-        specs
     }
 }
 
@@ -364,6 +404,7 @@ fn spawn_watch<K>(
     resource: Resource,
     tx: mpsc::UnboundedSender<(Resource, Report)>,
     trim: fn(&mut K),
+    service_of: fn(&K) -> Option<ServiceName>,
 ) where
     K: kube::Resource<DynamicType = ()>
         + Clone
@@ -383,8 +424,13 @@ fn spawn_watch<K>(
             let report = match item {
                 Ok(Event::Init) => Report::Relisting,
                 Ok(Event::InitDone) => Report::Listed,
-                Ok(Event::Apply(object) | Event::InitApply(object)) => Report::Changed {
-                    trigger: trigger_time(&object).map(|at| (object_key(&object), at)),
+                Ok(Event::Apply(object) | Event::InitApply(object)) => Report::Applied {
+                    object: ObjectVersion {
+                        key: object_key(&object),
+                        resource_version: object.resource_version().unwrap_or_default(),
+                        service: service_of(&object),
+                    },
+                    trigger: trigger_time(&object),
                 },
                 Ok(Event::Delete(object)) => Report::Deleted {
                     key: object_key(&object),
@@ -396,6 +442,26 @@ fn spawn_watch<K>(
             }
         }
     });
+}
+
+fn service_of_service(svc: &Service) -> Option<ServiceName> {
+    Some(ServiceName {
+        namespace: svc.metadata.namespace.clone().unwrap_or_default(),
+        name: svc.metadata.name.clone()?,
+    })
+}
+
+/// The Service a slice belongs to, by its `kubernetes.io/service-name` label.
+fn service_of_slice(slice: &EndpointSlice) -> Option<ServiceName> {
+    let name = slice
+        .metadata
+        .labels
+        .as_ref()?
+        .get(k8s::SERVICE_NAME_LABEL)?;
+    Some(ServiceName {
+        namespace: slice.metadata.namespace.clone().unwrap_or_default(),
+        name: name.clone(),
+    })
 }
 
 fn trigger_time<K: kube::Resource>(object: &K) -> Option<Timestamp> {

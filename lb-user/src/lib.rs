@@ -4,6 +4,7 @@ pub mod bpf_link;
 pub mod bpffs;
 pub mod cgroup_hooks;
 pub mod cgroup_mount;
+pub mod change_tracker;
 pub mod coalesce;
 pub mod connections;
 pub mod datapath;

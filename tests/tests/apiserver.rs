@@ -279,6 +279,43 @@ fn expired_watch_relists_without_deleting_live_services() -> Result<()> {
     )
 }
 
+/// While the watches are down a Service and its slice are deleted and another slice changes;
+/// the 410 forces relists, which carry no DELETED events: the diff against what was seen removes
+/// the deleted service, programs the change and keeps the untouched one.
+#[test]
+fn a_relist_applies_what_changed_while_the_watches_were_down() -> Result<()> {
+    const GONE_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 13);
+    let mut node = ApiNode::start(3)?;
+    node.publish(&[
+        node.service("web", WEB_IP, Proto::Tcp, &["pod-b", "pod-c"]),
+        node.service("kept", KEPT_IP, Proto::Tcp, &["pod-c"]),
+        node.service("gone", GONE_IP, Proto::Tcp, &["pod-b"]),
+    ]);
+    node.agent.wait_for_programmed(3, 4, SYNC)?;
+    let pod_a = &node.topology.pod("pod-a").ns;
+    assert_answered_by(&requests(pod_a, Proto::Tcp, addr(GONE_IP), 5)?, &["pod-b"])?;
+
+    for kind in [Kind::Service, Kind::EndpointSlice] {
+        node.api.fail_lists(kind, true);
+    }
+    node.api.expire_watches();
+    node.api.delete::<EndpointSlice>(Some("default"), "gone-1");
+    node.api.delete::<Service>(Some("default"), "gone");
+    node.publish(&[node.service("web", WEB_IP, Proto::Tcp, &["pod-b"])]);
+    node.api.expire_watches();
+    for kind in [Kind::Service, Kind::EndpointSlice] {
+        node.api.fail_lists(kind, false);
+    }
+
+    node.agent.wait_for_programmed(2, 2, SYNC)?;
+    ensure!(
+        request(pod_a, Proto::Tcp, addr(GONE_IP)).is_err(),
+        "the service deleted while the watches were down still answers"
+    );
+    assert_answered_by(&requests(pod_a, Proto::Tcp, addr(WEB_IP), 20)?, &["pod-b"])?;
+    assert_answered_by(&requests(pod_a, Proto::Tcp, addr(KEPT_IP), 5)?, &["pod-c"])
+}
+
 fn service_lists(api: &FakeApiserver) -> usize {
     api.requests()
         .iter()

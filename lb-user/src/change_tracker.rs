@@ -1,0 +1,253 @@
+//! Which Services the apiserver's watch events touched, as kube-proxy's service and endpoints
+//! change trackers do: a sync then converts, joins and reconciles only those.
+//!
+//! An object counts as changed when its resourceVersion differs from the one last seen, so a
+//! relist that replays unchanged objects marks nothing; an object missing from a completed
+//! relist was deleted while the watch was down.
+use std::collections::{BTreeSet, HashMap, HashSet};
+
+use crate::model::ServiceName;
+
+/// The two kinds of object a Service's desired state comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Service,
+    EndpointSlice,
+}
+
+/// What a watch event says of one object.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ObjectVersion {
+    /// `namespace/name`.
+    pub key: String,
+    pub resource_version: String,
+    /// The Service the object belongs to: itself, or a slice's `kubernetes.io/service-name`.
+    pub service: Option<ServiceName>,
+}
+
+#[derive(Debug, Default)]
+struct Seen {
+    /// key → (resourceVersion, owning service).
+    objects: HashMap<String, (String, Option<ServiceName>)>,
+    /// The keys a relist in progress has listed so far.
+    relisted: Option<HashSet<String>>,
+}
+
+#[derive(Debug, Default)]
+pub struct ChangeTracker {
+    services: Seen,
+    slices: Seen,
+    /// The slices of each service, by key.
+    slices_of: HashMap<ServiceName, BTreeSet<String>>,
+    changed: BTreeSet<ServiceName>,
+}
+
+impl ChangeTracker {
+    pub fn applied(&mut self, kind: Kind, object: ObjectVersion) {
+        let seen = self.seen(kind);
+        if let Some(relisted) = &mut seen.relisted {
+            relisted.insert(object.key.clone());
+        }
+        let previous = seen.objects.insert(
+            object.key.clone(),
+            (object.resource_version.clone(), object.service.clone()),
+        );
+        if let Some((version, service)) = &previous
+            && *version == object.resource_version
+            && *service == object.service
+        {
+            return;
+        }
+        let before = previous.and_then(|(_, service)| service);
+        self.moved(kind, &object.key, before, object.service);
+    }
+
+    pub fn deleted(&mut self, kind: Kind, key: &str) {
+        if let Some((_, service)) = self.seen(kind).objects.remove(key) {
+            self.moved(kind, key, service, None);
+        }
+    }
+
+    /// A relist began: objects it does not list by [`ChangeTracker::relisted`] are gone.
+    pub fn relisting(&mut self, kind: Kind) {
+        self.seen(kind).relisted = Some(HashSet::new());
+    }
+
+    /// A relist completed.
+    pub fn relisted(&mut self, kind: Kind) {
+        let seen = self.seen(kind);
+        let Some(listed) = seen.relisted.take() else {
+            return;
+        };
+        let gone: Vec<String> = seen
+            .objects
+            .keys()
+            .filter(|key| !listed.contains(*key))
+            .cloned()
+            .collect();
+        for key in gone {
+            self.deleted(kind, &key);
+        }
+    }
+
+    /// The services changed since the last call.
+    pub fn take_changed(&mut self) -> BTreeSet<ServiceName> {
+        std::mem::take(&mut self.changed)
+    }
+
+    /// The keys of the slices that belong to `service`.
+    pub fn slices_of(&self, service: &ServiceName) -> impl Iterator<Item = &str> {
+        self.slices_of
+            .get(service)
+            .into_iter()
+            .flatten()
+            .map(String::as_str)
+    }
+
+    fn seen(&mut self, kind: Kind) -> &mut Seen {
+        match kind {
+            Kind::Service => &mut self.services,
+            Kind::EndpointSlice => &mut self.slices,
+        }
+    }
+
+    /// The object `key` changed and now belongs to `after` instead of `before`.
+    fn moved(
+        &mut self,
+        kind: Kind,
+        key: &str,
+        before: Option<ServiceName>,
+        after: Option<ServiceName>,
+    ) {
+        if kind == Kind::EndpointSlice {
+            if let Some(before) = &before
+                && let Some(keys) = self.slices_of.get_mut(before)
+            {
+                keys.remove(key);
+                if keys.is_empty() {
+                    self.slices_of.remove(before);
+                }
+            }
+            if let Some(after) = &after {
+                self.slices_of
+                    .entry(after.clone())
+                    .or_default()
+                    .insert(key.to_owned());
+            }
+        }
+        self.changed.extend(before);
+        self.changed.extend(after);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn name(name: &str) -> ServiceName {
+        ServiceName {
+            namespace: "shop".into(),
+            name: name.into(),
+        }
+    }
+
+    fn service(svc: &str, version: &str) -> ObjectVersion {
+        ObjectVersion {
+            key: format!("shop/{svc}"),
+            resource_version: version.into(),
+            service: Some(name(svc)),
+        }
+    }
+
+    fn slice(key: &str, version: &str, svc: &str) -> ObjectVersion {
+        ObjectVersion {
+            key: format!("shop/{key}"),
+            resource_version: version.into(),
+            service: Some(name(svc)),
+        }
+    }
+
+    fn names(list: &[&str]) -> BTreeSet<ServiceName> {
+        list.iter().map(|n| name(n)).collect()
+    }
+
+    #[test]
+    fn each_event_marks_only_its_service() {
+        let mut tracker = ChangeTracker::default();
+        tracker.applied(Kind::Service, service("web", "1"));
+        tracker.applied(Kind::Service, service("db", "2"));
+        tracker.applied(Kind::EndpointSlice, slice("web-a", "3", "web"));
+        assert_eq!(tracker.take_changed(), names(&["db", "web"]));
+        assert_eq!(tracker.take_changed(), names(&[]));
+
+        tracker.applied(Kind::EndpointSlice, slice("web-a", "4", "web"));
+        assert_eq!(tracker.take_changed(), names(&["web"]));
+        tracker.deleted(Kind::Service, "shop/db");
+        assert_eq!(tracker.take_changed(), names(&["db"]));
+        tracker.deleted(Kind::EndpointSlice, "shop/web-a");
+        assert_eq!(tracker.take_changed(), names(&["web"]));
+        assert_eq!(tracker.slices_of(&name("web")).count(), 0);
+    }
+
+    #[test]
+    fn the_same_version_again_is_no_change() {
+        let mut tracker = ChangeTracker::default();
+        tracker.applied(Kind::Service, service("web", "1"));
+        tracker.take_changed();
+        tracker.applied(Kind::Service, service("web", "1"));
+        assert_eq!(tracker.take_changed(), names(&[]));
+        tracker.deleted(Kind::Service, "shop/unknown");
+        assert_eq!(tracker.take_changed(), names(&[]));
+    }
+
+    #[test]
+    fn a_slice_that_changes_service_marks_both() {
+        let mut tracker = ChangeTracker::default();
+        tracker.applied(Kind::EndpointSlice, slice("s", "1", "web"));
+        tracker.take_changed();
+        tracker.applied(Kind::EndpointSlice, slice("s", "2", "api"));
+        assert_eq!(tracker.take_changed(), names(&["api", "web"]));
+        assert_eq!(tracker.slices_of(&name("web")).count(), 0);
+        assert_eq!(
+            tracker.slices_of(&name("api")).collect::<Vec<_>>(),
+            ["shop/s"]
+        );
+    }
+
+    #[test]
+    fn a_relist_yields_only_the_real_changes() {
+        let mut tracker = ChangeTracker::default();
+        for (svc, version) in [("web", "1"), ("db", "2"), ("cache", "3")] {
+            tracker.applied(Kind::Service, service(svc, version));
+        }
+        tracker.applied(Kind::EndpointSlice, slice("web-a", "4", "web"));
+        tracker.applied(Kind::EndpointSlice, slice("db-a", "5", "db"));
+        tracker.take_changed();
+
+        // While the watch was down: db changed, cache and db's slice were deleted.
+        tracker.relisting(Kind::Service);
+        tracker.applied(Kind::Service, service("web", "1"));
+        tracker.applied(Kind::Service, service("db", "6"));
+        tracker.relisted(Kind::Service);
+        tracker.relisting(Kind::EndpointSlice);
+        tracker.applied(Kind::EndpointSlice, slice("web-a", "4", "web"));
+        tracker.relisted(Kind::EndpointSlice);
+        assert_eq!(tracker.take_changed(), names(&["cache", "db"]));
+        assert_eq!(tracker.slices_of(&name("db")).count(), 0);
+        assert_eq!(tracker.slices_of(&name("web")).count(), 1);
+    }
+
+    #[test]
+    fn an_object_without_a_service_marks_nothing() {
+        let mut tracker = ChangeTracker::default();
+        tracker.applied(
+            Kind::EndpointSlice,
+            ObjectVersion {
+                key: "shop/orphan".into(),
+                resource_version: "1".into(),
+                service: None,
+            },
+        );
+        assert_eq!(tracker.take_changed(), names(&[]));
+    }
+}
