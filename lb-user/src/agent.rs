@@ -629,6 +629,8 @@ struct State {
 struct Sync {
     report: SyncReport,
     services: usize,
+    /// The services this sync converted and joined again: those whose objects changed.
+    joined: usize,
     endpoints: usize,
     failed_total: u64,
     /// Reading the source, the join, the reconcile (diff and map writes), the rest (UDP
@@ -744,6 +746,7 @@ impl State {
         log_sync(&Sync {
             report,
             services: model.services.len(),
+            joined: previous.len(),
             endpoints,
             failed_total: self.reconciler.failed_total,
             stages: [read, joined - read, reconciled - joined, took - reconciled],
@@ -782,6 +785,7 @@ fn log_sync(sync: &Sync) {
     let r = &sync.report;
     info!(
         services = sync.services,
+        services_joined = sync.joined,
         endpoints = sync.endpoints,
         frontends_added = r.frontends_added,
         frontends_updated = r.frontends_updated,

@@ -417,6 +417,28 @@ fn ten_thousand_services_in_one_list() -> Result<()> {
         30,
     )?;
     ensure!(answers.iter().any(|a| a.server == "pod-b"), "{answers:?}");
+
+    // One slice changes: the sync joins that one service, not the 10,000.
+    let one_more = ServiceManifest::new(
+        "svc-1",
+        Ipv4Addr::new(10, 100, 0, 1),
+        Proto::Tcp,
+        PORT,
+        TARGET_PORT,
+    )
+    .endpoints((0..11u32).map(|e| Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 251, 0, 0)) + e)));
+    api.apply(&[objects(&one_more).1]);
+    agent.wait_for_programmed(N, (N - 1) * 10 + 2, Duration::from_secs(60))?;
+    let log = agent.log();
+    let change = log
+        .lines()
+        .rfind(|l| l.contains(&format!(" endpoints={} ", (N - 1) * 10 + 2)))
+        .unwrap_or_default();
+    eprintln!("one slice changed: {change}");
+    ensure!(
+        change.contains(" services_joined=1 "),
+        "a one-slice change joined more than its service: {change}"
+    );
     Ok(())
 }
 
