@@ -2,13 +2,15 @@
 //! XDP_TX program run by BPF_PROG_TEST_RUN with BPF_F_TEST_XDP_LIVE_FRAMES: the kernel transmits
 //! each frame from its page pool, no skb, no socket) sends 64-byte UDP frames out of the client's
 //! eth0 into the node's external interface, to the node address and the measured Service's UDP
-//! NodePort. Forwarded packets are counted and dropped by a sink at the backend pod's eth0 ingress
+//! NodePort. Where the kernel refuses live frames (EPERM: some hardened or sandboxed kernels do),
+//! an AF_PACKET socket that bypasses the qdisc sends the same frame with sendmmsg, as trafgen
+//! does; it costs the generator more per frame, and the result names the generator used. Forwarded packets are counted and dropped by a sink at the backend pod's eth0 ingress
 //! (`Sink`); softirq CPU is the machine's /proc/stat `softirq` time over the run (all CPUs:
 //! the node's forwarding and the backend's receive both run in softirq).
 use std::{
-    fs,
+    fs, io, mem,
     net::SocketAddrV4,
-    os::fd::AsFd as _,
+    os::fd::{AsFd as _, AsRawFd as _, FromRawFd as _, OwnedFd},
     time::{Duration, Instant},
 };
 
@@ -17,6 +19,7 @@ use lb_tests::{
     netns::Netns,
     topology::{CLIENT_IP, EXTERNAL_INTERFACE, NODE_IP},
 };
+use nix::libc;
 use serde::Serialize;
 
 use crate::{
@@ -46,6 +49,18 @@ const MAX_FRAMES: u64 = 500_000_000;
 const CLIENT_INTERFACE: &str = "eth0";
 /// Time for the last frames to cross the node before the counters are read.
 const DRAIN: Duration = Duration::from_millis(100);
+/// Frames per sendmmsg call of the AF_PACKET generator.
+const PACKET_BATCH: usize = 64;
+
+/// How the flood's frames were sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Generator {
+    /// BPF_PROG_TEST_RUN with BPF_F_TEST_XDP_LIVE_FRAMES: no skb, no socket.
+    XdpLiveFrames,
+    /// sendmmsg on an AF_PACKET socket with PACKET_QDISC_BYPASS, where live frames are refused.
+    AfPacket,
+}
 
 #[derive(Debug, Serialize)]
 pub struct Flood {
@@ -58,6 +73,7 @@ pub struct Flood {
     pub forwarded_pps: f64,
     /// Softirq time over the run per second of it, summed over CPUs (1.0 = one CPU busy).
     pub softirq_cpus: f64,
+    pub generator: Option<Generator>,
     pub error: Option<String>,
 }
 
@@ -77,6 +93,7 @@ pub fn run(plan: &Plan, deployments: &mut [Deployment], progress: Progress) -> R
             forwarded: 0,
             forwarded_pps: 0.0,
             softirq_cpus: 0.0,
+            generator: None,
             error: None,
         };
         let result = deployment
@@ -86,12 +103,13 @@ pub fn run(plan: &Plan, deployments: &mut [Deployment], progress: Progress) -> R
             flood.error = Some(format!("{err:#}"));
         }
         progress(&format!(
-            "  {:<16} {:>6} services: {:>9.0} pps ({} of {} frames forwarded), softirq {:.2} CPUs{}",
+            "  {:<16} {:>6} services: {:>9.0} pps ({} of {} frames forwarded, {}), softirq {:.2} CPUs{}",
             flood.variant.name(),
             flood.services,
             flood.forwarded_pps,
             flood.forwarded,
             flood.sent,
+            flood.generator.map_or("-", Generator::name),
             flood.softirq_cpus,
             flood
                 .error
@@ -117,7 +135,9 @@ fn measure(deployment: &Deployment, duration: Duration, flood: &mut Flood) -> Re
     let sink = Sink::install(&topology.backend().ns)?;
     let softirq_before = softirq_ticks()?;
     let started = Instant::now();
-    flood.sent = client.run(move || generate(&frame.bytes, duration))??;
+    let (generator, sent) = client.run(move || generate(&frame.bytes, duration))??;
+    flood.generator = Some(generator);
+    flood.sent = sent;
     flood.seconds = started.elapsed().as_secs_f64();
     std::thread::sleep(DRAIN);
     let softirq = softirq_ticks()? - softirq_before;
@@ -130,15 +150,39 @@ fn measure(deployment: &Deployment, duration: Duration, flood: &mut Flood) -> Re
     Ok(())
 }
 
+impl Generator {
+    pub fn name(self) -> &'static str {
+        match self {
+            Generator::XdpLiveFrames => "xdp live frames",
+            Generator::AfPacket => "af_packet",
+        }
+    }
+}
+
 /// Runs on a thread in the client namespace (live frames are sent in the caller's namespace,
-/// where the ingress ifindex is looked up): XDP_TX from eth0 sends each frame to its peer, the
-/// node's external interface. Returns the frames sent.
-fn generate(frame: &[u8], duration: Duration) -> Result<u64> {
+/// where the ingress ifindex is looked up) and sends `frame` out of its eth0, to its peer, the
+/// node's external interface. Returns the generator used and the frames sent.
+fn generate(frame: &[u8], duration: Duration) -> Result<(Generator, u64)> {
     pin(CLIENT_CPU)?;
     let ifindex = nix::net::if_::if_nametoindex(CLIENT_INTERFACE)
         .with_context(|| format!("{CLIENT_INTERFACE} in the client namespace"))?;
+    match generate_live_frames(frame, ifindex, duration) {
+        Err(err) if err.kind() == io::ErrorKind::PermissionDenied => {
+            let sent = generate_af_packet(frame, ifindex, duration)
+                .context("the AF_PACKET generator (live frames were refused: EPERM)")?;
+            Ok((Generator::AfPacket, sent))
+        }
+        result => Ok((
+            Generator::XdpLiveFrames,
+            result.context("BPF_PROG_TEST_RUN with live frames (kernel ≥ 5.18)")?,
+        )),
+    }
+}
+
+/// XDP_TX from eth0 in BPF_PROG_TEST_RUN's live-frames mode.
+fn generate_live_frames(frame: &[u8], ifindex: u32, duration: Duration) -> io::Result<u64> {
     let header = &frame[..HEADER_BYTES];
-    let program = bpf::load_xdp_generator(header).context("load the XDP_TX generator")?;
+    let program = bpf::load_xdp_generator(header)?;
     // struct xdp_md: data, data_end, data_meta, ingress_ifindex, rx_queue_index, egress_ifindex.
     let ctx: Vec<u8> = [0, frame.len() as u32, 0, ifindex, 0, 0]
         .iter()
@@ -156,9 +200,73 @@ fn generate(frame: &[u8], duration: Duration) -> Result<u64> {
                 flags: bpf::BPF_F_TEST_XDP_LIVE_FRAMES,
                 batch_size: LIVE_BATCH,
             },
-        )
-        .context("BPF_PROG_TEST_RUN with live frames (kernel ≥ 5.18)")?;
+        )?;
         sent += u64::from(FRAMES_PER_RUN);
+    }
+    Ok(sent)
+}
+
+/// sendmmsg of `frame` on an AF_PACKET socket of eth0 that bypasses its qdisc. The socket has
+/// protocol 0, so it receives nothing.
+fn generate_af_packet(frame: &[u8], ifindex: u32, duration: Duration) -> io::Result<u64> {
+    // SAFETY: socket(2) with constant arguments; the result is checked before it is owned.
+    let fd = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a new descriptor that nothing else owns.
+    let socket = unsafe { OwnedFd::from_raw_fd(fd) };
+    let bypass: libc::c_int = 1;
+    // SAFETY: the option value is a c_int that outlives the call.
+    let set = unsafe {
+        libc::setsockopt(
+            socket.as_raw_fd(),
+            libc::SOL_PACKET,
+            libc::PACKET_QDISC_BYPASS,
+            (&bypass as *const libc::c_int).cast(),
+            mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if set < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: sockaddr_ll is plain data; all-zero is a valid value.
+    let mut address: libc::sockaddr_ll = unsafe { mem::zeroed() };
+    address.sll_family = libc::AF_PACKET as u16;
+    address.sll_protocol = (libc::ETH_P_IP as u16).to_be();
+    address.sll_ifindex = ifindex as i32;
+    let mut iov = libc::iovec {
+        iov_base: frame.as_ptr() as *mut libc::c_void,
+        iov_len: frame.len(),
+    };
+    // SAFETY: mmsghdr is plain data; all-zero is a valid value, filled in below.
+    let mut message: libc::mmsghdr = unsafe { mem::zeroed() };
+    message.msg_hdr.msg_name = (&mut address as *mut libc::sockaddr_ll).cast();
+    message.msg_hdr.msg_namelen = mem::size_of::<libc::sockaddr_ll>() as libc::socklen_t;
+    message.msg_hdr.msg_iov = &mut iov;
+    message.msg_hdr.msg_iovlen = 1;
+    let mut messages = [message; PACKET_BATCH];
+    let started = Instant::now();
+    let mut sent = 0;
+    while sent < MAX_FRAMES && started.elapsed() < duration {
+        // SAFETY: every message points at `address` and `iov`, which outlive the call; the
+        // kernel only reads them and writes msg_len.
+        let n = unsafe {
+            libc::sendmmsg(
+                socket.as_raw_fd(),
+                messages.as_mut_ptr(),
+                PACKET_BATCH as libc::c_uint,
+                0,
+            )
+        };
+        if n < 0 {
+            let err = io::Error::last_os_error();
+            if err.raw_os_error() == Some(libc::ENOBUFS) {
+                continue;
+            }
+            return Err(err);
+        }
+        sent += n as u64;
     }
     Ok(sent)
 }

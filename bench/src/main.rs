@@ -66,7 +66,7 @@ pub enum Section {
     /// Connection rate, and (B3) request rate and latency, for every variant.
     #[value(alias = "b3")]
     B2,
-    /// NodePort packet rate from the live-frames generator.
+    /// NodePort packet rate from the frame generator (live XDP frames, else AF_PACKET).
     B4,
     /// Conntrack map full, masquerade ports exhausted.
     B5,
@@ -263,7 +263,7 @@ fn main() -> Result<()> {
         report::write(&results, &out)?;
     }
     if plan.wants(Section::B4) {
-        progress("B4 NodePort packet rate (live XDP frames from the external client)");
+        progress("B4 NodePort packet rate (frames from the external client)");
         results.flood = flood::run(&plan, &mut deployments, &progress)?;
     }
     if plan.wants(Section::B5) {

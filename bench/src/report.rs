@@ -228,14 +228,15 @@ fn write_flood(md: &mut String, results: &Results) {
     let _ = writeln!(
         md,
         "## B4 NodePort packet rate\n\n64-byte UDP frames of one flow from a live-frames XDP \
-         generator (BPF_PROG_TEST_RUN, XDP_TX) in the external client to the node address and \
+         generator (BPF_PROG_TEST_RUN, XDP_TX; an AF_PACKET socket where the kernel refuses live \
+         frames, named in the generator column) in the external client to the node address and \
          NodePort, counted and dropped at the backend pod's eth0 ingress hook (before its IP \
          stack) over {:.1} s. The generator, the node's forwarding and the backend's receive \
          share CPU 0 (a veth delivers in its sender's softirq), so the rate is what one CPU does \
          for the whole path. Softirq: /proc/stat, all CPUs, per second of the run. Targets: \
          tc ≥ 1.7 × iptables, xdp ≥ 3 ×.\n\n\
-         | variant | services | forwarded pps | ratio to iptables-nft | softirq CPUs | target |\n\
-         | --- | ---: | ---: | ---: | ---: | --- |",
+         | variant | services | generator | forwarded pps | ratio to iptables-nft | softirq CPUs | target |\n\
+         | --- | ---: | --- | ---: | ---: | ---: | --- |",
         results.flood[0].seconds
     );
     let base = results
@@ -257,9 +258,10 @@ fn write_flood(md: &mut String, results: &Results) {
         };
         let _ = writeln!(
             md,
-            "| {} | {} | {:.0} | {} | {:.2} | {verdict} |",
+            "| {} | {} | {} | {:.0} | {} | {:.2} | {verdict} |",
             f.variant.name(),
             f.services,
+            f.generator.map_or("-", |g| g.name()),
             f.forwarded_pps,
             ratio.map_or("-".into(), |r| format!("{r:.2}")),
             f.softirq_cpus
