@@ -143,7 +143,11 @@ pub async fn run(args: AgentArgs) -> Result<()> {
             .with_node_port_addresses(node_port_addrs)
             .with_node_name(node_name(&args)?)
             .with_default_scheduler(args.scheduler),
-        node_ports: NodePortAllocator::new(args.nodeport_range.clone()),
+        // The apiserver allocates nodePorts; only manifests may leave them out.
+        node_ports: args
+            .manifests
+            .is_some()
+            .then(|| NodePortAllocator::new(args.nodeport_range.clone())),
         datapath,
         metrics,
         health,
@@ -401,17 +405,17 @@ impl Hooks {
 /// `--hostname-override`, else NODE_NAME (the DaemonSet sets it from the downward API), else
 /// the hostname, lowercased as kube-proxy does.
 fn node_name(args: &AgentArgs) -> Result<String> {
-    if let Some(name) = &args.hostname_override {
-        return Ok(name.clone());
-    }
-    if let Ok(name) = std::env::var("NODE_NAME")
-        && !name.is_empty()
-    {
-        return Ok(name);
-    }
-    let hostname = std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .context("reading the hostname (or give --hostname-override)")?;
-    Ok(hostname.trim().to_lowercase())
+    let given = args
+        .hostname_override
+        .clone()
+        .or_else(|| std::env::var("NODE_NAME").ok());
+    let name = match given.filter(|name| !name.trim().is_empty()) {
+        Some(name) => name,
+        None => std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .context("reading the hostname (or give --hostname-override)")?,
+    };
+    // As kube-proxy's GetHostname: Node names are lowercase.
+    Ok(name.trim().to_lowercase())
 }
 
 /// Where the desired state comes from.
@@ -619,7 +623,7 @@ struct State {
     reconciler: Reconciler,
     /// --zone; "" takes the Node's label at each sync.
     zone_flag: String,
-    node_ports: NodePortAllocator,
+    node_ports: Option<NodePortAllocator>,
     datapath: Datapath,
     metrics: Arc<Metrics>,
     health: Arc<Mutex<Health>>,
@@ -692,7 +696,7 @@ impl State {
         let previous = self.model.update(
             source.specs(),
             desired.changed.as_ref(),
-            &mut self.node_ports,
+            self.node_ports.as_mut(),
         );
         let model = std::mem::take(&mut self.model);
         let joined = start.elapsed();

@@ -26,7 +26,7 @@ use tracing::{debug, info, warn};
 
 use crate::change_tracker::{ChangeTracker, Kind, ObjectVersion};
 use crate::events::WriteFailureEvents;
-use crate::k8s;
+use crate::k8s::{self, InvalidField};
 use crate::model::{ServiceName, Specs};
 use crate::reconcile::WriteFailure;
 
@@ -303,7 +303,7 @@ impl ApiSource {
             let service = self
                 .services
                 .get(&ObjectRef::new(&name.name).within(&name.namespace))
-                .and_then(|svc| convert(svc.as_ref(), k8s::service));
+                .and_then(|svc| convert(svc.as_ref(), k8s::service, &self.write_failure_events));
             match service {
                 Some(spec) => specs.services.insert(name.clone(), spec),
                 None => specs.services.remove(name),
@@ -314,7 +314,11 @@ impl ApiSource {
                 .filter_map(|key| {
                     let (namespace, slice) = key.split_once('/')?;
                     let object = self.slices.get(&ObjectRef::new(slice).within(namespace))?;
-                    let spec = convert(object.as_ref(), k8s::endpoint_slice)?;
+                    let spec = convert(
+                        object.as_ref(),
+                        k8s::endpoint_slice,
+                        &self.write_failure_events,
+                    )?;
                     Some(((key.to_owned(), 0), spec))
                 })
                 .collect();
@@ -331,21 +335,34 @@ impl ApiSource {
     }
 }
 
-/// The object as a spec; None, with a warning, if k8s.rs rejects it.
-fn convert<K, T, E>(object: &K, to_spec: impl Fn(&K) -> Result<Option<T>, E>) -> Option<T>
+/// The object as a spec; None, with a warning, if k8s.rs rejects it. The fields it skipped are
+/// warned about, and told on the object as an Event.
+fn convert<K, T>(
+    object: &K,
+    to_spec: impl Fn(&K, &mut Vec<InvalidField>) -> Result<Option<T>, InvalidField>,
+    events: &WriteFailureEvents,
+) -> Option<T>
 where
     K: kube::Resource<DynamicType = ()>,
-    E: std::fmt::Display,
 {
-    match to_spec(object) {
+    let name = format!("{} {}", K::kind(&()), object_key(object));
+    let version = object
+        .meta()
+        .resource_version
+        .as_deref()
+        .unwrap_or_default();
+    let mut skipped = Vec::new();
+    let spec = to_spec(object, &mut skipped);
+    for field in &skipped {
+        warn!(object = %name, version, field = %field.field, error = %field.reason, "invalid field skipped; the rest is served");
+    }
+    if !skipped.is_empty() {
+        events.fields_skipped(object.object_ref(&()), &skipped);
+    }
+    match spec {
         Ok(spec) => spec,
         Err(err) => {
-            warn!(
-                object = %format!("{} {}", K::kind(&()), object_key(object)),
-                version = object.meta().resource_version.as_deref().unwrap_or_default(),
-                error = %err,
-                "ignored: invalid"
-            );
+            warn!(object = %name, version, error = %err, "ignored: invalid");
             None
         }
     }

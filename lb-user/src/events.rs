@@ -12,17 +12,21 @@ use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
 use crate::error_chain;
+use crate::k8s::InvalidField;
 use crate::model::ServiceName;
 use crate::reconcile::WriteFailure;
 
-/// The Events' reason.
+/// The reason of the Events on Services whose map writes failed.
 pub const MAP_WRITE_FAILED: &str = "MapWriteFailed";
+/// The reason of the Events on objects with fields that were skipped as invalid.
+pub const FIELDS_SKIPPED: &str = "InvalidFieldsSkipped";
 /// The Events' reporting controller; the instance is the node.
 const CONTROLLER: &str = "lb";
 /// A Service whose writes keep failing (they are retried at every sync) gets an Event again
 /// after this long: client-go's event spam filter lets one through per object every 5 minutes.
 const REPEAT_AFTER: Duration = Duration::from_secs(300);
-/// Events waiting for the apiserver; a sync's further ones wait for a later sync.
+/// Events waiting for the apiserver; a sync's further ones wait for a later sync (or, for
+/// skipped fields, are only logged).
 const QUEUE: usize = 64;
 
 pub struct WriteFailureEvents {
@@ -89,6 +93,26 @@ impl WriteFailureEvents {
                 break;
             }
             self.throttle.sent(name, now);
+        }
+    }
+
+    /// A Warning Event on `object`, one of whose versions had `skipped` fields left out. Sent
+    /// once per version: objects are converted again only when they change.
+    pub fn fields_skipped(&self, object: ObjectReference, skipped: &[InvalidField]) {
+        let fields: Vec<String> = skipped.iter().map(ToString::to_string).collect();
+        let event = Event {
+            type_: EventType::Warning,
+            reason: FIELDS_SKIPPED.into(),
+            note: Some(format!(
+                "node {} left out invalid fields and serves the rest: {}",
+                self.node_name,
+                fields.join("; ")
+            )),
+            action: "Sync".into(),
+            secondary: None,
+        };
+        if self.queue.try_send((event, object)).is_err() {
+            debug!("Event queue full: the skipped fields are only logged");
         }
     }
 }

@@ -8,7 +8,7 @@ use k8s_openapi::api::core::v1::{Service, ServiceSpec as ServiceSpecK8s, Service
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
-use tracing::debug;
+use tracing::{debug, warn};
 
 use crate::model::{
     Conditions, ExternalAddresses, Hints, PortSpec, Protocol, Scheduler, ServiceName, ServiceSpec,
@@ -36,8 +36,13 @@ fn invalid(field: impl Into<String>, reason: impl Into<String>) -> InvalidField 
     }
 }
 
-/// The Service as a spec, or None when it is not ours to proxy.
-pub fn service(svc: &Service) -> Result<Option<ServiceSpec>, InvalidField> {
+/// The Service as a spec, or None when it is not ours to proxy. An invalid address or source
+/// range is left out and added to `skipped` (kube-proxy drops what it cannot parse and serves the
+/// rest); any other invalid field rejects the Service.
+pub fn service(
+    svc: &Service,
+    skipped: &mut Vec<InvalidField>,
+) -> Result<Option<ServiceSpec>, InvalidField> {
     let name = object_name(&svc.metadata)?;
     let Some(spec) = &svc.spec else {
         debug!(service = %name, "ignored: no spec");
@@ -59,7 +64,7 @@ pub fn service(svc: &Service) -> Result<Option<ServiceSpec>, InvalidField> {
     };
 
     let affinity_timeout_s = session_affinity(spec)?;
-    let external = external_addresses(&name, spec, load_balancer, svc.status.as_ref())?;
+    let external = external_addresses(&name, spec, load_balancer, svc.status.as_ref(), skipped)?;
     let scheduler = svc
         .metadata
         .annotations
@@ -116,10 +121,14 @@ pub fn service(svc: &Service) -> Result<Option<ServiceSpec>, InvalidField> {
             target_port,
         });
     }
+    // Without allocation a LoadBalancer port has a nodePort only if one was given.
+    let allocate_node_ports =
+        node_ports && !(load_balancer && spec.allocate_load_balancer_node_ports == Some(false));
     Ok(Some(ServiceSpec {
         name,
         cluster_ip,
         node_ports,
+        allocate_node_ports,
         affinity_timeout_s,
         traffic,
         scheduler,
@@ -134,16 +143,20 @@ const IP_MODE_PROXY: &str = "Proxy";
 /// spec.externalIPs, and for type LoadBalancer the ingress IPs in `status` and
 /// spec.loadBalancerSourceRanges. IPv6 entries are skipped (IPv4 only for now), as kube-proxy
 /// keeps only its own family's ranges: ranges that are all IPv6 leave the IPv4 ingress IPs open.
+/// Unparsable addresses and ranges go to `skipped`; when every range given is unparsable, the
+/// ingress IPs are not served at all (closed rather than open to every source).
 fn external_addresses(
     name: &ServiceName,
     spec: &ServiceSpecK8s,
     load_balancer: bool,
     status: Option<&ServiceStatus>,
+    skipped: &mut Vec<InvalidField>,
 ) -> Result<ExternalAddresses, InvalidField> {
     let mut external = ExternalAddresses::default();
     for (i, ip) in spec.external_ips.iter().flatten().enumerate() {
-        if let Some(v4) = ipv4(ip, || format!("spec.externalIPs[{i}]"))? {
-            external.external_ips.push(v4);
+        match ipv4(ip, || format!("spec.externalIPs[{i}]")) {
+            Ok(v4) => external.external_ips.extend(v4),
+            Err(invalid) => skipped.push(invalid),
         }
     }
     if !load_balancer {
@@ -169,28 +182,35 @@ fn external_addresses(
                 ));
             }
         }
-        if let Some(v4) = ipv4(ip, || format!("status.loadBalancer.ingress[{i}].ip"))? {
-            external.load_balancer_ips.push(v4);
+        match ipv4(ip, || format!("status.loadBalancer.ingress[{i}].ip")) {
+            Ok(v4) => external.load_balancer_ips.extend(v4),
+            Err(invalid) => skipped.push(invalid),
         }
     }
-    for (i, range) in spec
+    let ranges = spec
         .load_balancer_source_ranges
-        .iter()
-        .flatten()
-        .enumerate()
-    {
+        .as_deref()
+        .unwrap_or_default();
+    let mut usable_ranges = 0;
+    for (i, range) in ranges.iter().enumerate() {
         // The API allows spaces around a range, and kube-proxy trims them.
         let range = range.trim();
         match range.parse::<IpNet>() {
-            Ok(IpNet::V4(net)) => external.source_ranges.push(net.trunc()),
-            Ok(IpNet::V6(_)) => {}
-            Err(err) => {
-                return Err(invalid(
-                    format!("spec.loadBalancerSourceRanges[{i}]"),
-                    format!("{range:?}: {err}"),
-                ));
+            Ok(net) => {
+                usable_ranges += 1;
+                if let IpNet::V4(net) = net {
+                    external.source_ranges.push(net.trunc());
+                }
             }
+            Err(err) => skipped.push(invalid(
+                format!("spec.loadBalancerSourceRanges[{i}]"),
+                format!("{range:?}: {err}"),
+            )),
         }
+    }
+    if !ranges.is_empty() && usable_ranges == 0 {
+        warn!(service = %name, "no usable loadBalancerSourceRanges: the load balancer IPs are not served");
+        external.load_balancer_ips.clear();
     }
     external.source_ranges.sort_unstable();
     external.source_ranges.dedup();
@@ -252,7 +272,12 @@ fn session_affinity(spec: &ServiceSpecK8s) -> Result<Option<u32>, InvalidField> 
 }
 
 /// The EndpointSlice as a spec, or None when it is not ours to use.
-pub fn endpoint_slice(slice: &EndpointSlice) -> Result<Option<SliceSpec>, InvalidField> {
+/// The slice as a spec, or None when it is not ours. An endpoint without a valid address is left
+/// out and added to `skipped`; any other invalid field rejects the slice.
+pub fn endpoint_slice(
+    slice: &EndpointSlice,
+    skipped: &mut Vec<InvalidField>,
+) -> Result<Option<SliceSpec>, InvalidField> {
     let slice_name = object_name(&slice.metadata)?;
     match slice.address_type.as_str() {
         "IPv4" => {}
@@ -297,14 +322,19 @@ pub fn endpoint_slice(slice: &EndpointSlice) -> Result<Option<SliceSpec>, Invali
     for (i, e) in slice.endpoints.iter().flatten().enumerate() {
         // Consumers use the first address only (the API says the others are not used).
         let Some(addr) = e.addresses.first() else {
-            return Err(invalid(format!("endpoints[{i}].addresses"), "empty"));
+            skipped.push(invalid(format!("endpoints[{i}].addresses"), "empty"));
+            continue;
         };
-        let addr = addr.parse::<Ipv4Addr>().map_err(|err| {
-            invalid(
-                format!("endpoints[{i}].addresses[0]"),
-                format!("{addr:?}: {err}"),
-            )
-        })?;
+        let addr = match addr.parse::<Ipv4Addr>() {
+            Ok(addr) => addr,
+            Err(err) => {
+                skipped.push(invalid(
+                    format!("endpoints[{i}].addresses[0]"),
+                    format!("{addr:?}: {err}"),
+                ));
+                continue;
+            }
+        };
         // kube-proxy's reading: unknown ready or serving is true, unknown terminating false.
         let conditions = e.conditions.as_ref();
         let ready = conditions.and_then(|c| c.ready).unwrap_or(true);
@@ -417,6 +447,21 @@ fn port_number(n: i32, field: impl FnOnce() -> String) -> Result<u16, InvalidFie
 mod tests {
     use super::*;
 
+    /// The spec, when nothing was skipped.
+    fn service(svc: &Service) -> Result<Option<ServiceSpec>, InvalidField> {
+        let mut skipped = Vec::new();
+        let spec = super::service(svc, &mut skipped);
+        assert!(skipped.is_empty(), "{skipped:?}");
+        spec
+    }
+
+    fn endpoint_slice(slice: &EndpointSlice) -> Result<Option<SliceSpec>, InvalidField> {
+        let mut skipped = Vec::new();
+        let spec = super::endpoint_slice(slice, &mut skipped);
+        assert!(skipped.is_empty(), "{skipped:?}");
+        spec
+    }
+
     fn svc(yaml: &str) -> Service {
         serde_yaml::from_str(yaml).expect("test yaml")
     }
@@ -527,17 +572,49 @@ status:
             bad_mode.unwrap_err().field,
             "status.loadBalancer.ingress[4].ipMode"
         );
-        let bad_range = service(&svc(&format!(
-            "{HEAD}spec: {{type: LoadBalancer, clusterIP: 10.96.0.1, ports: [{{port: 80}}], loadBalancerSourceRanges: [198.51.100.0/33]}}\n"
-        )));
+    }
+
+    #[test]
+    fn invalid_addresses_and_ranges_are_skipped_and_the_rest_kept() {
+        let status = "status: {loadBalancer: {ingress: [{ip: 203.0.113.50}, {ip: '203.0.113.x'}]}}";
+        let mut skipped = Vec::new();
+        let spec = super::service(
+            &svc(&format!(
+                "{HEAD}spec: {{type: LoadBalancer, clusterIP: 10.96.0.1, ports: [{{port: 80}}], externalIPs: [203.0.113.1, 203.0.113, 203.0.113.2, 203.0.113.3], loadBalancerSourceRanges: [198.51.100.0/33, 198.51.100.0/24]}}\n{status}\n"
+            )),
+            &mut skipped,
+        )
+        .unwrap()
+        .unwrap();
+        let fields: Vec<&str> = skipped.iter().map(|f| f.field.as_str()).collect();
         assert_eq!(
-            bad_range.unwrap_err().field,
-            "spec.loadBalancerSourceRanges[0]"
+            fields,
+            [
+                "spec.externalIPs[1]",
+                "status.loadBalancer.ingress[1].ip",
+                "spec.loadBalancerSourceRanges[0]"
+            ]
         );
-        let bad_ip = service(&svc(&format!(
-            "{HEAD}spec: {{clusterIP: 10.96.0.1, ports: [{{port: 80}}], externalIPs: [203.0.113]}}\n"
-        )));
-        assert_eq!(bad_ip.unwrap_err().field, "spec.externalIPs[0]");
+        let ip = |last| Ipv4Addr::new(203, 0, 113, last);
+        assert_eq!(spec.external.external_ips, [ip(1), ip(2), ip(3)]);
+        assert_eq!(spec.external.load_balancer_ips, [ip(50)]);
+        assert_eq!(
+            spec.external.source_ranges,
+            ["198.51.100.0/24".parse::<ipnet::Ipv4Net>().unwrap()]
+        );
+
+        // Only unusable ranges: the load balancer IPs close instead of opening to all.
+        let mut skipped = Vec::new();
+        let spec = super::service(
+            &svc(&format!(
+                "{HEAD}spec: {{type: LoadBalancer, clusterIP: 10.96.0.1, ports: [{{port: 80}}], loadBalancerSourceRanges: [bogus]}}\n{status}\n"
+            )),
+            &mut skipped,
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!(skipped.len(), 2);
+        assert!(spec.external.load_balancer_ips.is_empty());
     }
 
     #[test]
@@ -702,10 +779,21 @@ status:
             endpoint_slice(&slice(&format!("{base}addressType: IPv4\nendpoints: []\n"))),
             Ok(None)
         );
-        let err = endpoint_slice(&slice(&format!(
-            "{base}{labels}addressType: IPv4\nendpoints: [{{addresses: [10.244.1.2]}}, {{addresses: [bogus]}}]\n"
-        )))
-        .unwrap_err();
-        assert_eq!(err.field, "endpoints[1].addresses[0]");
+        let mut skipped = Vec::new();
+        let spec = super::endpoint_slice(
+            &slice(&format!(
+                "{base}{labels}addressType: IPv4\nendpoints: [{{addresses: [10.244.1.2]}}, {{addresses: [bogus]}}, {{addresses: []}}]\n"
+            )),
+            &mut skipped,
+        )
+        .unwrap()
+        .unwrap();
+        let addrs: Vec<Ipv4Addr> = spec.endpoints.iter().map(|e| e.addr).collect();
+        assert_eq!(addrs, [Ipv4Addr::new(10, 244, 1, 2)]);
+        let fields: Vec<&str> = skipped.iter().map(|f| f.field.as_str()).collect();
+        assert_eq!(
+            fields,
+            ["endpoints[1].addresses[0]", "endpoints[2].addresses"]
+        );
     }
 }

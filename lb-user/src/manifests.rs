@@ -15,7 +15,7 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use rayon::prelude::*;
 use serde::Deserialize as _;
 use serde::de::DeserializeOwned;
-use tracing::debug;
+use tracing::{debug, warn};
 
 use crate::k8s::{self, InvalidField};
 use crate::model::{ServiceName, ServiceSpec, SliceSpec, Specs};
@@ -624,13 +624,14 @@ fn typed_object(at: Location, typed: &Typed) -> Result<Object, ManifestError> {
         at: at.clone(),
         source,
     };
+    let mut skipped = Vec::new();
     let (kind, name, spec) = match typed {
         Typed::Service(svc) => {
-            let spec = k8s::service(svc).map_err(invalid)?;
+            let spec = k8s::service(svc, &mut skipped).map_err(invalid)?;
             (SERVICE, object_key(&svc.metadata), spec.map(Spec::Service))
         }
         Typed::Slice(slice) => {
-            let spec = k8s::endpoint_slice(slice).map_err(invalid)?;
+            let spec = k8s::endpoint_slice(slice, &mut skipped).map_err(invalid)?;
             (
                 ENDPOINT_SLICE,
                 object_key(&slice.metadata),
@@ -638,6 +639,10 @@ fn typed_object(at: Location, typed: &Typed) -> Result<Object, ManifestError> {
             )
         }
     };
+    // Parsed once per file change (the cache), so each is logged once.
+    for field in &skipped {
+        warn!(at = %at, object = %format!("{kind} {name}"), field = %field.field, error = %field.reason, "invalid field skipped; the rest is served");
+    }
     let service = spec.as_ref().map(|spec| match spec {
         Spec::Service(s) => s.name.clone(),
         Spec::Slice(s) => s.service.clone(),

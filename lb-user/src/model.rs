@@ -78,6 +78,9 @@ pub struct ServiceSpec {
     pub cluster_ip: Ipv4Addr,
     /// type NodePort or LoadBalancer: every port is also exposed on the node.
     pub node_ports: bool,
+    /// A node-exposed port without a nodePort gets one from the manifest mode's allocator; false
+    /// for type LoadBalancer with allocateLoadBalancerNodePorts: false (such a port has none).
+    pub allocate_node_ports: bool,
     /// sessionAffinity ClientIP with this timeout; None: no affinity.
     pub affinity_timeout_s: Option<u32>,
     pub traffic: TrafficPolicies,
@@ -419,39 +422,25 @@ impl Model {
         model.update(
             &Specs::from_lists(services, slices.to_vec()),
             None,
-            node_ports,
+            Some(node_ports),
         );
         model
     }
 
     /// Brings the model to `specs` as [`Model::join`] would, joining again only the services in
     /// `changed` (None: every one) and those whose allocated nodePort moved; returns the
-    /// services joined again, each with what it was before (None: it is new).
+    /// services joined again, each with what it was before (None: it is new). Without
+    /// `node_ports` (the apiserver allocates them) a port without a nodePort has none.
     pub fn update(
         &mut self,
         specs: &Specs,
         changed: Option<&BTreeSet<ServiceName>>,
-        node_ports: &mut NodePortAllocator,
+        node_ports: Option<&mut NodePortAllocator>,
     ) -> BTreeMap<ServiceName, Option<Service>> {
-        let node_exposed = || specs.services.values().filter(|s| s.node_ports);
-        let explicit: BTreeSet<u16> = node_exposed()
-            .flat_map(|s| s.ports.iter().filter_map(|p| p.node_port))
-            .collect();
-        let wanted: Vec<ServicePortId> = node_exposed()
-            .flat_map(|s| {
-                s.ports
-                    .iter()
-                    .filter(|p| p.node_port.is_none())
-                    .map(|p| ServicePortId {
-                        service: s.name.clone(),
-                        port_name: p.name.clone(),
-                        protocol: p.protocol,
-                    })
-            })
-            .collect();
-        let before = node_ports.assigned().clone();
-        let allocated = node_ports.assign(&explicit, &wanted);
-
+        let (before, allocated) = match node_ports {
+            Some(node_ports) => allocate_node_ports(specs, node_ports),
+            None => Default::default(),
+        };
         let mut dirty: BTreeSet<ServiceName> = match changed {
             Some(changed) => changed.clone(),
             None => specs
@@ -510,6 +499,34 @@ impl Model {
     pub fn ready_endpoints(&self) -> usize {
         self.services.values().map(Service::ready_endpoints).sum()
     }
+}
+
+/// The nodePorts of the node-exposed ports that have none and want one, from `node_ports`:
+/// (the assignment before, the assignment now).
+fn allocate_node_ports(
+    specs: &Specs,
+    node_ports: &mut NodePortAllocator,
+) -> (BTreeMap<ServicePortId, u16>, BTreeMap<ServicePortId, u16>) {
+    let node_exposed = || specs.services.values().filter(|s| s.node_ports);
+    let explicit: BTreeSet<u16> = node_exposed()
+        .flat_map(|s| s.ports.iter().filter_map(|p| p.node_port))
+        .collect();
+    let wanted: Vec<ServicePortId> = node_exposed()
+        .filter(|s| s.allocate_node_ports)
+        .flat_map(|s| {
+            s.ports
+                .iter()
+                .filter(|p| p.node_port.is_none())
+                .map(|p| ServicePortId {
+                    service: s.name.clone(),
+                    port_name: p.name.clone(),
+                    protocol: p.protocol,
+                })
+        })
+        .collect();
+    let before = node_ports.assigned().clone();
+    let allocated = node_ports.assign(&explicit, &wanted);
+    (before, allocated)
 }
 
 /// One service joined with its slices.
@@ -611,6 +628,7 @@ mod tests {
             name: name("web"),
             cluster_ip: Ipv4Addr::new(10, 96, 0, 10),
             node_ports,
+            allocate_node_ports: node_ports,
             affinity_timeout_s: None,
             traffic: TrafficPolicies::default(),
             scheduler: None,

@@ -718,3 +718,94 @@ fn full_maps_fail_writes_not_liveness() -> Result<()> {
     let pod_a = &node.topology.pod("pod-a").ns;
     assert_answered_by(&requests(pod_a, Proto::Tcp, addr(WEB_IP), 10)?, &["pod-b"])
 }
+
+/// One invalid externalIP among three good ones (an object older than the apiserver's
+/// validation): the good three stay served, and the Service gets an Event naming the field.
+#[test]
+fn an_invalid_external_ip_leaves_the_others_served() -> Result<()> {
+    let ips: Vec<Ipv4Addr> = (1..=3).map(|i| Ipv4Addr::new(203, 0, 113, i)).collect();
+    let mut node = ApiNode::start(3)?;
+    let (svc, slice) = objects(
+        &node
+            .service("web", WEB_IP, Proto::Tcp, &["pod-b"])
+            .external_ips(ips.iter().copied()),
+    );
+    let mut svc = serde_json::to_value(&svc)?;
+    svc["spec"]["externalIPs"]
+        .as_array_mut()
+        .context("externalIPs")?
+        .insert(1, "203.0.113.x".into());
+    node.api.apply_values(vec![svc]);
+    node.api.apply(&[slice]);
+    node.agent.wait_for_programmed(1, 1, SYNC)?;
+
+    let client = &node.topology.client;
+    client.ip(&[
+        "route",
+        "replace",
+        "203.0.113.0/24",
+        "via",
+        &NODE_IP.to_string(),
+    ])?;
+    for ip in &ips {
+        let answers = requests(client, Proto::Tcp, (*ip, PORT).into(), 5)
+            .with_context(|| format!("externalIP {ip}"))?;
+        assert_answered_by(&answers, &["pod-b"])?;
+    }
+    let deadline = Instant::now() + SYNC;
+    loop {
+        let events = node.api.events();
+        let skipped = events
+            .iter()
+            .find(|e| e["reason"] == "InvalidFieldsSkipped");
+        if let Some(event) = skipped {
+            ensure!(
+                event["regarding"]["name"] == "web"
+                    && event["note"]
+                        .as_str()
+                        .unwrap_or_default()
+                        .contains("spec.externalIPs[1]"),
+                "{event:#}"
+            );
+            return Ok(());
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "no Event for the skipped field; events: {events:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// allocateLoadBalancerNodePorts: false gives a LoadBalancer Service no NodePort: the apiserver
+/// allocates them, the agent never invents one (here it would take the range's only port).
+#[test]
+fn no_node_port_without_allocation() -> Result<()> {
+    const ONLY_PORT: u16 = 30500;
+    let args = [
+        "--min-sync-period",
+        "200ms",
+        "--nodeport-range",
+        "30500-30500",
+    ];
+    let mut node = ApiNode::start_with(3, &args, true, |_| {})?;
+    let (mut svc, slice) = objects(&node.service("web", WEB_IP, Proto::Tcp, &["pod-b"]));
+    let spec = svc.spec.as_mut().context("spec")?;
+    spec.type_ = Some("LoadBalancer".into());
+    spec.allocate_load_balancer_node_ports = Some(false);
+    node.api.apply(&[svc]);
+    node.api.apply(&[slice]);
+    node.agent.wait_for_programmed(1, 1, SYNC)?;
+    let pod_a = &node.topology.pod("pod-a").ns;
+    assert_answered_by(&requests(pod_a, Proto::Tcp, addr(WEB_IP), 5)?, &["pod-b"])?;
+    ensure!(
+        request(
+            &node.topology.client,
+            Proto::Tcp,
+            (NODE_IP, ONLY_PORT).into()
+        )
+        .is_err(),
+        "a NodePort the agent invented answers"
+    );
+    Ok(())
+}
