@@ -5,8 +5,8 @@ use core::mem::MaybeUninit;
 
 use aya_ebpf::bindings::BPF_NOEXIST;
 use lb_common::{
-    Backend, BackendStatsKey, CT_F_MASQUERADE, CT_F_REPLY, CT_STATE_CLOSING, CT_STATE_ESTABLISHED, CT_STATE_NEW,
-    ConntrackEntry, ConntrackKey, Counter, IPPROTO_TCP, conntrack_timeout_ns,
+    Backend, BackendStatsKey, CT_F_MASQUERADE, CT_F_REPLY, CT_STATE_CLOSING, CT_STATE_ESTABLISHED,
+    CT_STATE_NEW, ConntrackEntry, ConntrackKey, Counter, IPPROTO_TCP, conntrack_timeout_ns,
 };
 
 use crate::{

@@ -10,9 +10,9 @@ use aya_ebpf::{
     maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, PerCpuHashMap, lpm_trie::Key},
 };
 use lb_common::{
-    AffinityKey, Backend, BackendKey, BackendStats, BackendStatsKey, Config, ConntrackEntry, ConntrackKey, Counter, FirstFragment,
-    FragmentKey, Frontend, FrontendKey, FrontendOrigin, SockBackendKey, SockRevNat, SockRevNatKey, SourceRangeKey,
-    StickyBackend, default_size,
+    AffinityKey, Backend, BackendKey, BackendStats, BackendStatsKey, Config, ConntrackEntry,
+    ConntrackKey, Counter, FirstFragment, FragmentKey, Frontend, FrontendKey, FrontendOrigin,
+    SockBackendKey, SockRevNat, SockRevNatKey, SourceRangeKey, StickyBackend, default_size,
 };
 
 #[map(name = "LB_FRONTEND_V4")]

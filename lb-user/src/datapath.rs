@@ -14,7 +14,8 @@ use aya::{Ebpf, EbpfError, EbpfLoader};
 use bytemuck::Pod;
 use lb_common::{
     Backend, BackendKey, BackendStats, BackendStatsKey, Clock, Config, ConntrackEntry,
-    ConntrackKey, Counter, Frontend, FrontendKey, FrontendOrigin, SourceRangeKey, ipv4_be, map_name, program_name,
+    ConntrackKey, Counter, Frontend, FrontendKey, FrontendOrigin, SourceRangeKey, ipv4_be,
+    map_name, program_name,
 };
 use nix::libc::EAGAIN;
 use nix::time::{ClockId, clock_getres};
@@ -476,6 +477,7 @@ mod tests {
             frontends: take_map(&mut ebpf, map_name::FRONTENDS).unwrap(),
             backends: take_map(&mut ebpf, map_name::BACKENDS).unwrap(),
             source_ranges: take_map(&mut ebpf, map_name::SOURCE_RANGES).unwrap(),
+            origins: take_map(&mut ebpf, map_name::FRONTEND_ORIGINS).unwrap(),
         };
         let entries: Vec<(BackendKey, Backend)> = (0..6)
             .map(|slot| {

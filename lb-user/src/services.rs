@@ -83,13 +83,14 @@ impl Pinned {
             .iter()
             .map(|entry| {
                 entry.map(|(key, per_cpu)| {
-                    let sum = per_cpu.iter().fold(BackendStats::default(), |sum, cpu| {
-                        BackendStats {
-                            connections: sum.connections + cpu.connections,
-                            packets: sum.packets + cpu.packets,
-                            bytes: sum.bytes + cpu.bytes,
-                        }
-                    });
+                    let sum =
+                        per_cpu
+                            .iter()
+                            .fold(BackendStats::default(), |sum, cpu| BackendStats {
+                                connections: sum.connections + cpu.connections,
+                                packets: sum.packets + cpu.packets,
+                                bytes: sum.bytes + cpu.bytes,
+                            });
                     (key, sum)
                 })
             })
@@ -264,7 +265,13 @@ fn table(rows: &[Row]) -> Table {
         "PACKETS",
         "BYTES",
     ]);
-    let or_dash = |s: &str| if s.is_empty() { "-".to_owned() } else { s.to_owned() };
+    let or_dash = |s: &str| {
+        if s.is_empty() {
+            "-".to_owned()
+        } else {
+            s.to_owned()
+        }
+    };
     for row in rows {
         table.add_row([
             row.frontend.clone(),
@@ -277,9 +284,21 @@ fn table(rows: &[Row]) -> Table {
             or_dash(&row.flags.join(",")),
             String::new(),
             String::new(),
-            row.backends.iter().map(|b| b.connections).sum::<u64>().to_string(),
-            row.backends.iter().map(|b| b.packets).sum::<u64>().to_string(),
-            row.backends.iter().map(|b| b.bytes).sum::<u64>().to_string(),
+            row.backends
+                .iter()
+                .map(|b| b.connections)
+                .sum::<u64>()
+                .to_string(),
+            row.backends
+                .iter()
+                .map(|b| b.packets)
+                .sum::<u64>()
+                .to_string(),
+            row.backends
+                .iter()
+                .map(|b| b.bytes)
+                .sum::<u64>()
+                .to_string(),
         ]);
         for backend in &row.backends {
             let mut line = vec![format!("  -> {}", backend.address)];

@@ -431,12 +431,24 @@ fn check_services(
     for (addr, proto, kind, name) in frontends {
         let row = &rows[&(addr.to_string(), (*proto).to_owned())];
         ensure!(row["kind"] == *kind, "kind in {row:#}");
-        ensure!(row["service"] == format!("default/{name}"), "service in {row:#}");
-        ensure!(row["port_name"] == "app" && row["scheduler"] == "rr", "{row:#}");
+        ensure!(
+            row["service"] == format!("default/{name}"),
+            "service in {row:#}"
+        );
+        ensure!(
+            row["port_name"] == "app" && row["scheduler"] == "rr",
+            "{row:#}"
+        );
         let listed = row["backends"].as_array().context("backends")?;
         let addresses: BTreeSet<SocketAddrV4> = listed
             .iter()
-            .map(|b| b["address"].as_str().context("address")?.parse().context("address"))
+            .map(|b| {
+                b["address"]
+                    .as_str()
+                    .context("address")?
+                    .parse()
+                    .context("address")
+            })
             .collect::<Result<_>>()?;
         ensure!(
             addresses == *backends && listed.len() == backends.len(),
@@ -448,7 +460,10 @@ fn check_services(
             let connections = backend["connections"].as_u64().context("connections")?;
             let packets = backend["packets"].as_u64().context("packets")?;
             let bytes = backend["bytes"].as_u64().context("bytes")?;
-            ensure!(connections == want, "{addr}/{proto}: {backend}, want {want} connections");
+            ensure!(
+                connections == want,
+                "{addr}/{proto}: {backend}, want {want} connections"
+            );
             ensure!(backend["state"] == "ready", "{backend}");
             if *proto == "udp" {
                 let per_connection = udp_bytes_per_connection[&address];
@@ -503,12 +518,19 @@ fn services_lists_frontends_with_their_backends_and_counters() -> Result<()> {
         .filter_map(|(frontend, _)| frontend.parse::<SocketAddrV4>().ok())
         .filter(|addr| addr.port() == NODE_PORT)
         .collect();
-    ensure!(node_addrs.contains(&node_port), "NodePorts on {node_addrs:?}");
+    ensure!(
+        node_addrs.contains(&node_port),
+        "NodePorts on {node_addrs:?}"
+    );
     let mut frontends = vec![
         (vip, "tcp", "ClusterIP", "web"),
         (udp_vip, "udp", "ClusterIP", "dns"),
     ];
-    frontends.extend(node_addrs.iter().map(|addr| (*addr, "tcp", "NodePort", "web")));
+    frontends.extend(
+        node_addrs
+            .iter()
+            .map(|addr| (*addr, "tcp", "NodePort", "web")),
+    );
 
     // Nothing counted before any traffic.
     let none = std::collections::BTreeMap::new();
@@ -518,7 +540,10 @@ fn services_lists_frontends_with_their_backends_and_counters() -> Result<()> {
             // ping\n, and its answer "POD ping\n", each in an IPv4 and a UDP header.
             let request = 20 + 8 + 5;
             let answer = 20 + 8 + pod.len() as u64 + 6;
-            (SocketAddrV4::new(backend_ip(pod), TARGET_PORT), request + answer)
+            (
+                SocketAddrV4::new(backend_ip(pod), TARGET_PORT),
+                request + answer,
+            )
         })
         .collect();
     check_services(node, &bpffs_arg, &frontends, &backends, &none, &udp_bytes)?;
@@ -533,7 +558,10 @@ fn services_lists_frontends_with_their_backends_and_counters() -> Result<()> {
         opens.push(("web", open));
     }
     for _ in 0..3 {
-        opens.push(("dns", Open::connect(pod_a, Proto::Udp, udp_vip, backend_ip)?));
+        opens.push((
+            "dns",
+            Open::connect(pod_a, Proto::Udp, udp_vip, backend_ip)?,
+        ));
     }
     let mut answers = std::collections::BTreeMap::new();
     for (name, open) in &opens {
@@ -543,11 +571,15 @@ fn services_lists_frontends_with_their_backends_and_counters() -> Result<()> {
         answers.keys().filter(|(name, _)| *name == "web").count() == 2,
         "rr spread the TCP connections on both backends: {answers:?}"
     );
-    check_services(node, &bpffs_arg, &frontends, &backends, &answers, &udp_bytes)?;
+    check_services(
+        node, &bpffs_arg, &frontends, &backends, &answers, &udp_bytes,
+    )?;
 
     // With no agent running, the pinned maps answer the same.
     let status = agent.stop()?;
     ensure!(status.success(), "agent exit {status}:\n{}", agent.log());
-    check_services(node, &bpffs_arg, &frontends, &backends, &answers, &udp_bytes)?;
+    check_services(
+        node, &bpffs_arg, &frontends, &backends, &answers, &udp_bytes,
+    )?;
     Ok(())
 }
