@@ -1668,6 +1668,12 @@ mod tests {
                 backends_updated: 1,
                 frontends_updated: 1,
                 backends_removed: 1,
+                // Its counters are to be deleted.
+                removed_endpoints: [BackendStatsKey {
+                    service_id: 1,
+                    backend: backend(3),
+                }]
+                .into(),
                 ..Default::default()
             }
         );
