@@ -23,9 +23,11 @@ pub mod map_name {
     pub const SOCK_REVNAT: &str = "LB_SOCK_REVNAT_V1";
     pub const SOCK_BACKEND: &str = "LB_SOCK_BACKEND_V1";
     pub const FRAGMENTS: &str = "LB_FRAGMENT_V2";
+    pub const BACKEND_STATS: &str = "LB_BACKEND_STATS_V1";
+    pub const FRONTEND_ORIGINS: &str = "LB_FRONTEND_ORIGIN_V1";
     /// Not pinned (not in `ALL`): the interface indexes are the running agent's.
     pub const XDP_EGRESS: &str = "LB_XDP_EGRESS_V1";
-    pub const ALL: [&str; 11] = [
+    pub const ALL: [&str; 13] = [
         FRONTENDS,
         BACKENDS,
         CONNTRACK,
@@ -37,6 +39,8 @@ pub mod map_name {
         SOCK_REVNAT,
         SOCK_BACKEND,
         FRAGMENTS,
+        BACKEND_STATS,
+        FRONTEND_ORIGINS,
     ];
 }
 
@@ -84,6 +88,8 @@ pub mod default_size {
     /// Fragmented datagrams of translated flows in flight: one per (source, destination,
     /// protocol, IP ID) whose first fragment has been seen.
     pub const FRAGMENTS: u32 = 8_192;
+    /// Traffic counters of backends: one per (service port, endpoint) that got a connection.
+    pub const BACKEND_STATS: u32 = 262_144;
 }
 
 /// Masquerade source ports are taken from this range by default: above Linux's default ephemeral
@@ -225,6 +231,86 @@ pub struct Backend {
     pub port: u16,
     pub _pad: u16,
 }
+
+/// Key of `BACKEND_STATS`: an endpoint of a service port. Counted by endpoint, not by slot, as
+/// an endpoint may fill many slots (a Maglev table) and both lists; and built from a conntrack
+/// entry alone, so an established packet needs no other lookup to find it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct BackendStatsKey {
+    pub service_id: u32,
+    pub backend: Backend,
+}
+
+/// Value of `BACKEND_STATS`, a per-CPU hash: what went through one endpoint of a service port,
+/// both directions, as `ipvsadm --stats` counts a real server. The entry is made by the
+/// endpoint's first new connection and deleted by the agent when the endpoint leaves the
+/// service port, so an endpoint that comes back counts from zero; packets of connections that
+/// outlive it are not counted.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct BackendStats {
+    pub connections: u64,
+    pub packets: u64,
+    /// IPv4 total lengths.
+    pub bytes: u64,
+}
+
+/// Value of `FRONTEND_ORIGINS` (keyed by `FrontendKey`): which Service port a frontend is and
+/// how it is reached, for `lb services`. Only the agent reads and writes it; the datapath never
+/// touches it. Names are NUL-padded UTF-8, at Kubernetes' length limits (DNS labels of 63
+/// characters, port names of 15).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct FrontendOrigin {
+    pub namespace: [u8; 64],
+    pub name: [u8; 64],
+    pub port_name: [u8; 16],
+    /// `KIND_*`.
+    pub kind: u32,
+}
+
+impl FrontendOrigin {
+    /// Names longer than their field (not valid in Kubernetes) are cut.
+    pub fn new(namespace: &str, name: &str, port_name: &str, kind: u32) -> Self {
+        fn field<const N: usize>(text: &str) -> [u8; N] {
+            let mut bytes = [0; N];
+            let len = text.len().min(N);
+            bytes[..len].copy_from_slice(&text.as_bytes()[..len]);
+            bytes
+        }
+        FrontendOrigin {
+            namespace: field(namespace),
+            name: field(name),
+            port_name: field(port_name),
+            kind,
+        }
+    }
+
+    /// A name field as text, without its NUL padding.
+    pub fn text(field: &[u8]) -> &str {
+        let len = field.iter().position(|&b| b == 0).unwrap_or(field.len());
+        core::str::from_utf8(&field[..len]).unwrap_or("?")
+    }
+
+    pub const fn kind_name(&self) -> &'static str {
+        match self.kind {
+            KIND_CLUSTER_IP => "ClusterIP",
+            KIND_NODE_PORT => "NodePort",
+            KIND_EXTERNAL_IP => "externalIP",
+            KIND_LOAD_BALANCER => "LoadBalancer",
+            _ => "unknown",
+        }
+    }
+}
+
+pub const KIND_CLUSTER_IP: u32 = 0;
+pub const KIND_NODE_PORT: u32 = 1;
+pub const KIND_EXTERNAL_IP: u32 = 2;
+pub const KIND_LOAD_BALANCER: u32 = 3;
 
 /// The data of a `SOURCE_RANGES` key. The map is an LPM trie, whose key is the kernel's prefix
 /// length (in bits of this struct, from its start) followed by this: a prefix of
@@ -780,6 +866,9 @@ const _: () = {
     assert!(core::mem::size_of::<StickyBackend>() == 24);
     assert!(core::mem::size_of::<BackendKey>() == 8);
     assert!(core::mem::size_of::<Backend>() == 8);
+    assert!(core::mem::size_of::<BackendStatsKey>() == 12);
+    assert!(core::mem::size_of::<BackendStats>() == 24);
+    assert!(core::mem::size_of::<FrontendOrigin>() == 148);
     assert!(core::mem::size_of::<ConntrackKey>() == 16);
     assert!(core::mem::size_of::<ConntrackEntry>() == 48);
     assert!(core::mem::size_of::<SourceRangeKey>() * 8 == SourceRangeKey::FULL_PREFIX as usize);
@@ -802,6 +891,9 @@ mod user {
     unsafe impl aya::Pod for Frontend {}
     unsafe impl aya::Pod for BackendKey {}
     unsafe impl aya::Pod for Backend {}
+    unsafe impl aya::Pod for BackendStatsKey {}
+    unsafe impl aya::Pod for BackendStats {}
+    unsafe impl aya::Pod for FrontendOrigin {}
     unsafe impl aya::Pod for ConntrackKey {}
     unsafe impl aya::Pod for ConntrackEntry {}
     unsafe impl aya::Pod for legacy::ConntrackEntryV1 {}

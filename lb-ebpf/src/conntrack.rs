@@ -5,8 +5,8 @@ use core::mem::MaybeUninit;
 
 use aya_ebpf::bindings::BPF_NOEXIST;
 use lb_common::{
-    Backend, CT_F_MASQUERADE, CT_F_REPLY, CT_STATE_CLOSING, CT_STATE_ESTABLISHED, CT_STATE_NEW,
-    ConntrackEntry, ConntrackKey, Counter, IPPROTO_TCP, conntrack_timeout_ns,
+    Backend, BackendStatsKey, CT_F_MASQUERADE, CT_F_REPLY, CT_STATE_CLOSING, CT_STATE_ESTABLISHED,
+    CT_STATE_NEW, ConntrackEntry, ConntrackKey, Counter, IPPROTO_TCP, conntrack_timeout_ns,
 };
 
 use crate::{
@@ -52,6 +52,24 @@ pub fn lookup(packet: &Packet, now: u64) -> Option<Tracked> {
         }
     }
     Some(Tracked { entry, to })
+}
+
+/// The endpoint counter of a packet of `entry`'s connection, arrived as `tuple`: the original
+/// direction is rewritten to the endpoint, the reply direction comes from it.
+pub fn stats_key(entry: &ConntrackEntry, tuple: &ConntrackKey) -> BackendStatsKey {
+    let (addr, port) = if entry.flags & CT_F_REPLY != 0 {
+        (tuple.src_addr, tuple.src_port)
+    } else {
+        (entry.dst_addr, entry.dst_port)
+    };
+    BackendStatsKey {
+        service_id: entry.service_id,
+        backend: Backend {
+            addr,
+            port,
+            _pad: 0,
+        },
+    }
 }
 
 /// What the packet quoted by an ICMP error (`quoted`, as it was when it failed) becomes,

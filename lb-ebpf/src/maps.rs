@@ -4,15 +4,15 @@
 //! The maps are not pinned in the object: the agent gives each one its pin path at load
 //! (`EbpfLoader::map_pin_path`), and packet tests load private, unpinned copies.
 use aya_ebpf::{
-    bindings::BPF_NOEXIST,
+    bindings::{BPF_F_NO_PREALLOC, BPF_NOEXIST},
     helpers::{bpf_get_prandom_u32, bpf_jiffies64},
     macros::map,
-    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, lpm_trie::Key},
+    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, PerCpuHashMap, lpm_trie::Key},
 };
 use lb_common::{
-    AffinityKey, Backend, BackendKey, Config, ConntrackEntry, ConntrackKey, Counter, FirstFragment,
-    FragmentKey, Frontend, FrontendKey, SockBackendKey, SockRevNat, SockRevNatKey, SourceRangeKey,
-    StickyBackend, default_size,
+    AffinityKey, Backend, BackendKey, BackendStats, BackendStatsKey, Config, ConntrackEntry,
+    ConntrackKey, Counter, FirstFragment, FragmentKey, Frontend, FrontendKey, FrontendOrigin,
+    SockBackendKey, SockRevNat, SockRevNatKey, SourceRangeKey, StickyBackend, default_size,
 };
 
 #[map(name = "LB_FRONTEND_V4")]
@@ -53,6 +53,18 @@ static CONFIG: Array<Config> = Array::with_max_entries(1, 0);
 #[map(name = "LB_COUNTER_V7")]
 static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(Counter::COUNT, 0);
 
+/// Not preallocated: a preallocated per-CPU map costs its whole size on every CPU; entries are
+/// made only by new connections.
+#[map(name = "LB_BACKEND_STATS_V1")]
+static BACKEND_STATS: PerCpuHashMap<BackendStatsKey, BackendStats> =
+    PerCpuHashMap::with_max_entries(default_size::BACKEND_STATS, BPF_F_NO_PREALLOC);
+
+/// Written and read by the agent only (`lb services`); declared here so that it is created and
+/// pinned with the others. Sized as the frontends, allocated as used.
+#[map(name = "LB_FRONTEND_ORIGIN_V1")]
+static FRONTEND_ORIGINS: HashMap<FrontendKey, FrontendOrigin> =
+    HashMap::with_max_entries(default_size::FRONTENDS, BPF_F_NO_PREALLOC);
+
 /// The value is unused: a key's presence allows its prefix.
 #[map(name = "LB_SOURCE_RANGE_V1")]
 static SOURCE_RANGES: LpmTrie<SourceRangeKey, u8> =
@@ -68,6 +80,41 @@ pub fn count(counter: Counter) {
     if let Some(slot) = COUNTERS.get_ptr_mut(counter as u32) {
         // SAFETY: the slot is this CPU's own; tc and XDP programs are not preempted while they run.
         unsafe { *slot += 1 };
+    }
+}
+
+/// Counts a packet of `bytes` of a connection to `key`'s endpoint; an endpoint the agent has
+/// removed (no entry) is not counted.
+pub fn count_backend(key: &BackendStatsKey, bytes: u16) {
+    if let Some(stats) = BACKEND_STATS.get_ptr_mut(key) {
+        // SAFETY: this CPU's own copy, valid until the program returns; not preempted.
+        unsafe {
+            (*stats).packets += 1;
+            (*stats).bytes += u64::from(bytes);
+        }
+    }
+}
+
+/// Counts the first packet, of `bytes`, of a new connection to `key`'s endpoint, making its
+/// entry if it has none.
+pub fn count_backend_connection(key: &BackendStatsKey, bytes: u16) {
+    match BACKEND_STATS.get_ptr_mut(key) {
+        // SAFETY: as in `count_backend`.
+        Some(stats) => unsafe {
+            (*stats).connections += 1;
+            (*stats).packets += 1;
+            (*stats).bytes += u64::from(bytes);
+        },
+        None => {
+            let first = BackendStats {
+                connections: 1,
+                packets: 1,
+                bytes: u64::from(bytes),
+            };
+            // Sets this CPU's copy, the others' zero. BPF_NOEXIST: another CPU may have made it
+            // meanwhile (its connection then counts, this one not); a full map counts nothing.
+            let _ = BACKEND_STATS.insert(key, first, u64::from(BPF_NOEXIST));
+        }
     }
 }
 

@@ -2,7 +2,9 @@
 //! for a new connection the frontend, its endpoint list, backend selection and tracking. What
 //! the packet becomes is decided here; rewriting and sending it is the programs' part. ICMP is
 //! only told apart here: its errors are tc's (icmp.rs). Fragments follow their first (fragment.rs).
-use lb_common::{CONFIG_F_READY, Config, ConntrackKey, Counter, Frontend, IPPROTO_ICMP};
+use lb_common::{
+    BackendStatsKey, CONFIG_F_READY, Config, ConntrackKey, Counter, Frontend, IPPROTO_ICMP,
+};
 
 use crate::{
     conntrack::{self, Connection},
@@ -52,6 +54,7 @@ pub fn translation<P: PacketAccess>(ctx: &P) -> Result<Translation, Counter> {
     fragment::follow(ctx, &mut packet, now)?;
     if let Some(conntrack::Tracked { entry, to }) = conntrack::lookup(&packet, now) {
         maps::count(Counter::Translated);
+        maps::count_backend(&conntrack::stats_key(entry, &packet.tuple), packet.tot_len);
         let route = CachedRoute::of(entry);
         return Ok(Translation::To { packet, to, route });
     }
@@ -69,7 +72,7 @@ pub fn translation<P: PacketAccess>(ctx: &P) -> Result<Translation, Counter> {
         }
         return Ok(Translation::Reject(packet));
     }
-    let to = connect(config, &frontend, &backends, &packet.tuple, now)?;
+    let to = connect(config, &frontend, &backends, &packet, now)?;
     Ok(Translation::To {
         packet,
         to,
@@ -84,9 +87,10 @@ fn connect(
     config: &Config,
     frontend: &Frontend,
     backends: &Backends,
-    tuple: &ConntrackKey,
+    packet: &Packet,
     now: u64,
 ) -> Result<ConntrackKey, Counter> {
+    let tuple = &packet.tuple;
     let (_, backend) = service::select_backend(frontend, backends, tuple, now)?;
     let masquerade = masquerade::needed(config, frontend, tuple.src_addr, &backend);
     let connection = Connection::new(tuple, frontend.service_id, &backend, masquerade, now);
@@ -113,6 +117,11 @@ fn connect(
             if masquerade {
                 maps::count(Counter::Masqueraded);
             }
+            let stats = BackendStatsKey {
+                service_id: frontend.service_id,
+                backend,
+            };
+            maps::count_backend_connection(&stats, packet.tot_len);
             Ok(to)
         }
         Some(theirs) => {

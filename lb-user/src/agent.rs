@@ -716,6 +716,12 @@ impl State {
                 .sync_changed(&model, Some(&changed), &mut self.datapath.service_maps);
         let reconciled = start.elapsed();
         self.flush_udp(&report.removed_udp);
+        if let Err(err) = self
+            .datapath
+            .forget_backend_stats(&report.removed_endpoints)
+        {
+            warn!(error = %error_chain(&err), "deleting counters of removed endpoints");
+        }
         // Few services have a healthCheckNodePort: the others' changes leave the servers alone.
         let health_checked = previous.iter().any(|(name, before)| {
             let now = model.services.get(name);

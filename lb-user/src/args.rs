@@ -25,6 +25,10 @@ pub enum Command {
     /// Print the datapath's packet counters (summed over CPUs), each with its meaning, and the
     /// drops by reason.
     Stats(StatsArgs),
+    /// List the frontends, each with its Service port, kind, scheduler and traffic policy, and
+    /// under it the backends it sends new connections to, with each one's traffic counters
+    /// (connections, packets, bytes), as `ipvsadm -Ln --stats`.
+    Services(StatsArgs),
     /// List the connections the datapath tracks (both directions of each as one row), as
     /// `conntrack -L`; `lb conntrack delete` deletes them, as `conntrack -D`. Packets and bytes
     /// are not counted per connection.

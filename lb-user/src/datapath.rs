@@ -8,13 +8,14 @@ use std::path::Path;
 use std::time::Duration;
 
 use aya::maps::lpm_trie::{Key, LpmTrie};
-use aya::maps::{Array, HashMap, IterableMap, MapData, MapError, PerCpuArray};
+use aya::maps::{Array, HashMap, IterableMap, MapData, MapError, PerCpuArray, PerCpuHashMap};
 use aya::programs::{CgroupSockAddr, ProgramError, SchedClassifier, Xdp};
 use aya::{Ebpf, EbpfError, EbpfLoader};
 use bytemuck::Pod;
 use lb_common::{
-    Backend, BackendKey, Clock, Config, ConntrackEntry, ConntrackKey, Counter, Frontend,
-    FrontendKey, SourceRangeKey, ipv4_be, map_name, program_name,
+    Backend, BackendKey, BackendStats, BackendStatsKey, Clock, Config, ConntrackEntry,
+    ConntrackKey, Counter, Frontend, FrontendKey, FrontendOrigin, SourceRangeKey, ipv4_be,
+    map_name, program_name,
 };
 use nix::libc::EAGAIN;
 use nix::time::{ClockId, clock_getres};
@@ -99,6 +100,7 @@ pub struct Datapath {
     config: Array<MapData, Config>,
     conntrack: HashMap<MapData, ConntrackKey, ConntrackEntry>,
     xdp_egress: HashMap<MapData, u32, u8>,
+    backend_stats: PerCpuHashMap<MapData, BackendStatsKey, BackendStats>,
 }
 
 impl Datapath {
@@ -127,7 +129,9 @@ impl Datapath {
             frontends: take_map(&mut ebpf, map_name::FRONTENDS)?,
             backends: take_map(&mut ebpf, map_name::BACKENDS)?,
             source_ranges: take_map(&mut ebpf, map_name::SOURCE_RANGES)?,
+            origins: take_map(&mut ebpf, map_name::FRONTEND_ORIGINS)?,
         };
+        let backend_stats = take_map(&mut ebpf, map_name::BACKEND_STATS)?;
         let config = take_map(&mut ebpf, map_name::CONFIG)?;
         let conntrack = take_map(&mut ebpf, map_name::CONNTRACK)?;
         let xdp_egress = take_map(&mut ebpf, map_name::XDP_EGRESS)?;
@@ -137,6 +141,7 @@ impl Datapath {
             config,
             conntrack,
             xdp_egress,
+            backend_stats,
         };
         let ingress = datapath.ingress()?;
         load_program(|| ingress.load()).map_err(|source| DatapathError::Program {
@@ -216,6 +221,22 @@ impl Datapath {
         Ok(stale.len())
     }
 
+    /// Deletes the traffic counters of endpoints removed from their service ports.
+    pub fn forget_backend_stats(
+        &mut self,
+        removed: &BTreeSet<BackendStatsKey>,
+    ) -> Result<(), DatapathError> {
+        for key in removed {
+            ignore_missing(self.backend_stats.remove(key)).map_err(|source| {
+                DatapathError::Map {
+                    name: map_name::BACKEND_STATS,
+                    source,
+                }
+            })?;
+        }
+        Ok(())
+    }
+
     /// Copies the connections of an earlier agent's conntrack map (`map_pins::migrate_conntrack_v1`).
     pub fn migrate_conntrack(
         &mut self,
@@ -253,6 +274,7 @@ pub struct ServiceMaps {
     backends: HashMap<MapData, BackendKey, Backend>,
     /// The value is unused: a key's presence allows its prefix.
     source_ranges: LpmTrie<MapData, SourceRangeKey, u8>,
+    origins: HashMap<MapData, FrontendKey, FrontendOrigin>,
 }
 
 fn source_range_key(range: SourceRange) -> Key<SourceRangeKey> {
@@ -309,10 +331,19 @@ impl ServiceMaps {
                 name: map_name::SOURCE_RANGES,
                 source,
             })?;
+        let origins = self
+            .origins
+            .iter()
+            .collect::<Result<_, _>>()
+            .map_err(|source| DatapathError::Map {
+                name: map_name::FRONTEND_ORIGINS,
+                source,
+            })?;
         Ok(MapContents {
             frontends,
             backends,
             source_ranges: keys.iter().filter_map(source_range).collect(),
+            origins,
         })
     }
 }
@@ -352,6 +383,17 @@ impl MapWriter for ServiceMaps {
 
     fn remove_frontends(&mut self, keys: &[FrontendKey]) -> Vec<(usize, io::Error)> {
         delete(self.frontends.map(), keys)
+    }
+
+    fn insert_origins(
+        &mut self,
+        entries: &[(FrontendKey, FrontendOrigin)],
+    ) -> Vec<(usize, io::Error)> {
+        update(self.origins.map(), entries)
+    }
+
+    fn remove_origins(&mut self, keys: &[FrontendKey]) -> Vec<(usize, io::Error)> {
+        delete(self.origins.map(), keys)
     }
 
     fn insert_source_range(&mut self, range: SourceRange) -> Result<(), io::Error> {
@@ -435,6 +477,7 @@ mod tests {
             frontends: take_map(&mut ebpf, map_name::FRONTENDS).unwrap(),
             backends: take_map(&mut ebpf, map_name::BACKENDS).unwrap(),
             source_ranges: take_map(&mut ebpf, map_name::SOURCE_RANGES).unwrap(),
+            origins: take_map(&mut ebpf, map_name::FRONTEND_ORIGINS).unwrap(),
         };
         let entries: Vec<(BackendKey, Backend)> = (0..6)
             .map(|slot| {

@@ -3,6 +3,7 @@ mod agent;
 mod args;
 mod cleanup;
 mod conntrack;
+mod services;
 mod stats;
 
 use std::io::IsTerminal as _;
@@ -26,6 +27,7 @@ fn main() -> anyhow::Result<()> {
             .build()?
             .block_on(agent::run(*args)),
         Command::Stats(args) => stats::run(args),
+        Command::Services(args) => services::run(args),
         Command::Conntrack(args) => conntrack::run(args),
         Command::Cleanup(args) => cleanup::run(args),
     }

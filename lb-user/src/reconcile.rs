@@ -5,8 +5,10 @@ use std::net::Ipv4Addr;
 
 use ipnet::Ipv4Net;
 use lb_common::{
-    Backend, BackendKey, FRONTEND_F_LOCAL, FRONTEND_F_MASQUERADE, FRONTEND_F_PRESERVE_SOURCE,
-    FRONTEND_F_SOURCE_RANGES, Frontend, FrontendKey, LOCAL_SLOT, ipv4_be, port_be,
+    Backend, BackendKey, BackendStatsKey, FRONTEND_F_LOCAL, FRONTEND_F_MASQUERADE,
+    FRONTEND_F_PRESERVE_SOURCE, FRONTEND_F_SOURCE_RANGES, Frontend, FrontendKey, FrontendOrigin,
+    KIND_CLUSTER_IP, KIND_EXTERNAL_IP, KIND_LOAD_BALANCER, KIND_NODE_PORT, LOCAL_SLOT, ipv4_be,
+    port_be,
 };
 use tracing::{error, warn};
 
@@ -15,7 +17,7 @@ use crate::maglev;
 use crate::model::{Endpoint, Model, Protocol, Scheduler, Service, ServiceName, ServicePortId};
 use crate::udp_flush::{self, UdpEndpoint};
 
-/// The two service maps, as the reconciler writes them: the aya maps, or a fake in tests. Each
+/// The service maps, as the reconciler writes them: the aya maps, or a fake in tests. Each
 /// call writes one phase of a sync, in order (one batch syscall on the aya maps), and returns
 /// the entries that failed, by index; the others are written. Removing a key that is not there
 /// is no failure. Source ranges, few, are written one by one.
@@ -28,6 +30,11 @@ pub trait MapWriter {
         entries: &[(FrontendKey, Frontend)],
     ) -> Vec<(usize, Self::Error)>;
     fn remove_frontends(&mut self, keys: &[FrontendKey]) -> Vec<(usize, Self::Error)>;
+    fn insert_origins(
+        &mut self,
+        entries: &[(FrontendKey, FrontendOrigin)],
+    ) -> Vec<(usize, Self::Error)>;
+    fn remove_origins(&mut self, keys: &[FrontendKey]) -> Vec<(usize, Self::Error)>;
     fn insert_source_range(&mut self, range: SourceRange) -> Result<(), Self::Error>;
     fn remove_source_range(&mut self, range: SourceRange) -> Result<(), Self::Error>;
 }
@@ -46,6 +53,8 @@ pub struct MapContents {
     pub frontends: BTreeMap<FrontendKey, Frontend>,
     pub backends: BTreeMap<BackendKey, Backend>,
     pub source_ranges: BTreeSet<SourceRange>,
+    /// The Service port and kind of each frontend but the catch-alls (for `lb services`).
+    pub origins: BTreeMap<FrontendKey, FrontendOrigin>,
 }
 
 /// What one sync did.
@@ -69,6 +78,9 @@ pub struct SyncReport {
     /// The endpoints of UDP service ports that this sync removed from the maps: their
     /// conntrack entries are to be flushed.
     pub removed_udp: BTreeSet<UdpEndpoint>,
+    /// The endpoints (of any protocol) that this sync removed from their service ports: their
+    /// traffic counters are to be deleted, so that one that comes back counts from zero.
+    pub removed_endpoints: BTreeSet<BackendStatsKey>,
 }
 
 /// A service's failed map writes in one sync.
@@ -361,6 +373,7 @@ impl Reconciler {
             let mut frontends = vec![(
                 frontend_key(service.cluster_ip, port.port, proto),
                 cluster_ip_flags,
+                KIND_CLUSTER_IP,
             )];
             // NodePorts, externalIPs and load balancer IPs are kube-proxy's external
             // destinations: one policy, one set of flags.
@@ -371,11 +384,19 @@ impl Reconciler {
             };
             if let Some(node_port) = port.node_port {
                 for addr in &self.node_port_addrs {
-                    frontends.push((frontend_key(*addr, node_port, proto), external_flags));
+                    frontends.push((
+                        frontend_key(*addr, node_port, proto),
+                        external_flags,
+                        KIND_NODE_PORT,
+                    ));
                 }
             }
             for addr in &external.external_ips {
-                frontends.push((frontend_key(*addr, port.port, proto), external_flags));
+                frontends.push((
+                    frontend_key(*addr, port.port, proto),
+                    external_flags,
+                    KIND_EXTERNAL_IP,
+                ));
             }
             let firewalled = !external.source_ranges.is_empty();
             let load_balancer_flags = if firewalled {
@@ -384,7 +405,11 @@ impl Reconciler {
                 external_flags
             };
             for addr in &external.load_balancer_ips {
-                frontends.push((frontend_key(*addr, port.port, proto), load_balancer_flags));
+                frontends.push((
+                    frontend_key(*addr, port.port, proto),
+                    load_balancer_flags,
+                    KIND_LOAD_BALANCER,
+                ));
             }
             if firewalled && !external.load_balancer_ips.is_empty() {
                 for &net in &external.source_ranges {
@@ -394,7 +419,7 @@ impl Reconciler {
                     }
                 }
             }
-            for (key, flags) in frontends {
+            for (key, flags, kind) in frontends {
                 let value = Frontend {
                     service_id,
                     backend_count,
@@ -409,6 +434,8 @@ impl Reconciler {
                     continue;
                 }
                 desired.frontends.insert(key, value);
+                let origin = FrontendOrigin::new(&name.namespace, &name.name, &port.name, kind);
+                desired.origins.insert(key, origin);
                 contribution.frontends.push(key);
             }
         }
@@ -578,10 +605,19 @@ impl Reconciler {
             None => udp_flush::udp_endpoints(written),
             Some(scope) => udp_flush::udp_endpoints_of(written, &scope.frontends),
         };
+        let endpoints = |written: &MapContents| match &scope {
+            None => endpoints_of(written, written.backends.keys()),
+            Some(scope) => endpoints_of(written, &scope.backends),
+        };
         let udp_before = udp_endpoints(&self.written);
+        let endpoints_before = endpoints(&self.written);
         let mut report = self.apply(&desired, scope.as_ref(), maps);
         let udp_after = udp_endpoints(&self.written);
         report.removed_udp = udp_before.difference(&udp_after).copied().collect();
+        report.removed_endpoints = endpoints_before
+            .difference(&endpoints(&self.written))
+            .copied()
+            .collect();
         self.name_failures(&mut report);
         if report.failed == 0 {
             self.last = Some(last);
@@ -663,6 +699,29 @@ impl Reconciler {
             .filter(|(_, value)| !broken.contains(&value.service_id))
             .partition(|(key, _)| key.port != 0);
         let frontends: Vec<(FrontendKey, Frontend)> = ports.into_iter().chain(catch_alls).collect();
+
+        // A frontend's origin is written before it and removed after it, so that `lb services`
+        // names every frontend it shows.
+        let service_of = |key: &FrontendKey| desired.frontends.get(key).map_or(0, |f| f.service_id);
+        let origins: Vec<(FrontendKey, FrontendOrigin)> = match scope {
+            None => changed(&desired.origins, &self.written.origins),
+            Some(scope) => changed_in(&scope.frontends, &desired.origins, &self.written.origins),
+        }
+        .into_iter()
+        .filter(|(key, _)| !broken.contains(&service_of(key)))
+        .collect();
+        let failures = maps.insert_origins(&origins);
+        let failed = self.failures(
+            &mut report,
+            "frontend origin insert",
+            &origins,
+            failures,
+            |_, (key, _)| service_of(key),
+        );
+        for (key, value) in skip_indices(&origins, &failed) {
+            self.written.origins.insert(*key, *value);
+        }
+
         let failures = maps.insert_frontends(&frontends);
         let failed = self.failures(
             &mut report,
@@ -699,6 +758,31 @@ impl Reconciler {
         for key in skip_indices(&gone, &failed) {
             self.written.frontends.remove(key);
             report.frontends_removed += 1;
+        }
+        let gone_origins: Vec<FrontendKey> = match scope {
+            // `self::`: `gone` here is the list of removed frontends.
+            None => self::gone(&desired.origins, self.written.origins.keys()),
+            Some(scope) => self::gone(
+                &desired.origins,
+                scope
+                    .frontends
+                    .iter()
+                    .filter(|k| self.written.origins.contains_key(k)),
+            ),
+        }
+        .into_iter()
+        .filter(|key| !self.written.frontends.contains_key(key))
+        .collect();
+        let failures = maps.remove_origins(&gone_origins);
+        let failed = self.failures(
+            &mut report,
+            "frontend origin remove",
+            &gone_origins,
+            failures,
+            |_, _| 0,
+        );
+        for key in skip_indices(&gone_origins, &failed) {
+            self.written.origins.remove(key);
         }
 
         // A range that is no longer wanted only narrows who is served: removed even while a
@@ -851,6 +935,21 @@ impl Reconciler {
     }
 }
 
+/// The endpoints of the service ports of the slots `keys` in `contents`.
+fn endpoints_of<'a>(
+    contents: &MapContents,
+    keys: impl IntoIterator<Item = &'a BackendKey>,
+) -> BTreeSet<BackendStatsKey> {
+    keys.into_iter()
+        .filter_map(|key| {
+            contents.backends.get(key).map(|backend| BackendStatsKey {
+                service_id: key.service_id,
+                backend: *backend,
+            })
+        })
+        .collect()
+}
+
 /// The entries of `desired` that `written` does not hold as they are.
 fn changed<K: Ord + Copy, V: PartialEq + Copy>(
     desired: &BTreeMap<K, V>,
@@ -986,6 +1085,19 @@ mod tests {
             for &key in keys {
                 self.ops.push(Op::RemoveFrontend(key));
                 self.contents.frontends.remove(&key);
+            }
+            Vec::new()
+        }
+        fn insert_origins(
+            &mut self,
+            entries: &[(FrontendKey, FrontendOrigin)],
+        ) -> Vec<(usize, Full)> {
+            self.contents.origins.extend(entries.iter().copied());
+            Vec::new()
+        }
+        fn remove_origins(&mut self, keys: &[FrontendKey]) -> Vec<(usize, Full)> {
+            for key in keys {
+                self.contents.origins.remove(key);
             }
             Vec::new()
         }
@@ -1556,6 +1668,12 @@ mod tests {
                 backends_updated: 1,
                 frontends_updated: 1,
                 backends_removed: 1,
+                // Its counters are to be deleted.
+                removed_endpoints: [BackendStatsKey {
+                    service_id: 1,
+                    backend: backend(3),
+                }]
+                .into(),
                 ..Default::default()
             }
         );
@@ -1639,6 +1757,7 @@ mod tests {
                 frontends: pinned.frontends.clone(),
                 backends: pinned.backends.clone(),
                 source_ranges: pinned.source_ranges.clone(),
+                origins: pinned.origins.clone(),
             },
         );
         let mut maps = FakeMaps {

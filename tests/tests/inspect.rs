@@ -388,3 +388,198 @@ fn check_stats(node: &Netns, bpffs: &str, new: u64, masqueraded: u64) -> Result<
     ensure!(stats["dropped_total"] == 0, "{stats:#}");
     Ok(())
 }
+
+/// `lb services -o json` as (frontend, protocol) → row.
+fn services(
+    node: &Netns,
+    bpffs: &str,
+) -> Result<std::collections::BTreeMap<(String, String), Value>> {
+    let rows = lb_json(node, bpffs, &["services"])?;
+    rows.as_array()
+        .context("a list")?
+        .iter()
+        .map(|row| {
+            let field = |name: &str| row[name].as_str().map(str::to_owned);
+            let key = (
+                field("frontend").context("frontend")?,
+                field("protocol").context("protocol")?,
+            );
+            Ok((key, row.clone()))
+        })
+        .collect()
+}
+
+/// Checks that `lb services` lists exactly the three frontends, each with both backends, and
+/// that each backend counted as many new connections as it answered (`answers`: per service
+/// name and backend), and for UDP, whose packets are known, two packets and their bytes per
+/// connection.
+fn check_services(
+    node: &Netns,
+    bpffs: &str,
+    frontends: &[(SocketAddrV4, &str, &str, &str)],
+    backends: &BTreeSet<SocketAddrV4>,
+    answers: &std::collections::BTreeMap<(&str, SocketAddrV4), u64>,
+    udp_bytes_per_connection: &std::collections::BTreeMap<SocketAddrV4, u64>,
+) -> Result<()> {
+    let rows = services(node, bpffs)?;
+    let want: BTreeSet<(String, String)> = frontends
+        .iter()
+        .map(|(addr, proto, _, _)| (addr.to_string(), (*proto).to_owned()))
+        .collect();
+    let shown: BTreeSet<(String, String)> = rows.keys().cloned().collect();
+    ensure!(shown == want, "lb services lists {shown:?}, want {want:?}");
+    for (addr, proto, kind, name) in frontends {
+        let row = &rows[&(addr.to_string(), (*proto).to_owned())];
+        ensure!(row["kind"] == *kind, "kind in {row:#}");
+        ensure!(
+            row["service"] == format!("default/{name}"),
+            "service in {row:#}"
+        );
+        ensure!(
+            row["port_name"] == "app" && row["scheduler"] == "rr",
+            "{row:#}"
+        );
+        let listed = row["backends"].as_array().context("backends")?;
+        let addresses: BTreeSet<SocketAddrV4> = listed
+            .iter()
+            .map(|b| {
+                b["address"]
+                    .as_str()
+                    .context("address")?
+                    .parse()
+                    .context("address")
+            })
+            .collect::<Result<_>>()?;
+        ensure!(
+            addresses == *backends && listed.len() == backends.len(),
+            "{addr}/{proto} lists {addresses:?}"
+        );
+        for backend in listed {
+            let address: SocketAddrV4 = backend["address"].as_str().context("address")?.parse()?;
+            let want = answers.get(&(*name, address)).copied().unwrap_or(0);
+            let connections = backend["connections"].as_u64().context("connections")?;
+            let packets = backend["packets"].as_u64().context("packets")?;
+            let bytes = backend["bytes"].as_u64().context("bytes")?;
+            ensure!(
+                connections == want,
+                "{addr}/{proto}: {backend}, want {want} connections"
+            );
+            ensure!(backend["state"] == "ready", "{backend}");
+            if *proto == "udp" {
+                let per_connection = udp_bytes_per_connection[&address];
+                ensure!(
+                    packets == 2 * want && bytes == per_connection * want,
+                    "{addr}/udp: {backend}, want {} packets, {} bytes",
+                    2 * want,
+                    per_connection * want
+                );
+            } else {
+                // SYN, SYN-ACK, ACK, the line and its answer at least.
+                ensure!(packets >= 5 * want && bytes >= 40 * packets, "{backend}");
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn services_lists_frontends_with_their_backends_and_counters() -> Result<()> {
+    let topology = Topology::new(3)?;
+    let _servers = topology
+        .pods
+        .iter()
+        .map(|pod| LineEchoServer::start(&pod.ns, &pod.name, TARGET_PORT))
+        .collect::<Result<Vec<_>>>()?;
+    let bpffs = Bpffs::mount()?;
+    let bpffs_arg = bpffs.arg();
+    let ips = BACKENDS.map(|p| topology.pod(p).ip);
+    let service = |name: &str, ip, proto| {
+        ServiceManifest::new(name, ip, proto, PORT, TARGET_PORT)
+            .annotation("lb.kubernetes.io/scheduler", "rr")
+            .endpoints(ips)
+    };
+    let manifests = yaml(&[
+        service("web", CLUSTER_IP, Proto::Tcp).node_port(NODE_PORT),
+        service("dns", UDP_CLUSTER_IP, Proto::Udp),
+    ]);
+    let mut agent = Agent::start(&topology, &manifests, &["--bpffs", &bpffs_arg])?;
+    let node = &topology.node;
+    let backend_ip = |name: &str| topology.pod(name).ip;
+    let vip = SocketAddrV4::new(CLUSTER_IP, PORT);
+    let node_port = SocketAddrV4::new(NODE_IP, NODE_PORT);
+    let udp_vip = SocketAddrV4::new(UDP_CLUSTER_IP, PORT);
+    let backends: BTreeSet<SocketAddrV4> = ips
+        .iter()
+        .map(|ip| SocketAddrV4::new(*ip, TARGET_PORT))
+        .collect();
+    // The NodePort is served on every address of the node (NODE_IP among them).
+    let node_addrs: BTreeSet<SocketAddrV4> = services(node, &bpffs_arg)?
+        .keys()
+        .filter_map(|(frontend, _)| frontend.parse::<SocketAddrV4>().ok())
+        .filter(|addr| addr.port() == NODE_PORT)
+        .collect();
+    ensure!(
+        node_addrs.contains(&node_port),
+        "NodePorts on {node_addrs:?}"
+    );
+    let mut frontends = vec![
+        (vip, "tcp", "ClusterIP", "web"),
+        (udp_vip, "udp", "ClusterIP", "dns"),
+    ];
+    frontends.extend(
+        node_addrs
+            .iter()
+            .map(|addr| (*addr, "tcp", "NodePort", "web")),
+    );
+
+    // Nothing counted before any traffic.
+    let none = std::collections::BTreeMap::new();
+    let udp_bytes: std::collections::BTreeMap<SocketAddrV4, u64> = BACKENDS
+        .iter()
+        .map(|pod| {
+            // ping\n, and its answer "POD ping\n", each in an IPv4 and a UDP header.
+            let request = 20 + 8 + 5;
+            let answer = 20 + 8 + pod.len() as u64 + 6;
+            (
+                SocketAddrV4::new(backend_ip(pod), TARGET_PORT),
+                request + answer,
+            )
+        })
+        .collect();
+    check_services(node, &bpffs_arg, &frontends, &backends, &none, &udp_bytes)?;
+
+    let pod_a = &topology.pod("pod-a").ns;
+    let mut opens = Vec::new();
+    for _ in 0..5 {
+        opens.push(("web", Open::connect(pod_a, Proto::Tcp, vip, backend_ip)?));
+    }
+    for _ in 0..2 {
+        let open = Open::connect(&topology.client, Proto::Tcp, node_port, backend_ip)?;
+        opens.push(("web", open));
+    }
+    for _ in 0..3 {
+        opens.push((
+            "dns",
+            Open::connect(pod_a, Proto::Udp, udp_vip, backend_ip)?,
+        ));
+    }
+    let mut answers = std::collections::BTreeMap::new();
+    for (name, open) in &opens {
+        *answers.entry((*name, open.expected.backend)).or_insert(0) += 1;
+    }
+    ensure!(
+        answers.keys().filter(|(name, _)| *name == "web").count() == 2,
+        "rr spread the TCP connections on both backends: {answers:?}"
+    );
+    check_services(
+        node, &bpffs_arg, &frontends, &backends, &answers, &udp_bytes,
+    )?;
+
+    // With no agent running, the pinned maps answer the same.
+    let status = agent.stop()?;
+    ensure!(status.success(), "agent exit {status}:\n{}", agent.log());
+    check_services(
+        node, &bpffs_arg, &frontends, &backends, &answers, &udp_bytes,
+    )?;
+    Ok(())
+}

@@ -1,0 +1,317 @@
+//! `lb services`: every frontend with its Service port, and the backends it sends new
+//! connections to, with their traffic counters (`ipvsadm -Ln --stats`).
+use std::collections::BTreeMap;
+use std::net::{Ipv4Addr, SocketAddrV4};
+use std::path::Path;
+
+use anyhow::{Context as _, Result};
+use aya::maps::{HashMap, Map, MapData, PerCpuHashMap};
+use comfy_table::{Table, presets};
+use lb_common::{
+    Backend, BackendKey, BackendStats, BackendStatsKey, FRONTEND_F_LOCAL, FRONTEND_F_MASQUERADE,
+    FRONTEND_F_PRESERVE_SOURCE, FRONTEND_F_SOURCE_RANGES, Frontend, FrontendKey, FrontendOrigin,
+    LOCAL_SLOT, SCHED_FLOW_HASH, SCHED_RANDOM, SCHED_ROUND_ROBIN, SCHED_SOURCE_HASH, map_name,
+};
+use lb_user::connections::protocol_name;
+use lb_user::{error_chain, pins};
+use serde::Serialize;
+
+use crate::args::{Output, StatsArgs};
+
+pub fn run(args: StatsArgs) -> Result<()> {
+    let dir = pins::locate(&args.bpffs, map_name::FRONTENDS).with_context(|| {
+        format!(
+            "no {} pinned in {} (nor seen by an agent in this network namespace)",
+            map_name::FRONTENDS,
+            args.bpffs.display()
+        )
+    })?;
+    let rows = rows(&Pinned::read(&dir)?);
+    match args.output {
+        Output::Table => print!("{}", table(&rows)),
+        Output::Json => println!("{}", serde_json::to_string_pretty(&rows)?),
+    }
+    Ok(())
+}
+
+/// What the pinned maps hold, as `lb services` shows it.
+#[derive(Debug, Default)]
+struct Pinned {
+    frontends: BTreeMap<FrontendKey, Frontend>,
+    backends: BTreeMap<BackendKey, Backend>,
+    origins: BTreeMap<FrontendKey, FrontendOrigin>,
+    /// Summed over CPUs.
+    stats: BTreeMap<BackendStatsKey, BackendStats>,
+}
+
+fn open<K, V>(dir: &Path, name: &str) -> Result<HashMap<MapData, K, V>>
+where
+    K: aya::Pod,
+    V: aya::Pod,
+{
+    let map = MapData::from_pin(dir.join(name))
+        .and_then(Map::from_map_data)
+        .and_then(HashMap::try_from)
+        .map_err(|e| anyhow::anyhow!("opening {name}: {}", error_chain(&e)))?;
+    Ok(map)
+}
+
+impl Pinned {
+    fn read(dir: &Path) -> Result<Self> {
+        let read = |name: &str, e: aya::maps::MapError| {
+            anyhow::anyhow!("reading {name}: {}", error_chain(&e))
+        };
+        let frontends = open(dir, map_name::FRONTENDS)?
+            .iter()
+            .collect::<Result<_, _>>()
+            .map_err(|e| read(map_name::FRONTENDS, e))?;
+        let backends = open(dir, map_name::BACKENDS)?
+            .iter()
+            .collect::<Result<_, _>>()
+            .map_err(|e| read(map_name::BACKENDS, e))?;
+        let origins = open(dir, map_name::FRONTEND_ORIGINS)?
+            .iter()
+            .collect::<Result<_, _>>()
+            .map_err(|e| read(map_name::FRONTEND_ORIGINS, e))?;
+        let name = map_name::BACKEND_STATS;
+        let stats: PerCpuHashMap<MapData, BackendStatsKey, BackendStats> =
+            MapData::from_pin(dir.join(name))
+                .and_then(Map::from_map_data)
+                .and_then(PerCpuHashMap::try_from)
+                .map_err(|e| anyhow::anyhow!("opening {name}: {}", error_chain(&e)))?;
+        let stats = stats
+            .iter()
+            .map(|entry| {
+                entry.map(|(key, per_cpu)| {
+                    let sum =
+                        per_cpu
+                            .iter()
+                            .fold(BackendStats::default(), |sum, cpu| BackendStats {
+                                connections: sum.connections + cpu.connections,
+                                packets: sum.packets + cpu.packets,
+                                bytes: sum.bytes + cpu.bytes,
+                            });
+                    (key, sum)
+                })
+            })
+            .collect::<Result<_, _>>()
+            .map_err(|e| read(name, e))?;
+        Ok(Pinned {
+            frontends,
+            backends,
+            origins,
+            stats,
+        })
+    }
+}
+
+/// One frontend as `-o json` prints it.
+#[derive(Debug, Serialize)]
+struct Row {
+    /// "IP:PORT" (`[IPv6]:PORT` once IPv6 frontends exist).
+    frontend: String,
+    protocol: String,
+    /// ClusterIP, NodePort, externalIP or LoadBalancer.
+    kind: &'static str,
+    /// "namespace/name"; "" for a frontend whose origin is not pinned (written by an agent
+    /// before `lb services` existed, until the next agent rewrites it).
+    service: String,
+    namespace: String,
+    name: String,
+    port_name: String,
+    service_id: u32,
+    scheduler: &'static str,
+    /// The traffic policy this frontend applies: internalTrafficPolicy for a ClusterIP,
+    /// externalTrafficPolicy for the others.
+    traffic_policy: &'static str,
+    flags: Vec<&'static str>,
+    /// sessionAffinity ClientIP timeout; 0: none.
+    affinity_timeout_s: u32,
+    backends: Vec<BackendRow>,
+}
+
+#[derive(Debug, Serialize)]
+struct BackendRow {
+    address: SocketAddrV4,
+    /// Its first slot in the list (a Maglev table gives an endpoint many).
+    slot: u32,
+    /// Slots it fills in the list.
+    slots: u32,
+    /// "ready" in the Cluster list, "local" in the list of this node's endpoints (traffic
+    /// policy Local).
+    state: &'static str,
+    /// The service port's counters of this endpoint (shared by the port's frontends).
+    connections: u64,
+    packets: u64,
+    bytes: u64,
+}
+
+fn socket(addr: u32, port: u16) -> SocketAddrV4 {
+    SocketAddrV4::new(Ipv4Addr::from(addr.to_ne_bytes()), u16::from_be(port))
+}
+
+fn scheduler_name(scheduler: u32) -> &'static str {
+    match scheduler {
+        SCHED_RANDOM => "random",
+        SCHED_ROUND_ROBIN => "rr",
+        SCHED_SOURCE_HASH => "sh",
+        SCHED_FLOW_HASH => "maglev",
+        _ => "unknown",
+    }
+}
+
+fn flag_names(flags: u32) -> Vec<&'static str> {
+    [
+        (FRONTEND_F_MASQUERADE, "masquerade"),
+        (FRONTEND_F_LOCAL, "local"),
+        (FRONTEND_F_PRESERVE_SOURCE, "preserve-source"),
+        (FRONTEND_F_SOURCE_RANGES, "source-ranges"),
+    ]
+    .into_iter()
+    .filter(|(bit, _)| flags & bit != 0)
+    .map(|(_, name)| name)
+    .collect()
+}
+
+/// Every frontend but the ClusterIPs' catch-alls (which only reject), sorted by address, port
+/// and protocol; under each, the endpoints of the list its traffic policy uses, in slot order.
+fn rows(pinned: &Pinned) -> Vec<Row> {
+    pinned
+        .frontends
+        .iter()
+        .filter(|(key, _)| key.port != 0)
+        .map(|(key, frontend)| {
+            let local = frontend.flags & FRONTEND_F_LOCAL != 0;
+            let (base, count, state) = if local {
+                (LOCAL_SLOT, frontend.local_count, "local")
+            } else {
+                (0, frontend.backend_count, "ready")
+            };
+            let mut backends: Vec<BackendRow> = Vec::new();
+            for slot in 0..count {
+                let key = BackendKey {
+                    service_id: frontend.service_id,
+                    slot: base + slot,
+                };
+                let Some(backend) = pinned.backends.get(&key) else {
+                    continue;
+                };
+                let address = socket(backend.addr, backend.port);
+                if let Some(row) = backends.iter_mut().find(|b| b.address == address) {
+                    row.slots += 1;
+                    continue;
+                }
+                let stats = pinned
+                    .stats
+                    .get(&BackendStatsKey {
+                        service_id: frontend.service_id,
+                        backend: *backend,
+                    })
+                    .copied()
+                    .unwrap_or_default();
+                backends.push(BackendRow {
+                    address,
+                    slot,
+                    slots: 1,
+                    state,
+                    connections: stats.connections,
+                    packets: stats.packets,
+                    bytes: stats.bytes,
+                });
+            }
+            let origin = pinned.origins.get(key);
+            let text = |field: fn(&FrontendOrigin) -> &[u8]| {
+                origin.map_or(String::new(), |o| FrontendOrigin::text(field(o)).to_owned())
+            };
+            let (namespace, name) = (text(|o| &o.namespace), text(|o| &o.name));
+            Row {
+                frontend: socket(key.addr, key.port).to_string(),
+                protocol: protocol_name(key.proto),
+                kind: origin.map_or("unknown", FrontendOrigin::kind_name),
+                service: if origin.is_some() {
+                    format!("{namespace}/{name}")
+                } else {
+                    String::new()
+                },
+                namespace,
+                name,
+                port_name: text(|o| &o.port_name),
+                service_id: frontend.service_id,
+                scheduler: scheduler_name(frontend.scheduler),
+                traffic_policy: if local { "Local" } else { "Cluster" },
+                flags: flag_names(frontend.flags),
+                affinity_timeout_s: frontend.affinity_timeout_s,
+                backends,
+            }
+        })
+        .collect()
+}
+
+/// A frontend's line, then one indented line per backend, as ipvsadm prints them.
+fn table(rows: &[Row]) -> Table {
+    let mut table = Table::new();
+    table.load_style(presets::NOTHING).set_header([
+        "FRONTEND / BACKEND",
+        "PROTO",
+        "KIND",
+        "SERVICE",
+        "PORT",
+        "SCHED",
+        "POLICY",
+        "FLAGS",
+        "SLOT",
+        "STATE",
+        "CONNS",
+        "PACKETS",
+        "BYTES",
+    ]);
+    let or_dash = |s: &str| {
+        if s.is_empty() {
+            "-".to_owned()
+        } else {
+            s.to_owned()
+        }
+    };
+    for row in rows {
+        table.add_row([
+            row.frontend.clone(),
+            row.protocol.clone(),
+            row.kind.to_owned(),
+            or_dash(&row.service),
+            or_dash(&row.port_name),
+            row.scheduler.to_owned(),
+            row.traffic_policy.to_owned(),
+            or_dash(&row.flags.join(",")),
+            String::new(),
+            String::new(),
+            row.backends
+                .iter()
+                .map(|b| b.connections)
+                .sum::<u64>()
+                .to_string(),
+            row.backends
+                .iter()
+                .map(|b| b.packets)
+                .sum::<u64>()
+                .to_string(),
+            row.backends
+                .iter()
+                .map(|b| b.bytes)
+                .sum::<u64>()
+                .to_string(),
+        ]);
+        for backend in &row.backends {
+            let mut line = vec![format!("  -> {}", backend.address)];
+            line.extend(std::iter::repeat_n(String::new(), 7));
+            line.extend([
+                backend.slot.to_string(),
+                backend.state.to_owned(),
+                backend.connections.to_string(),
+                backend.packets.to_string(),
+                backend.bytes.to_string(),
+            ]);
+            table.add_row(line);
+        }
+    }
+    table
+}
