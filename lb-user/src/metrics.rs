@@ -265,6 +265,12 @@ mod tests {
             "kubeproxy_proxy_healthz_total{code=\"200\"} 1",
             "lb_services_programmed 3",
             "# TYPE kubeproxy_network_programming_duration_seconds histogram",
+            "# TYPE kubeproxy_sync_full_proxy_rules_duration_seconds histogram",
+            "# TYPE kubeproxy_sync_partial_proxy_rules_duration_seconds histogram",
+            "kubeproxy_sync_proxy_rules_service_changes_total 0",
+            "kubeproxy_sync_proxy_rules_endpoint_changes_pending 0",
+            // kube-proxy's is a gauge despite its name: no second _total.
+            "# TYPE kubeproxy_sync_proxy_rules_no_local_endpoints_total gauge",
         ] {
             assert!(text.lines().any(|l| l == line), "{line:?} not in\n{text}");
         }

@@ -11,10 +11,10 @@ use std::time::Duration;
 use anyhow::{Context as _, Result, ensure};
 use lb_common::map_name;
 use lb_tests::{
-    agent::{Agent, lb_binary},
+    agent::{Agent, NODE_NAME, lb_binary},
     bpffs::Bpffs,
     echo::Proto,
-    manifests::{ServiceManifest, yaml},
+    manifests::{EndpointManifest, ServiceManifest, yaml},
     netns::Netns,
     node::{CLUSTER_IP, PORT, TARGET_PORT},
     topology::Topology,
@@ -24,6 +24,7 @@ use serde_json::Value;
 const METRICS: SocketAddr = SocketAddr::new(std::net::IpAddr::V4(Ipv4Addr::LOCALHOST), 10249);
 const HEALTHZ: SocketAddr = SocketAddr::new(std::net::IpAddr::V4(Ipv4Addr::LOCALHOST), 10256);
 const CONNTRACK_MAX: u32 = 4096;
+const LOCAL_CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 12);
 
 fn http_get(ns: &Netns, to: SocketAddr, path: &str) -> Result<(u16, String)> {
     let path = path.to_owned();
@@ -127,11 +128,22 @@ fn proxy_mode_drops_map_fill_changes_and_the_dashboard() -> Result<()> {
         ServiceManifest::new("web", CLUSTER_IP, Proto::Tcp, PORT, TARGET_PORT)
             .endpoints(endpoints.iter().map(|p| topology.pod(p).ip))
     };
+    // internalTrafficPolicy Local, its only endpoint on another node.
+    let local = ServiceManifest::new("local", LOCAL_CLUSTER_IP, Proto::Tcp, PORT, TARGET_PORT)
+        .internal_local()
+        .endpoint(EndpointManifest::ready(topology.pod("pod-c").ip).on_node("node-2"));
     let conntrack_max = CONNTRACK_MAX.to_string();
     let mut agent = Agent::start(
         &topology,
-        &yaml(&[web(&["pod-b"])]),
-        &["--bpffs", &bpffs_arg, "--conntrack-max", &conntrack_max],
+        &yaml(&[web(&["pod-b"]), local.clone()]),
+        &[
+            "--bpffs",
+            &bpffs_arg,
+            "--conntrack-max",
+            &conntrack_max,
+            "--hostname-override",
+            NODE_NAME,
+        ],
     )?;
     let node = &topology.node;
 
@@ -171,21 +183,27 @@ fn proxy_mode_drops_map_fill_changes_and_the_dashboard() -> Result<()> {
         "kubeproxy_sync_partial_proxy_rules_duration_seconds_count",
         "kubeproxy_sync_proxy_rules_endpoint_changes_pending",
         "kubeproxy_sync_proxy_rules_service_changes_pending",
-        "kubeproxy_sync_proxy_rules_no_local_endpoints_total{traffic_policy=\"internal\"}",
-        "kubeproxy_sync_proxy_rules_no_local_endpoints_total{traffic_policy=\"external\"}",
     ] {
         sample(&before, name)?;
     }
+    let no_local = |policy: &str| {
+        format!("kubeproxy_sync_proxy_rules_no_local_endpoints_total{{traffic_policy=\"{policy}\"}}")
+    };
+    ensure!(
+        (sample(&before, &no_local("internal"))?, sample(&before, &no_local("external"))?)
+            == (1.0, 0.0),
+        "{before:#?}"
+    );
     let services = "kubeproxy_sync_proxy_rules_service_changes_total";
     let endpoints = "kubeproxy_sync_proxy_rules_endpoint_changes_total";
-    // The first sync added the service with its endpoint.
-    ensure!(sample(&before, services)? == 1.0 && sample(&before, endpoints)? == 1.0);
+    // The first sync added both services with their endpoints.
+    ensure!(sample(&before, services)? == 2.0 && sample(&before, endpoints)? == 2.0);
 
-    // One more endpoint: an endpoint change, no service change.
-    agent.update_manifests(&yaml(&[web(&["pod-b", "pod-c"])]))?;
+    // One more endpoint for web: an endpoint change, no service change.
+    agent.update_manifests(&yaml(&[web(&["pod-b", "pod-c"]), local]))?;
     let after = samples(node)?;
     ensure!(
-        (sample(&after, services)?, sample(&after, endpoints)?) == (1.0, 2.0),
+        (sample(&after, services)?, sample(&after, endpoints)?) == (2.0, 3.0),
         "after an endpoint was added: {after:#?}"
     );
     let frontends_after = sample(&after, &frontends)?;
