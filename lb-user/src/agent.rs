@@ -847,7 +847,13 @@ impl NoLocalEndpoints {
         let Some(service) = service else {
             return;
         };
-        let ready = || service.ports.iter().flat_map(|p| &p.endpoints).filter(|e| e.ready());
+        let ready = || {
+            service
+                .ports
+                .iter()
+                .flat_map(|p| &p.endpoints)
+                .filter(|e| e.ready())
+        };
         if ready().next().is_none() || ready().any(|e| e.on_node(node_name)) {
             return;
         }

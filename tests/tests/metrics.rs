@@ -148,7 +148,10 @@ fn proxy_mode_drops_map_fill_changes_and_the_dashboard() -> Result<()> {
     let node = &topology.node;
 
     let (status, mode) = http_get(node, METRICS, "/proxyMode")?;
-    ensure!((status, mode.as_str()) == (200, "ebpf"), "/proxyMode: {status} {mode}");
+    ensure!(
+        (status, mode.as_str()) == (200, "ebpf"),
+        "/proxyMode: {status} {mode}"
+    );
 
     // The dashboard's /healthz panel counts answers: one to count.
     http_get(node, HEALTHZ, "/healthz")?;
@@ -187,11 +190,15 @@ fn proxy_mode_drops_map_fill_changes_and_the_dashboard() -> Result<()> {
         sample(&before, name)?;
     }
     let no_local = |policy: &str| {
-        format!("kubeproxy_sync_proxy_rules_no_local_endpoints_total{{traffic_policy=\"{policy}\"}}")
+        format!(
+            "kubeproxy_sync_proxy_rules_no_local_endpoints_total{{traffic_policy=\"{policy}\"}}"
+        )
     };
     ensure!(
-        (sample(&before, &no_local("internal"))?, sample(&before, &no_local("external"))?)
-            == (1.0, 0.0),
+        (
+            sample(&before, &no_local("internal"))?,
+            sample(&before, &no_local("external"))?
+        ) == (1.0, 0.0),
         "{before:#?}"
     );
     let services = "kubeproxy_sync_proxy_rules_service_changes_total";
