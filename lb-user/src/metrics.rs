@@ -269,8 +269,6 @@ mod tests {
             "# TYPE kubeproxy_sync_partial_proxy_rules_duration_seconds histogram",
             "kubeproxy_sync_proxy_rules_service_changes_total 0",
             "kubeproxy_sync_proxy_rules_endpoint_changes_pending 0",
-            // kube-proxy's is a gauge despite its name: no second _total.
-            "# TYPE kubeproxy_sync_proxy_rules_no_local_endpoints_total gauge",
         ] {
             assert!(text.lines().any(|l| l == line), "{line:?} not in\n{text}");
         }
