@@ -3,6 +3,11 @@ use anyhow::{Context as _, anyhow};
 /// Builds lb-ebpf for bpfel-unknown-none with the nightly toolchain; the object lands in OUT_DIR
 /// and src/datapath.rs embeds it.
 fn main() -> anyhow::Result<()> {
+    // aya-build forwards every line of the inner cargo's stderr as a cargo warning: quiet, that
+    // cargo prints no progress ("Compiling ..."), only what rustc says (real warnings and errors,
+    // which aya-build forwards from the JSON messages).
+    // SAFETY: nothing else runs yet in this build script: no thread reads the environment.
+    unsafe { std::env::set_var("CARGO_TERM_QUIET", "true") };
     let metadata = cargo_metadata::MetadataCommand::new()
         .no_deps()
         .exec()

@@ -20,13 +20,13 @@ use lb_user::cgroup_mount;
 use lb_user::coalesce::Coalescer;
 use lb_user::datapath::{self, Datapath, MapSizes};
 use lb_user::error_chain;
-use lb_user::health::{self, Health, Routes};
+use lb_user::health::{self, Health};
 use lb_user::link_pins::LinkPins;
 use lb_user::links::{Attachments, InterfaceFilter, LinkEvent, LinkWatcher};
 use lb_user::manifests::{self, ManifestCache};
 use lb_user::map_pins;
-use lb_user::metrics::Metrics;
-use lb_user::model::{Model, Service, ServiceName, Specs};
+use lb_user::metrics::{Metrics, TrafficPolicyLabel};
+use lb_user::model::{Endpoint, Model, Service, ServiceName, ServicePort, Specs};
 use lb_user::node_addresses;
 use lb_user::nodeport::NodePortAllocator;
 use lb_user::reconcile::{Reconciler, SyncReport, WriteFailure};
@@ -54,12 +54,14 @@ pub async fn run(args: AgentArgs) -> Result<()> {
     // kube-proxy's health timeout is twice its sync period.
     let health = Arc::new(Mutex::new(Health::new(2 * args.sync_period)));
     if let Some(addr) = args.healthz_bind_address.0 {
-        health::serve(addr, Routes::Health(health.clone(), metrics.clone()))
+        let routes = health::health_routes(health.clone(), metrics.clone());
+        health::serve(addr, "/healthz, /livez", routes)
             .await
             .with_context(|| format!("--healthz-bind-address {addr}"))?;
     }
     if let Some(addr) = args.metrics_bind_address.0 {
-        health::serve(addr, Routes::Metrics(metrics.clone()))
+        let routes = health::metrics_routes(metrics.clone(), args.bpffs.clone());
+        health::serve(addr, "/metrics, /proxyMode", routes)
             .await
             .with_context(|| format!("--metrics-bind-address {addr}"))?;
     }
@@ -138,6 +140,7 @@ pub async fn run(args: AgentArgs) -> Result<()> {
     let mut state = State {
         model: Model::default(),
         ready_endpoints: 0,
+        no_local_endpoints: NoLocalEndpoints::default(),
         zone_flag: args.zone.clone(),
         reconciler: Reconciler::new(node_ip, existing)
             .with_node_port_addresses(node_port_addrs)
@@ -620,6 +623,7 @@ struct State {
     model: Model,
     /// Its ready endpoints.
     ready_endpoints: usize,
+    no_local_endpoints: NoLocalEndpoints,
     reconciler: Reconciler,
     /// --zone; "" takes the Node's label at each sync.
     zone_flag: String,
@@ -700,10 +704,16 @@ impl State {
         );
         let model = std::mem::take(&mut self.model);
         let joined = start.elapsed();
+        let node_name = self.reconciler.node_name();
+        let mut changes = Changes::default();
         for (name, before) in &previous {
+            let now = model.services.get(name);
             let ready = |s: Option<&Service>| s.map_or(0, Service::ready_endpoints);
-            self.ready_endpoints += ready(model.services.get(name));
+            self.ready_endpoints += ready(now);
             self.ready_endpoints -= ready(before.as_ref());
+            self.no_local_endpoints.add(now, node_name, 1);
+            self.no_local_endpoints.add(before.as_ref(), node_name, -1);
+            changes.count(before.as_ref(), now);
         }
         // Only these differ from what the reconciler synced last.
         let changed: BTreeSet<ServiceName> = previous
@@ -737,6 +747,25 @@ impl State {
         let now = Timestamp::now();
         let m = &self.metrics;
         m.sync_duration.observe(took.as_secs_f64());
+        match desired.changed {
+            None => m.sync_full_duration.observe(took.as_secs_f64()),
+            Some(_) => m.sync_partial_duration.observe(took.as_secs_f64()),
+        }
+        m.service_changes.inc_by(changes.services);
+        m.endpoint_changes.inc_by(changes.endpoints);
+        // A service whose writes failed has its spec and endpoints both waiting for the retry.
+        let pending = report.failed_services.len() as i64;
+        m.service_changes_pending.set(pending);
+        m.endpoint_changes_pending.set(pending);
+        for (policy, count) in [
+            ("internal", self.no_local_endpoints.internal),
+            ("external", self.no_local_endpoints.external),
+        ] {
+            let label = TrafficPolicyLabel {
+                traffic_policy: policy.to_owned(),
+            };
+            m.no_local_endpoints.get_or_create(&label).set(count);
+        }
         m.last_sync_timestamp.set(unix_seconds(now));
         let endpoints = self.ready_endpoints;
         m.services.set(model.services.len() as i64);
@@ -778,6 +807,73 @@ impl State {
                 entries, "UDP conntrack of removed endpoints flushed"
             ),
             Err(err) => warn!(error = %error_chain(&err), "UDP conntrack flush"),
+        }
+    }
+}
+
+/// kube-proxy's change counts of one sync: a service added, removed or whose spec changed is a
+/// service change; one whose endpoints changed an endpoint change (a service is both when it
+/// comes or goes with endpoints).
+#[derive(Debug, Default)]
+struct Changes {
+    services: u64,
+    endpoints: u64,
+}
+
+impl Changes {
+    fn count(&mut self, before: Option<&Service>, now: Option<&Service>) {
+        fn endpoints(s: Option<&Service>) -> Vec<&Vec<Endpoint>> {
+            s.into_iter()
+                .flat_map(|s| s.ports.iter().map(|p| &p.endpoints))
+                .collect()
+        }
+        fn spec(s: Option<&Service>) -> Option<Service> {
+            s.map(|s| Service {
+                ports: s
+                    .ports
+                    .iter()
+                    .map(|p| ServicePort {
+                        endpoints: Vec::new(),
+                        ..p.clone()
+                    })
+                    .collect(),
+                ..s.clone()
+            })
+        }
+        self.services += u64::from(spec(before) != spec(now));
+        self.endpoints += u64::from(endpoints(before) != endpoints(now));
+    }
+}
+
+/// kube-proxy's sync_proxy_rules_no_local_endpoints_total: services with a Local traffic policy
+/// and ready endpoints, none of them on this node, kept up to date service by service.
+#[derive(Debug, Default)]
+struct NoLocalEndpoints {
+    internal: i64,
+    external: i64,
+}
+
+impl NoLocalEndpoints {
+    /// Counts `service` (None: nothing) `sign` times.
+    fn add(&mut self, service: Option<&Service>, node_name: &str, sign: i64) {
+        let Some(service) = service else {
+            return;
+        };
+        let ready = || {
+            service
+                .ports
+                .iter()
+                .flat_map(|p| &p.endpoints)
+                .filter(|e| e.ready())
+        };
+        if ready().next().is_none() || ready().any(|e| e.on_node(node_name)) {
+            return;
+        }
+        if service.traffic.internal_local {
+            self.internal += sign;
+        }
+        if service.traffic.external_local {
+            self.external += sign;
         }
     }
 }

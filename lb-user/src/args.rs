@@ -39,6 +39,13 @@ pub enum Command {
     Cleanup(CleanupArgs),
 }
 
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
+}
+
 #[derive(Debug, Args)]
 pub struct AgentArgs {
     /// Directory of Kubernetes YAML (*.yaml, *.yml): v1 Services and discovery.k8s.io/v1
@@ -105,7 +112,10 @@ pub struct AgentArgs {
     /// Where /healthz and /livez are served (IP:PORT, or IP for port 10256); "" disables.
     #[arg(long, value_name = "IP:PORT", default_value = "0.0.0.0:10256", value_parser = |s: &str| parse_bind_address(s, 10256))]
     pub healthz_bind_address: BindAddress,
-    /// Where /metrics is served (IP:PORT, or IP for port 10249); "" disables.
+    /// Log lines as text, or as one JSON object each (for a log collector).
+    #[arg(long, value_enum, default_value_t)]
+    pub log_format: LogFormat,
+    /// Where /metrics and /proxyMode are served (IP:PORT, or IP for port 10249); "" disables.
     #[arg(long, value_name = "IP:PORT", default_value = "127.0.0.1:10249", value_parser = |s: &str| parse_bind_address(s, 10249))]
     pub metrics_bind_address: BindAddress,
     /// Changes are synced to the maps at most this often: a burst in between is one sync.

@@ -8,7 +8,9 @@ use std::path::Path;
 use std::time::Duration;
 
 use aya::maps::lpm_trie::{Key, LpmTrie};
-use aya::maps::{Array, HashMap, IterableMap, MapData, MapError, PerCpuArray, PerCpuHashMap};
+use aya::maps::{
+    Array, HashMap, IterableMap, MapData, MapError, MapType, PerCpuArray, PerCpuHashMap,
+};
 use aya::programs::{CgroupSockAddr, ProgramError, SchedClassifier, Xdp};
 use aya::{Ebpf, EbpfError, EbpfLoader};
 use bytemuck::Pod;
@@ -40,6 +42,11 @@ pub enum DatapathError {
     Map {
         name: &'static str,
         source: MapError,
+    },
+    #[error("map {name}: walking its keys: {source}")]
+    KeyWalk {
+        name: &'static str,
+        source: io::Error,
     },
     #[error("program {name}: {source}")]
     Program {
@@ -420,6 +427,40 @@ pub fn read_counters(pin_dir: &Path) -> Result<Vec<(Counter, u64)>, DatapathErro
         .map(|&c| {
             let values = counters.get(&(c as u32), 0).map_err(err)?;
             Ok((c, values.iter().sum()))
+        })
+        .collect()
+}
+
+/// How full one pinned map is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MapFill {
+    pub name: &'static str,
+    pub entries: u32,
+    pub max_entries: u32,
+}
+
+/// How full each map pinned in `pin_dir` is (those not pinned are left out). An array always
+/// holds all its entries; a hash map's keys are walked (a full 262k-entry conntrack: ~0.1 s).
+pub fn read_map_fill(pin_dir: &Path) -> Vec<Result<MapFill, DatapathError>> {
+    map_name::ALL
+        .iter()
+        .filter(|name| pin_dir.join(name).exists())
+        .map(|&name| {
+            let err = |source| DatapathError::Map { name, source };
+            let data = MapData::from_pin(pin_dir.join(name)).map_err(err)?;
+            let info = data.info().map_err(err)?;
+            let max_entries = info.max_entries();
+            let entries = match info.map_type().map_err(err)? {
+                MapType::Array | MapType::PerCpuArray => max_entries,
+                _ => map_batch::count_keys(data.fd().as_fd(), info.key_size() as usize)
+                    .map_err(|source| DatapathError::KeyWalk { name, source })?
+                    as u32,
+            };
+            Ok(MapFill {
+                name,
+                entries,
+                max_entries,
+            })
         })
         .collect()
 }

@@ -1,5 +1,5 @@
-//! `/healthz` and `/livez` as kube-proxy answers them, and the HTTP servers for them and for the
-//! metrics.
+//! `/healthz` and `/livez` as kube-proxy answers them, and the HTTP servers (axum) for them and
+//! for `/metrics` and `/proxyMode`.
 //!
 //! Healthy means: no change is waiting to be synced, or the oldest waiting one arrived less than
 //! the health timeout ago (kube-proxy: twice its sync period). `/healthz` is also unhealthy when
@@ -16,19 +16,18 @@
 //! would take away every service it serves because some could not be written; a full map is
 //! likely full on every node). Failed writes are errors: logged, counted in
 //! `lb_map_write_failures_total`, and a Kubernetes Event on the Service in apiserver mode.
-use std::convert::Infallible;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use bytes::Bytes;
-use http_body_util::Full;
-use hyper::body::Incoming;
-use hyper::{Request, Response, StatusCode};
-use hyper_util::rt::TokioIo;
+use axum::Router;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse as _, Response};
+use axum::routing::any;
 use jiff::Timestamp;
 use tokio::net::TcpListener;
-use tracing::{debug, info};
+use tracing::{error, info};
 
 use crate::metrics::{CodeLabel, Metrics};
 
@@ -141,81 +140,93 @@ fn go_time(t: Option<Timestamp>) -> String {
     }
 }
 
-/// What an HTTP server answers.
-#[derive(Clone)]
-pub enum Routes {
-    /// `/healthz` and `/livez`.
-    Health(Arc<Mutex<Health>>, Arc<Metrics>),
-    /// `/metrics`.
-    Metrics(Arc<Metrics>),
+/// kube-proxy's `/proxyMode` answer on the metrics port (it answers e.g. `iptables`).
+pub const PROXY_MODE: &str = "ebpf";
+
+/// `/healthz` and `/livez`.
+pub fn health_routes(health: Arc<Mutex<Health>>, metrics: Arc<Metrics>) -> Router {
+    let answer = move |path: &'static str| {
+        let (health, metrics) = (health.clone(), metrics.clone());
+        any(move || async move {
+            let now = Timestamp::now();
+            let health = health.lock().expect("health lock");
+            let (answer, counter) = match path {
+                "/healthz" => (health.healthz(now), &metrics.healthz),
+                _ => (health.livez(now), &metrics.livez),
+            };
+            counter
+                .get_or_create(&CodeLabel {
+                    code: answer.status,
+                })
+                .inc();
+            reply(answer.status, "application/json", answer.body)
+        })
+    };
+    Router::new()
+        .route("/healthz", answer("/healthz"))
+        .route("/livez", answer("/livez"))
+        .fallback(not_found)
 }
 
-impl Routes {
-    fn answer(&self, path: &str) -> Response<Full<Bytes>> {
-        let now = Timestamp::now();
-        let (status, content_type, body) = match (self, path) {
-            (Routes::Health(health, metrics), "/healthz" | "/livez") => {
-                let health = health.lock().expect("health lock");
-                let (answer, counter) = if path == "/healthz" {
-                    (health.healthz(now), &metrics.healthz)
-                } else {
-                    (health.livez(now), &metrics.livez)
-                };
-                counter
-                    .get_or_create(&CodeLabel {
-                        code: answer.status,
-                    })
-                    .inc();
-                (answer.status, "application/json", answer.body)
-            }
-            (Routes::Metrics(metrics), "/metrics") => (
-                200,
-                "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                metrics.encode(),
-            ),
-            _ => (
-                404,
-                "text/plain; charset=utf-8",
-                "404 page not found\n".into(),
-            ),
-        };
-        Response::builder()
-            .status(StatusCode::from_u16(status).expect("valid status"))
-            .header("Content-Type", content_type)
-            .header("X-Content-Type-Options", "nosniff")
-            .body(Full::new(Bytes::from(body)))
-            .expect("valid response")
-    }
+/// `/metrics` (with the datapath's counters and maps, read from `pin_dir` at each scrape) and
+/// `/proxyMode`.
+pub fn metrics_routes(metrics: Arc<Metrics>, pin_dir: PathBuf) -> Router {
+    Router::new()
+        .route(
+            "/metrics",
+            any(move || async move {
+                metrics.read_datapath(&pin_dir);
+                reply(
+                    200,
+                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                    metrics.encode(),
+                )
+            }),
+        )
+        .route(
+            "/proxyMode",
+            any(|| async { reply(200, "text/plain; charset=utf-8", PROXY_MODE.into()) }),
+        )
+        .fallback(not_found)
+}
+
+/// Go's net/http answer to an unknown path.
+pub async fn not_found() -> Response {
+    reply(
+        404,
+        "text/plain; charset=utf-8",
+        "404 page not found\n".into(),
+    )
+}
+
+/// An answer with kube-proxy's headers.
+pub fn reply(status: u16, content_type: &'static str, body: String) -> Response {
+    (
+        StatusCode::from_u16(status).expect("valid status"),
+        [
+            (header::CONTENT_TYPE, content_type),
+            (header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
+        ],
+        body,
+    )
+        .into_response()
 }
 
 /// Binds `addr` (so a taken port fails the start) and serves `routes` on it in the background.
-pub async fn serve(addr: SocketAddr, routes: Routes) -> std::io::Result<()> {
+pub async fn serve(addr: SocketAddr, what: &str, routes: Router) -> std::io::Result<()> {
     let listener = TcpListener::bind(addr).await?;
-    info!(%addr, "serving {}", match routes {
-        Routes::Health(..) => "/healthz, /livez",
-        Routes::Metrics(_) => "/metrics",
-    });
-    tokio::spawn(async move {
-        loop {
-            let Ok((stream, peer)) = listener.accept().await else {
-                continue;
-            };
-            let routes = routes.clone();
-            tokio::spawn(async move {
-                let service = hyper::service::service_fn(move |req: Request<Incoming>| {
-                    let response = routes.answer(req.uri().path());
-                    async move { Ok::<_, Infallible>(response) }
-                });
-                if let Err(err) = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(TokioIo::new(stream), service)
-                    .await
-                {
-                    debug!(%peer, error = %err, "http connection");
-                }
-            });
-        }
-    });
+    info!(%addr, "serving {what}");
+    tokio::spawn(serve_listener(listener, routes));
     Ok(())
+}
+
+/// Serves `routes` on `listener` until the task is aborted.
+pub async fn serve_listener(listener: TcpListener, routes: Router) {
+    let addr = listener.local_addr().ok();
+    // axum::serve only returns on a listener error, which it already retries.
+    if let Err(err) = axum::serve(listener, routes).await {
+        error!(?addr, error = %err, "HTTP server stopped");
+    }
 }
 
 #[cfg(test)]

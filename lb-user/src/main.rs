@@ -11,17 +11,24 @@ use std::io::IsTerminal as _;
 use clap::Parser as _;
 use tracing_subscriber::EnvFilter;
 
-use crate::args::{Cli, Command};
+use crate::args::{Cli, Command, LogFormat};
 
 fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
+    let cli = Cli::parse();
+    let log_format = match &cli.command {
+        Command::Agent(args) => args.log_format,
+        _ => LogFormat::Text,
+    };
+    let logs = tracing_subscriber::fmt()
         .with_env_filter(
             EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
         )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .init();
-    match Cli::parse().command {
+        .with_writer(std::io::stderr);
+    match log_format {
+        LogFormat::Text => logs.with_ansi(std::io::stderr().is_terminal()).init(),
+        LogFormat::Json => logs.json().init(),
+    }
+    match cli.command {
         Command::Agent(args) => tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?

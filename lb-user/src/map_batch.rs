@@ -7,6 +7,7 @@ use std::os::fd::{AsRawFd as _, BorrowedFd};
 use bytemuck::Pod;
 use nix::libc;
 
+const BPF_MAP_GET_NEXT_KEY: libc::c_long = 4;
 const BPF_MAP_DELETE_BATCH: libc::c_long = 27;
 const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
 
@@ -22,6 +23,53 @@ struct BatchAttr {
     map_fd: u32,
     elem_flags: u64,
     flags: u64,
+}
+
+/// The `key`/`next_key` member of union bpf_attr.
+#[repr(C)]
+struct NextKeyAttr {
+    map_fd: u32,
+    _pad: u32,
+    key: u64,
+    next_key: u64,
+}
+
+/// How many keys a hash map (or LPM trie) holds, by walking them with BPF_MAP_GET_NEXT_KEY
+/// (aya walks keys only of a map typed by its key and value): a map of any layout, by its key
+/// size. Entries added or removed meanwhile may be missed or counted, as in any walk.
+pub fn count_keys(map: BorrowedFd<'_>, key_size: usize) -> io::Result<usize> {
+    let (mut key, mut next) = (vec![0u8; key_size], vec![0u8; key_size]);
+    let mut attr = NextKeyAttr {
+        map_fd: map.as_raw_fd() as u32,
+        _pad: 0,
+        // No key first: the kernel answers with the first one.
+        key: 0,
+        next_key: next.as_mut_ptr() as u64,
+    };
+    let mut count = 0;
+    loop {
+        // SAFETY: `attr` is the key member of union bpf_attr, valid for its size; `key` and
+        // `next` are live buffers of the map's key size for the call.
+        let ret = unsafe {
+            libc::syscall(
+                libc::SYS_bpf,
+                BPF_MAP_GET_NEXT_KEY,
+                &mut attr as *mut NextKeyAttr,
+                std::mem::size_of::<NextKeyAttr>() as libc::c_uint,
+            )
+        };
+        if ret < 0 {
+            let err = io::Error::last_os_error();
+            return match err.raw_os_error() {
+                Some(libc::ENOENT) => Ok(count),
+                _ => Err(err),
+            };
+        }
+        count += 1;
+        std::mem::swap(&mut key, &mut next);
+        attr.key = key.as_ptr() as u64;
+        attr.next_key = next.as_mut_ptr() as u64;
+    }
 }
 
 /// An entry the kernel refused, by its index in the batch; the entries before it are done.

@@ -1,6 +1,8 @@
 //! Prometheus metrics (prometheus-client), named as kube-proxy names them where it has one, so
 //! its dashboards and alerts keep working.
-use std::sync::atomic::AtomicU64;
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -8,16 +10,48 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
+use tracing::debug;
+
+use crate::datapath;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct CodeLabel {
     pub code: u16,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabel {
+    pub reason: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct MapLabel {
+    pub map: String,
+}
+
+/// kube-proxy's `traffic_policy`: "internal" or "external".
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TrafficPolicyLabel {
+    pub traffic_policy: String,
+}
+
 /// Every metric; all are atomics, shared between the sync loop and the metrics server.
 pub struct Metrics {
     registry: Registry,
     pub sync_duration: Histogram,
+    /// Syncs that read every service (the first, and after a relist).
+    pub sync_full_duration: Histogram,
+    /// Syncs of the changed services only.
+    pub sync_partial_duration: Histogram,
+    pub endpoint_changes_pending: Gauge,
+    pub endpoint_changes: Counter,
+    pub service_changes_pending: Gauge,
+    pub service_changes: Counter,
+    pub no_local_endpoints: Family<TrafficPolicyLabel, Gauge>,
+    /// Read from the pinned maps at each scrape.
+    pub datapath_drops: Family<ReasonLabel, Counter>,
+    pub map_entries: Family<MapLabel, Gauge>,
+    pub map_max_entries: Family<MapLabel, Gauge>,
     pub last_sync_timestamp: Gauge<f64, AtomicU64>,
     pub last_queued_timestamp: Gauge<f64, AtomicU64>,
     pub network_programming: Histogram,
@@ -42,6 +76,16 @@ impl Metrics {
         let m = Metrics {
             registry: Registry::default(),
             sync_duration: Histogram::new(buckets()),
+            sync_full_duration: Histogram::new(buckets()),
+            sync_partial_duration: Histogram::new(buckets()),
+            endpoint_changes_pending: Gauge::default(),
+            endpoint_changes: Counter::default(),
+            service_changes_pending: Gauge::default(),
+            service_changes: Counter::default(),
+            no_local_endpoints: Family::default(),
+            datapath_drops: Family::default(),
+            map_entries: Family::default(),
+            map_max_entries: Family::default(),
             last_sync_timestamp: Gauge::default(),
             last_queued_timestamp: Gauge::default(),
             network_programming: Histogram::new(buckets()),
@@ -56,6 +100,57 @@ impl Metrics {
             "kubeproxy_sync_proxy_rules_duration_seconds",
             "How long a sync of the service maps took",
             m.sync_duration.clone(),
+        );
+        registry.register(
+            "kubeproxy_sync_full_proxy_rules_duration_seconds",
+            "How long a sync of every service took",
+            m.sync_full_duration.clone(),
+        );
+        registry.register(
+            "kubeproxy_sync_partial_proxy_rules_duration_seconds",
+            "How long a sync of the changed services took",
+            m.sync_partial_duration.clone(),
+        );
+        registry.register(
+            "kubeproxy_sync_proxy_rules_endpoint_changes_pending",
+            "Services whose endpoint changes are not in the maps yet (their writes failed and are retried)",
+            m.endpoint_changes_pending.clone(),
+        );
+        registry.register(
+            "kubeproxy_sync_proxy_rules_endpoint_changes",
+            "Cumulative endpoint changes synced, one per service whose endpoints changed",
+            m.endpoint_changes.clone(),
+        );
+        registry.register(
+            "kubeproxy_sync_proxy_rules_service_changes_pending",
+            "Services whose changes are not in the maps yet (their writes failed and are retried)",
+            m.service_changes_pending.clone(),
+        );
+        registry.register(
+            "kubeproxy_sync_proxy_rules_service_changes",
+            "Cumulative service changes synced, one per service added, removed or changed (endpoints aside)",
+            m.service_changes.clone(),
+        );
+        registry.register(
+            // A gauge, as kube-proxy's, despite the name.
+            "kubeproxy_sync_proxy_rules_no_local_endpoints_total",
+            "Services with a Local traffic policy and endpoints, none of them ready on this node",
+            m.no_local_endpoints.clone(),
+        );
+        registry.register(
+            "lb_datapath_drops",
+            "Packets the datapath dropped, by reason (`lb stats` shows the counters of each)",
+            m.datapath_drops.clone(),
+        );
+        registry.register(
+            "lb_map_entries",
+            "Entries in each pinned map (an array always holds all)",
+            m.map_entries.clone(),
+        );
+        registry.register(
+            "lb_map_max_entries",
+            "Size of each pinned map",
+            m.map_max_entries.clone(),
         );
         registry.register(
             "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
@@ -100,6 +195,48 @@ impl Metrics {
         Metrics { registry, ..m }
     }
 
+    /// Reads the drop counters and the maps' fill from the maps pinned in `pin_dir`. Before the
+    /// agent pinned them (or if a read fails) the last values stay.
+    pub fn read_datapath(&self, pin_dir: &Path) {
+        match datapath::read_counters(pin_dir) {
+            Ok(values) => {
+                // Counter::drop_reason is the one table of reasons, as `lb stats` shows them.
+                let mut drops: BTreeMap<&str, u64> = BTreeMap::new();
+                for (counter, value) in values {
+                    if let Some(reason) = counter.drop_reason() {
+                        *drops.entry(reason).or_default() += value;
+                    }
+                }
+                for (reason, packets) in drops {
+                    let label = ReasonLabel {
+                        reason: reason.to_owned(),
+                    };
+                    self.datapath_drops
+                        .get_or_create(&label)
+                        .inner()
+                        .store(packets, Ordering::Relaxed);
+                }
+            }
+            Err(err) => debug!(error = %err, "datapath counters not read"),
+        }
+        for fill in datapath::read_map_fill(pin_dir) {
+            match fill {
+                Ok(fill) => {
+                    let label = MapLabel {
+                        map: fill.name.to_owned(),
+                    };
+                    self.map_entries
+                        .get_or_create(&label)
+                        .set(fill.entries.into());
+                    self.map_max_entries
+                        .get_or_create(&label)
+                        .set(fill.max_entries.into());
+                }
+                Err(err) => debug!(error = %err, "map fill not read"),
+            }
+        }
+    }
+
     /// The Prometheus text format.
     pub fn encode(&self) -> String {
         let mut text = String::new();
@@ -128,6 +265,10 @@ mod tests {
             "kubeproxy_proxy_healthz_total{code=\"200\"} 1",
             "lb_services_programmed 3",
             "# TYPE kubeproxy_network_programming_duration_seconds histogram",
+            "# TYPE kubeproxy_sync_full_proxy_rules_duration_seconds histogram",
+            "# TYPE kubeproxy_sync_partial_proxy_rules_duration_seconds histogram",
+            "kubeproxy_sync_proxy_rules_service_changes_total 0",
+            "kubeproxy_sync_proxy_rules_endpoint_changes_pending 0",
         ] {
             assert!(text.lines().any(|l| l == line), "{line:?} not in\n{text}");
         }

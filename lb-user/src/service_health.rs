@@ -3,19 +3,16 @@
 //! balancer sends traffic only to nodes with endpoints of the service: 200 with local ready
 //! endpoints, 503 without (or while the proxy itself is unhealthy).
 use std::collections::{BTreeMap, BTreeSet};
-use std::convert::Infallible;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::{Arc, Mutex};
 
-use bytes::Bytes;
-use http_body_util::Full;
-use hyper::body::Incoming;
-use hyper::{Request, Response, StatusCode};
-use hyper_util::rt::TokioIo;
+use axum::Router;
+use axum::http::HeaderValue;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
-use tracing::{debug, info, warn};
+use tracing::{info, warn};
 
+use crate::health;
 use crate::model::{Model, ServiceName};
 
 /// What one healthCheckNodePort reports.
@@ -116,8 +113,8 @@ impl ServiceHealth {
                 Ok(listener) => {
                     info!(port, service = %status.service, "serving healthCheckNodePort");
                     let status = Arc::new(Mutex::new(status));
-                    let task =
-                        tokio::spawn(serve(listener, status.clone(), self.proxy_healthy.clone()));
+                    let routes = routes(status.clone(), self.proxy_healthy.clone());
+                    let task = tokio::spawn(health::serve_listener(listener, routes));
                     self.servers.insert(port, Server { status, task });
                 }
                 Err(err) => {
@@ -136,36 +133,18 @@ impl Drop for ServiceHealth {
     }
 }
 
-async fn serve(listener: TcpListener, status: Arc<Mutex<Status>>, proxy_healthy: ProxyHealthy) {
-    loop {
-        let Ok((stream, peer)) = listener.accept().await else {
-            continue;
-        };
-        let (status, proxy_healthy) = (status.clone(), proxy_healthy.clone());
-        tokio::spawn(async move {
-            let service = hyper::service::service_fn(move |_: Request<Incoming>| {
-                let current = status.lock().expect("status lock").clone();
-                let (code, body) = answer(&current, proxy_healthy());
-                let response = Response::builder()
-                    .status(StatusCode::from_u16(code).expect("valid status"))
-                    .header("Content-Type", "application/json")
-                    .header("X-Content-Type-Options", "nosniff")
-                    .header(
-                        "X-Load-Balancing-Endpoint-Weight",
-                        current.local_endpoints.to_string(),
-                    )
-                    .body(Full::new(Bytes::from(body)))
-                    .expect("valid response");
-                async move { Ok::<_, Infallible>(response) }
-            });
-            if let Err(err) = hyper::server::conn::http1::Builder::new()
-                .serve_connection(TokioIo::new(stream), service)
-                .await
-            {
-                debug!(%peer, error = %err, "healthCheckNodePort connection");
-            }
-        });
-    }
+/// Every path answers the status (as kube-proxy's service health server).
+fn routes(status: Arc<Mutex<Status>>, proxy_healthy: ProxyHealthy) -> Router {
+    Router::new().fallback(move || async move {
+        let current = status.lock().expect("status lock").clone();
+        let (code, body) = answer(&current, proxy_healthy());
+        let mut response = health::reply(code, "application/json", body);
+        response.headers_mut().insert(
+            "X-Load-Balancing-Endpoint-Weight",
+            HeaderValue::from(current.local_endpoints),
+        );
+        response
+    })
 }
 
 #[cfg(test)]
