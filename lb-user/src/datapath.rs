@@ -8,14 +8,13 @@ use std::path::Path;
 use std::time::Duration;
 
 use aya::maps::lpm_trie::{Key, LpmTrie};
-use aya::maps::{Array, HashMap, IterableMap, MapData, MapError, PerCpuArray, PerCpuHashMap};
+use aya::maps::{Array, HashMap, IterableMap, MapData, MapError, PerCpuArray, PerCpuValues};
 use aya::programs::{CgroupSockAddr, ProgramError, SchedClassifier, Xdp};
 use aya::{Ebpf, EbpfError, EbpfLoader};
 use bytemuck::Pod;
 use lb_common::{
-    Backend, BackendKey, BackendStats, BackendStatsKey, Clock, Config, ConntrackEntry,
-    ConntrackKey, Counter, Frontend, FrontendKey, FrontendOrigin, SourceRangeKey, ipv4_be,
-    map_name, program_name,
+    Backend, BackendKey, BackendStats, Clock, Config, ConntrackEntry, ConntrackKey, Counter,
+    Frontend, FrontendKey, FrontendOrigin, SourceRangeKey, ipv4_be, map_name, program_name,
 };
 use nix::libc::EAGAIN;
 use nix::time::{ClockId, clock_getres};
@@ -23,6 +22,7 @@ use nix::time::{ClockId, clock_getres};
 use crate::map_batch;
 use crate::map_pins;
 use crate::reconcile::{MapContents, MapWriter, SourceRange};
+use crate::stats_slots::StatsReset;
 use crate::udp_flush::{self, UdpEndpoint};
 
 /// The compiled lb-ebpf object, built by build.rs.
@@ -90,6 +90,7 @@ pub struct MapSizes {
     pub backends: u32,
     pub conntrack: u32,
     pub affinity: u32,
+    pub backend_stats: u32,
 }
 
 /// The loaded object: its programs (the ingress one loaded, the XDP one on demand; not attached)
@@ -100,7 +101,6 @@ pub struct Datapath {
     config: Array<MapData, Config>,
     conntrack: HashMap<MapData, ConntrackKey, ConntrackEntry>,
     xdp_egress: HashMap<MapData, u32, u8>,
-    backend_stats: PerCpuHashMap<MapData, BackendStatsKey, BackendStats>,
 }
 
 impl Datapath {
@@ -117,6 +117,7 @@ impl Datapath {
             (map_name::BACKENDS, sizes.backends),
             (map_name::CONNTRACK, sizes.conntrack),
             (map_name::AFFINITY, sizes.affinity),
+            (map_name::BACKEND_STATS, sizes.backend_stats),
         ];
         for (name, size) in wanted {
             loader.map_max_entries(name, size);
@@ -130,8 +131,8 @@ impl Datapath {
             backends: take_map(&mut ebpf, map_name::BACKENDS)?,
             source_ranges: take_map(&mut ebpf, map_name::SOURCE_RANGES)?,
             origins: take_map(&mut ebpf, map_name::FRONTEND_ORIGINS)?,
+            stats: take_map(&mut ebpf, map_name::BACKEND_STATS)?,
         };
-        let backend_stats = take_map(&mut ebpf, map_name::BACKEND_STATS)?;
         let config = take_map(&mut ebpf, map_name::CONFIG)?;
         let conntrack = take_map(&mut ebpf, map_name::CONNTRACK)?;
         let xdp_egress = take_map(&mut ebpf, map_name::XDP_EGRESS)?;
@@ -141,7 +142,6 @@ impl Datapath {
             config,
             conntrack,
             xdp_egress,
-            backend_stats,
         };
         let ingress = datapath.ingress()?;
         load_program(|| ingress.load()).map_err(|source| DatapathError::Program {
@@ -221,29 +221,14 @@ impl Datapath {
         Ok(stale.len())
     }
 
-    /// Deletes the traffic counters of endpoints removed from their service ports.
-    pub fn forget_backend_stats(
-        &mut self,
-        removed: &BTreeSet<BackendStatsKey>,
-    ) -> Result<(), DatapathError> {
-        for key in removed {
-            ignore_missing(self.backend_stats.remove(key)).map_err(|source| {
-                DatapathError::Map {
-                    name: map_name::BACKEND_STATS,
-                    source,
-                }
-            })?;
-        }
-        Ok(())
-    }
-
-    /// Copies the connections of an earlier agent's conntrack map (`map_pins::migrate_conntrack_v1`).
+    /// Copies the connections of earlier agents' conntrack maps
+    /// (`map_pins::migrate_legacy_conntrack`).
     pub fn migrate_conntrack(
         &mut self,
         pin_dir: &Path,
         only_new: bool,
     ) -> Result<usize, DatapathError> {
-        Ok(map_pins::migrate_conntrack_v1(
+        Ok(map_pins::migrate_legacy_conntrack(
             pin_dir,
             &mut self.conntrack,
             only_new,
@@ -268,13 +253,15 @@ where
     T::try_from(map).map_err(|source| DatapathError::Map { name, source })
 }
 
-/// FRONTENDS, BACKENDS and SOURCE_RANGES, written by the reconciler.
+/// FRONTENDS, BACKENDS, SOURCE_RANGES, FRONTEND_ORIGINS and BACKEND_STATS, written by the
+/// reconciler.
 pub struct ServiceMaps {
     frontends: HashMap<MapData, FrontendKey, Frontend>,
     backends: HashMap<MapData, BackendKey, Backend>,
     /// The value is unused: a key's presence allows its prefix.
     source_ranges: LpmTrie<MapData, SourceRangeKey, u8>,
     origins: HashMap<MapData, FrontendKey, FrontendOrigin>,
+    stats: PerCpuArray<MapData, BackendStats>,
 }
 
 fn source_range_key(range: SourceRange) -> Key<SourceRangeKey> {
@@ -305,6 +292,11 @@ fn source_range(key: &Key<SourceRangeKey>) -> Option<SourceRange> {
 }
 
 impl ServiceMaps {
+    /// The size of BACKEND_STATS as it is (a pinned map keeps its size).
+    pub fn stats_capacity(&self) -> u32 {
+        self.stats.len()
+    }
+
     /// What the (pinned) maps hold now.
     pub fn read(&self) -> Result<MapContents, DatapathError> {
         let frontends = self
@@ -368,6 +360,29 @@ fn delete<K: Pod>(map: &MapData, keys: &[K]) -> Vec<(usize, io::Error)> {
 
 impl MapWriter for ServiceMaps {
     type Error = io::Error;
+
+    // One syscall per slot (aya has no batch for per-CPU maps): slots change only with endpoints.
+    fn reset_stats(&mut self, resets: &[StatsReset]) -> Vec<(usize, io::Error)> {
+        resets
+            .iter()
+            .enumerate()
+            .filter_map(|(i, reset)| {
+                let value = BackendStats {
+                    owner: reset.owner,
+                    ..BackendStats::default()
+                };
+                let written = aya::util::nr_cpus()
+                    .map_err(|(_, err)| err)
+                    .and_then(|cpus| PerCpuValues::try_from(vec![value; cpus]))
+                    .and_then(|values| {
+                        self.stats
+                            .set(u32::from(reset.slot), values, 0)
+                            .map_err(io::Error::other)
+                    });
+                written.err().map(|err| (i, err))
+            })
+            .collect()
+    }
 
     fn insert_backends(&mut self, entries: &[(BackendKey, Backend)]) -> Vec<(usize, io::Error)> {
         update(self.backends.map(), entries)
@@ -478,6 +493,7 @@ mod tests {
             backends: take_map(&mut ebpf, map_name::BACKENDS).unwrap(),
             source_ranges: take_map(&mut ebpf, map_name::SOURCE_RANGES).unwrap(),
             origins: take_map(&mut ebpf, map_name::FRONTEND_ORIGINS).unwrap(),
+            stats: take_map(&mut ebpf, map_name::BACKEND_STATS).unwrap(),
         };
         let entries: Vec<(BackendKey, Backend)> = (0..6)
             .map(|slot| {
