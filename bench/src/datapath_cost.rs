@@ -17,12 +17,12 @@ use std::{
 use anyhow::{Context as _, Result};
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{Array, HashMap},
+    maps::{Array, HashMap, PerCpuArray, PerCpuValues},
     programs::SchedClassifier,
 };
 use lb_common::{
-    Backend, BackendKey, CONFIG_F_READY, Config, Frontend, FrontendKey, IPPROTO_TCP, SNAT_PORT_MAX,
-    SNAT_PORT_MIN, default_size, ipv4_be, map_name, port_be, program_name,
+    Backend, BackendKey, BackendStats, CONFIG_F_READY, Config, Frontend, FrontendKey, IPPROTO_TCP,
+    SNAT_PORT_MAX, SNAT_PORT_MIN, default_size, ipv4_be, map_name, port_be, program_name,
 };
 use lb_tests::netns::{self, Netns};
 use serde::Serialize;
@@ -155,6 +155,13 @@ fn measure_count(
     run(fd, &reply.bytes)?;
     let established_ns = mean(runs, |_| run(fd, &established.bytes))?;
     let reply_ns = mean(runs, |_| run(fd, &reply.bytes))?;
+    // What was measured includes the backend counters: CLIENT's packets were all counted.
+    let counted = datapath.counted_packets()?;
+    anyhow::ensure!(
+        counted >= 2 * u64::from(runs),
+        "the backend counted {counted} packets of {} measured",
+        2 * runs
+    );
     Ok([empty_ns, other_ns, new_ns, established_ns, reply_ns])
 }
 
@@ -216,6 +223,8 @@ fn mean(runs: u32, mut one: impl FnMut(u32) -> Result<u32>) -> Result<f64> {
 /// A private copy of the object, ready, with `services` ClusterIP frontends of one backend each.
 struct Datapath {
     ebpf: Ebpf,
+    /// The counter slot of the backend of the service measured.
+    measured_slot: u32,
 }
 
 impl Datapath {
@@ -252,15 +261,37 @@ impl Datapath {
             },
             0,
         )?;
+        // Every backend counted, as the agent counts them: in a slot of its own while there are
+        // enough (the measured service, the last, shares one beyond that).
+        let stats_slot = |id: u32| 1 + id % (default_size::BACKEND_STATS - 1);
+        let endpoint = Backend {
+            addr: ipv4_be(BACKEND.ip().octets()),
+            port: port_be(BACKEND.port()),
+            stats_slot: 0,
+        };
+        let measured = services as u32 - 1;
+        let mut stats: PerCpuArray<_, BackendStats> = ebpf
+            .map_mut(map_name::BACKEND_STATS)
+            .context("backend stats")?
+            .try_into()?;
+        let claim = BackendStats {
+            owner: lb_user::stats_slots::PortEndpoint::new(measured, &endpoint).owner(),
+            ..BackendStats::default()
+        };
+        let cpus = aya::util::nr_cpus().map_err(|(_, err)| err)?;
+        stats.set(
+            stats_slot(measured),
+            PerCpuValues::try_from(vec![claim; cpus])?,
+            0,
+        )?;
         let mut backends: HashMap<_, BackendKey, Backend> = ebpf
             .map_mut(map_name::BACKENDS)
             .context("backends")?
             .try_into()?;
         for id in 0..services as u32 {
             let backend = Backend {
-                addr: ipv4_be(BACKEND.ip().octets()),
-                port: port_be(BACKEND.port()),
-                ..Default::default()
+                stats_slot: stats_slot(id) as u16,
+                ..endpoint
             };
             backends.insert(
                 BackendKey {
@@ -290,7 +321,21 @@ impl Datapath {
             };
             frontends.insert(key, frontend, 0)?;
         }
-        Ok(Datapath { ebpf })
+        Ok(Datapath {
+            ebpf,
+            measured_slot: stats_slot(measured),
+        })
+    }
+
+    /// The packets the measured service's backend counted, summed over CPUs.
+    fn counted_packets(&self) -> Result<u64> {
+        let stats: PerCpuArray<_, BackendStats> = self
+            .ebpf
+            .map(map_name::BACKEND_STATS)
+            .context("backend stats")?
+            .try_into()?;
+        let slot = self.measured_slot;
+        Ok(stats.get(&slot, 0)?.iter().map(|cpu| cpu.packets).sum())
     }
 
     fn fd(&self) -> Result<BorrowedFd<'_>> {

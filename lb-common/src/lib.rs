@@ -14,7 +14,7 @@ pub mod valid;
 pub mod map_name {
     pub const FRONTENDS: &str = "LB_FRONTEND_V4";
     pub const BACKENDS: &str = "LB_BACKEND_V1";
-    pub const CONNTRACK: &str = "LB_CT_V2";
+    pub const CONNTRACK: &str = "LB_CT_V3";
     pub const CONFIG: &str = "LB_CONFIG_V3";
     pub const COUNTERS: &str = "LB_COUNTER_V7";
     pub const AFFINITY: &str = "LB_AFFINITY_V1";
@@ -23,7 +23,7 @@ pub mod map_name {
     pub const SOCK_REVNAT: &str = "LB_SOCK_REVNAT_V1";
     pub const SOCK_BACKEND: &str = "LB_SOCK_BACKEND_V1";
     pub const FRAGMENTS: &str = "LB_FRAGMENT_V2";
-    pub const BACKEND_STATS: &str = "LB_BACKEND_STATS_V1";
+    pub const BACKEND_STATS: &str = "LB_BACKEND_STATS_V2";
     pub const FRONTEND_ORIGINS: &str = "LB_FRONTEND_ORIGIN_V1";
     /// Not pinned (not in `ALL`): the interface indexes are the running agent's.
     pub const XDP_EGRESS: &str = "LB_XDP_EGRESS_V1";
@@ -88,9 +88,14 @@ pub mod default_size {
     /// Fragmented datagrams of translated flows in flight: one per (source, destination,
     /// protocol, IP ID) whose first fragment has been seen.
     pub const FRAGMENTS: u32 = 8_192;
-    /// Traffic counters of backends: one per (service port, endpoint) that got a connection.
-    pub const BACKEND_STATS: u32 = 262_144;
+    /// Traffic counter slots of backends: one per (service port, endpoint), slot 0 unused. A
+    /// per-CPU array, allocated whole on every CPU: 16,384 × 32 B = 512 KiB per CPU (32 MiB on
+    /// 64 CPUs). At most `MAX_BACKEND_STATS`.
+    pub const BACKEND_STATS: u32 = 16_384;
 }
+
+/// The most counter slots `Backend::stats_slot` can index (slot 0 included).
+pub const MAX_BACKEND_STATS: u32 = 1 << 16;
 
 /// Masquerade source ports are taken from this range by default: above Linux's default ephemeral
 /// range (32768-60999), so they never collide with the node's own sockets.
@@ -229,25 +234,32 @@ pub struct Backend {
     pub addr: u32,
     /// Network byte order.
     pub port: u16,
-    pub _pad: u16,
+    /// The index in `BACKEND_STATS` of this endpoint's counters in its service port, the same in
+    /// every slot and list the endpoint fills; 0: not counted (the agent ran out of slots).
+    /// Not part of the endpoint's identity: compare [`Backend::endpoint`]s.
+    pub stats_slot: u16,
 }
 
-/// Key of `BACKEND_STATS`: an endpoint of a service port. Counted by endpoint, not by slot, as
-/// an endpoint may fill many slots (a Maglev table) and both lists; and built from a conntrack
-/// entry alone, so an established packet needs no other lookup to find it.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
-#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
-pub struct BackendStatsKey {
-    pub service_id: u32,
-    pub backend: Backend,
+impl Backend {
+    /// The endpoint alone, without its counter slot: what keys and comparisons of endpoints
+    /// hold, so that they match an address read from a packet or a socket.
+    pub const fn endpoint(&self) -> Backend {
+        Backend {
+            addr: self.addr,
+            port: self.port,
+            stats_slot: 0,
+        }
+    }
 }
 
-/// Value of `BACKEND_STATS`, a per-CPU hash: what went through one endpoint of a service port,
-/// both directions, as `ipvsadm --stats` counts a real server. The entry is made by the
-/// endpoint's first new connection and deleted by the agent when the endpoint leaves the
-/// service port, so an endpoint that comes back counts from zero; packets of connections that
-/// outlive it are not counted.
+/// Value of `BACKEND_STATS`, a per-CPU array indexed by `Backend::stats_slot`: what went through
+/// one endpoint of a service port, both directions, as `ipvsadm --stats` counts a real server.
+///
+/// The agent gives each (service port, endpoint) a slot and, before any backend refers to it,
+/// writes it zeroed with `owner`, a tag of the endpoint, on every CPU. A new connection copies
+/// the slot and its owner into its conntrack entries; its packets are counted only while the
+/// slot still has that owner, so the connections of an endpoint that left its service port
+/// (whose slot is then another endpoint's) do not count there.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
@@ -256,6 +268,9 @@ pub struct BackendStats {
     pub packets: u64,
     /// IPv4 total lengths.
     pub bytes: u64,
+    /// Which endpoint the slot counts now (never 0 for an assigned slot).
+    pub owner: u32,
+    pub _pad: u32,
 }
 
 /// Value of `FRONTEND_ORIGINS` (keyed by `FrontendKey`): which Service port a frontend is and
@@ -404,6 +419,11 @@ pub struct ConntrackEntry {
     /// asks the FIB again (which checks it against the MTU). 0: no hop cached.
     pub hop_len: u16,
     pub hop: CachedHop,
+    /// The connection's endpoint counters (`Backend::stats_slot`; 0: not counted) and their
+    /// `BackendStats::owner` when it was made, the same in both entries: an established packet
+    /// finds its counters by index, with no hash lookup.
+    pub stats_slot: u32,
+    pub stats_owner: u32,
 }
 
 /// The route the FIB gave an entry's rewritten packets, kept by the datapath until the entry is
@@ -427,11 +447,53 @@ pub struct CachedHop {
 pub mod legacy {
     use super::{CachedHop, ConntrackEntry};
 
+    /// The conntrack map before connections held their endpoint's counter slot
+    /// (`ConntrackEntryV2` values, the same `ConntrackKey`).
+    pub const CONNTRACK_V2: &str = "LB_CT_V2";
+
+    /// `LB_CT_V2`'s value: today's [`ConntrackEntry`] without its counter slot.
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+    #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+    pub struct ConntrackEntryV2 {
+        pub last_seen_ns: u64,
+        pub src_addr: u32,
+        pub dst_addr: u32,
+        pub src_port: u16,
+        pub dst_port: u16,
+        pub service_id: u32,
+        pub state: u8,
+        pub flags: u8,
+        pub hop_len: u16,
+        pub hop: CachedHop,
+    }
+
+    impl From<ConntrackEntryV2> for ConntrackEntry {
+        /// The same connection and cached route, not counted (slot 0): which counters it would
+        /// have had is not known.
+        fn from(old: ConntrackEntryV2) -> Self {
+            ConntrackEntry {
+                last_seen_ns: old.last_seen_ns,
+                src_addr: old.src_addr,
+                dst_addr: old.dst_addr,
+                src_port: old.src_port,
+                dst_port: old.dst_port,
+                service_id: old.service_id,
+                state: old.state,
+                flags: old.flags,
+                hop_len: old.hop_len,
+                hop: old.hop,
+                stats_slot: 0,
+                stats_owner: 0,
+            }
+        }
+    }
+
     /// The conntrack map before connections cached their route (`ConntrackEntryV1` values, the
     /// same `ConntrackKey`).
     pub const CONNTRACK_V1: &str = "LB_CT_V1";
 
-    /// `LB_CT_V1`'s value: today's [`ConntrackEntry`] without its cached route.
+    /// `LB_CT_V1`'s value: `ConntrackEntryV2` without its cached route.
     #[repr(C)]
     #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
     #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
@@ -449,9 +511,10 @@ pub mod legacy {
     }
 
     impl From<ConntrackEntryV1> for ConntrackEntry {
-        /// The same connection, with no route cached: its next packet asks the FIB.
+        /// The same connection, with no route cached (its next packet asks the FIB), not
+        /// counted.
         fn from(old: ConntrackEntryV1) -> Self {
-            ConntrackEntry {
+            ConntrackEntry::from(ConntrackEntryV2 {
                 last_seen_ns: old.last_seen_ns,
                 src_addr: old.src_addr,
                 dst_addr: old.dst_addr,
@@ -462,11 +525,12 @@ pub mod legacy {
                 flags: old.flags,
                 hop_len: 0,
                 hop: CachedHop::default(),
-            }
+            })
         }
     }
 
     const _: () = assert!(core::mem::size_of::<ConntrackEntryV1>() == 32);
+    const _: () = assert!(core::mem::size_of::<ConntrackEntryV2>() == 48);
 }
 
 /// The entry translates replies (backend → client).
@@ -866,11 +930,10 @@ const _: () = {
     assert!(core::mem::size_of::<StickyBackend>() == 24);
     assert!(core::mem::size_of::<BackendKey>() == 8);
     assert!(core::mem::size_of::<Backend>() == 8);
-    assert!(core::mem::size_of::<BackendStatsKey>() == 12);
-    assert!(core::mem::size_of::<BackendStats>() == 24);
+    assert!(core::mem::size_of::<BackendStats>() == 32);
     assert!(core::mem::size_of::<FrontendOrigin>() == 148);
     assert!(core::mem::size_of::<ConntrackKey>() == 16);
-    assert!(core::mem::size_of::<ConntrackEntry>() == 48);
+    assert!(core::mem::size_of::<ConntrackEntry>() == 56);
     assert!(core::mem::size_of::<SourceRangeKey>() * 8 == SourceRangeKey::FULL_PREFIX as usize);
     assert!(core::mem::size_of::<Config>() == 48);
     assert!(core::mem::size_of::<SockRevNatKey>() == 16);
@@ -891,12 +954,12 @@ mod user {
     unsafe impl aya::Pod for Frontend {}
     unsafe impl aya::Pod for BackendKey {}
     unsafe impl aya::Pod for Backend {}
-    unsafe impl aya::Pod for BackendStatsKey {}
     unsafe impl aya::Pod for BackendStats {}
     unsafe impl aya::Pod for FrontendOrigin {}
     unsafe impl aya::Pod for ConntrackKey {}
     unsafe impl aya::Pod for ConntrackEntry {}
     unsafe impl aya::Pod for legacy::ConntrackEntryV1 {}
+    unsafe impl aya::Pod for legacy::ConntrackEntryV2 {}
     unsafe impl aya::Pod for Config {}
     unsafe impl aya::Pod for Clock {}
     unsafe impl aya::Pod for AffinityKey {}
@@ -951,6 +1014,62 @@ mod tests {
             conntrack_timeout_ns(IPPROTO_TCP, CT_STATE_CLOSING),
             CT_TIMEOUT_TCP_CLOSING_NS
         );
+    }
+
+    #[test]
+    fn legacy_conntrack_entries_convert_uncounted() {
+        let hop = CachedHop {
+            ifindex: 7,
+            iif: 3,
+            macs0: 1,
+            macs1: 2,
+            macs2: 3,
+        };
+        let v2 = legacy::ConntrackEntryV2 {
+            last_seen_ns: 42,
+            src_addr: ipv4_be([10, 96, 0, 1]),
+            dst_addr: ipv4_be([10, 244, 1, 2]),
+            src_port: port_be(80),
+            dst_port: port_be(40000),
+            service_id: 9,
+            state: CT_STATE_ESTABLISHED,
+            flags: CT_F_REPLY | CT_F_MASQUERADE,
+            hop_len: 1500,
+            hop,
+        };
+        let current = ConntrackEntry {
+            last_seen_ns: 42,
+            src_addr: v2.src_addr,
+            dst_addr: v2.dst_addr,
+            src_port: v2.src_port,
+            dst_port: v2.dst_port,
+            service_id: 9,
+            state: CT_STATE_ESTABLISHED,
+            flags: CT_F_REPLY | CT_F_MASQUERADE,
+            hop_len: 1500,
+            hop,
+            stats_slot: 0,
+            stats_owner: 0,
+        };
+        assert_eq!(ConntrackEntry::from(v2), current);
+        let v1 = legacy::ConntrackEntryV1 {
+            last_seen_ns: 42,
+            src_addr: v2.src_addr,
+            dst_addr: v2.dst_addr,
+            src_port: v2.src_port,
+            dst_port: v2.dst_port,
+            service_id: 9,
+            state: CT_STATE_ESTABLISHED,
+            flags: CT_F_REPLY | CT_F_MASQUERADE,
+            _pad0: 0,
+            _pad1: 0,
+        };
+        let no_route = ConntrackEntry {
+            hop_len: 0,
+            hop: CachedHop::default(),
+            ..current
+        };
+        assert_eq!(ConntrackEntry::from(v1), no_route);
     }
 
     #[test]

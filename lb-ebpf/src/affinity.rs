@@ -39,7 +39,9 @@ pub fn reuse(
         return None;
     }
     let current = backends.at(entry.slot)?;
-    if current != entry.backend {
+    // By endpoint: one whose counter slot changed (an agent upgrade gives every endpoint one)
+    // keeps its flows.
+    if current.endpoint() != entry.backend.endpoint() {
         return None;
     }
     entry.last_seen_ns = now;

@@ -5,8 +5,8 @@ use core::mem::MaybeUninit;
 
 use aya_ebpf::bindings::BPF_NOEXIST;
 use lb_common::{
-    Backend, BackendStatsKey, CT_F_MASQUERADE, CT_F_REPLY, CT_STATE_CLOSING, CT_STATE_ESTABLISHED,
-    CT_STATE_NEW, ConntrackEntry, ConntrackKey, Counter, IPPROTO_TCP, conntrack_timeout_ns,
+    Backend, CT_F_MASQUERADE, CT_F_REPLY, CT_STATE_CLOSING, CT_STATE_ESTABLISHED, CT_STATE_NEW,
+    ConntrackEntry, ConntrackKey, Counter, IPPROTO_TCP, conntrack_timeout_ns,
 };
 
 use crate::{
@@ -52,24 +52,6 @@ pub fn lookup(packet: &Packet, now: u64) -> Option<Tracked> {
         }
     }
     Some(Tracked { entry, to })
-}
-
-/// The endpoint counter of a packet of `entry`'s connection, arrived as `tuple`: the original
-/// direction is rewritten to the endpoint, the reply direction comes from it.
-pub fn stats_key(entry: &ConntrackEntry, tuple: &ConntrackKey) -> BackendStatsKey {
-    let (addr, port) = if entry.flags & CT_F_REPLY != 0 {
-        (tuple.src_addr, tuple.src_port)
-    } else {
-        (entry.dst_addr, entry.dst_port)
-    };
-    BackendStatsKey {
-        service_id: entry.service_id,
-        backend: Backend {
-            addr,
-            port,
-            _pad: 0,
-        },
-    }
 }
 
 /// What the packet quoted by an ICMP error (`quoted`, as it was when it failed) becomes,
@@ -160,6 +142,8 @@ pub struct Connection {
     backend: Backend,
     service_id: u32,
     now: u64,
+    /// The owner of the backend's counter slot (`backend.stats_slot`) as the connection opens.
+    stats_owner: u32,
     /// `CT_F_MASQUERADE` or 0, for both entries.
     flags: u8,
 }
@@ -177,6 +161,7 @@ impl Connection {
             backend: *backend,
             service_id,
             now,
+            stats_owner: maps::backend_stats_owner(u32::from(backend.stats_slot)),
             flags: if masquerade { CT_F_MASQUERADE } else { 0 },
         }
     }
@@ -212,6 +197,8 @@ impl Connection {
         entry.service_id = self.service_id;
         entry.state = CT_STATE_NEW;
         entry.flags = flags;
+        entry.stats_slot = u32::from(self.backend.stats_slot);
+        entry.stats_owner = self.stats_owner;
         entry
     }
 

@@ -7,12 +7,12 @@ use aya_ebpf::{
     bindings::{BPF_F_NO_PREALLOC, BPF_NOEXIST},
     helpers::{bpf_get_prandom_u32, bpf_jiffies64},
     macros::map,
-    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, PerCpuHashMap, lpm_trie::Key},
+    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, lpm_trie::Key},
 };
 use lb_common::{
-    AffinityKey, Backend, BackendKey, BackendStats, BackendStatsKey, Config, ConntrackEntry,
-    ConntrackKey, Counter, FirstFragment, FragmentKey, Frontend, FrontendKey, FrontendOrigin,
-    SockBackendKey, SockRevNat, SockRevNatKey, SourceRangeKey, StickyBackend, default_size,
+    AffinityKey, Backend, BackendKey, BackendStats, Config, ConntrackEntry, ConntrackKey, Counter,
+    FirstFragment, FragmentKey, Frontend, FrontendKey, FrontendOrigin, SockBackendKey, SockRevNat,
+    SockRevNatKey, SourceRangeKey, StickyBackend, default_size,
 };
 
 #[map(name = "LB_FRONTEND_V4")]
@@ -23,7 +23,7 @@ static FRONTENDS: HashMap<FrontendKey, Frontend> =
 static BACKENDS: HashMap<BackendKey, Backend> =
     HashMap::with_max_entries(default_size::BACKENDS, 0);
 
-#[map(name = "LB_CT_V2")]
+#[map(name = "LB_CT_V3")]
 static CONNTRACK: LruHashMap<ConntrackKey, ConntrackEntry> =
     LruHashMap::with_max_entries(default_size::CONNTRACK, 0);
 
@@ -53,11 +53,12 @@ static CONFIG: Array<Config> = Array::with_max_entries(1, 0);
 #[map(name = "LB_COUNTER_V7")]
 static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(Counter::COUNT, 0);
 
-/// Not preallocated: a preallocated per-CPU map costs its whole size on every CPU; entries are
-/// made only by new connections.
-#[map(name = "LB_BACKEND_STATS_V1")]
-static BACKEND_STATS: PerCpuHashMap<BackendStatsKey, BackendStats> =
-    PerCpuHashMap::with_max_entries(default_size::BACKEND_STATS, BPF_F_NO_PREALLOC);
+/// An array, not a hash by endpoint: the verifier inlines its lookup into a few instructions, where
+/// a hash lookup (a helper call, jhash of the key, a bucket walk) cost an established packet ~12
+/// ns. Its whole size is allocated on every CPU, hence the small default (lb_common).
+#[map(name = "LB_BACKEND_STATS_V2")]
+static BACKEND_STATS: PerCpuArray<BackendStats> =
+    PerCpuArray::with_max_entries(default_size::BACKEND_STATS, 0);
 
 /// Written and read by the agent only (`lb services`); declared here so that it is created and
 /// pinned with the others. Sized as the frontends, allocated as used.
@@ -83,38 +84,42 @@ pub fn count(counter: Counter) {
     }
 }
 
-/// Counts a packet of `bytes` of a connection to `key`'s endpoint; an endpoint the agent has
-/// removed (no entry) is not counted.
-pub fn count_backend(key: &BackendStatsKey, bytes: u16) {
-    if let Some(stats) = BACKEND_STATS.get_ptr_mut(key) {
-        // SAFETY: this CPU's own copy, valid until the program returns; not preempted.
-        unsafe {
-            (*stats).packets += 1;
-            (*stats).bytes += u64::from(bytes);
-        }
+/// This CPU's counters of endpoint slot `slot`; none for slot 0 (not counted) or one beyond the
+/// map.
+fn backend_stats(slot: u32) -> Option<&'static mut BackendStats> {
+    if slot == 0 {
+        return None;
+    }
+    // SAFETY: this CPU's own copy, valid until the program returns; tc and XDP programs are not
+    // preempted while they run.
+    BACKEND_STATS
+        .get_ptr_mut(slot)
+        .map(|stats| unsafe { &mut *stats })
+}
+
+/// The owner a new connection to an endpoint with counter slot `slot` records (0: none).
+pub fn backend_stats_owner(slot: u32) -> u32 {
+    backend_stats(slot).map_or(0, |stats| stats.owner)
+}
+
+/// Counts a packet of `bytes` of a connection whose entry holds counter slot `slot` and owner
+/// `owner`: not once the slot is another endpoint's.
+pub fn count_backend(slot: u32, owner: u32, bytes: u16) {
+    if let Some(stats) = backend_stats(slot)
+        && stats.owner == owner
+    {
+        stats.packets += 1;
+        stats.bytes += u64::from(bytes);
     }
 }
 
-/// Counts the first packet, of `bytes`, of a new connection to `key`'s endpoint, making its
-/// entry if it has none.
-pub fn count_backend_connection(key: &BackendStatsKey, bytes: u16) {
-    match BACKEND_STATS.get_ptr_mut(key) {
-        // SAFETY: as in `count_backend`.
-        Some(stats) => unsafe {
-            (*stats).connections += 1;
-            (*stats).packets += 1;
-            (*stats).bytes += u64::from(bytes);
-        },
-        None => {
-            let first = BackendStats {
-                connections: 1,
-                packets: 1,
-                bytes: u64::from(bytes),
-            };
-            // Sets this CPU's copy, the others' zero. BPF_NOEXIST: another CPU may have made it
-            // meanwhile (its connection then counts, this one not); a full map counts nothing.
-            let _ = BACKEND_STATS.insert(key, first, u64::from(BPF_NOEXIST));
-        }
+/// Counts the first packet, of `bytes`, of a new connection to the endpoint of counter slot
+/// `slot`.
+pub fn count_backend_connection(slot: u32, bytes: u16) {
+    if let Some(stats) = backend_stats(slot) {
+        stats.connections += 1;
+        stats.packets += 1;
+        stats.bytes += u64::from(bytes);
     }
 }
 

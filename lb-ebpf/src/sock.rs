@@ -101,7 +101,11 @@ fn try_translate(ctx: &SockAddrContext) -> Result<(), Untouched> {
         service::select_backend(&frontend, &backends, &tuple, now).map(|(_, b)| b)
     }
     .map_err(Untouched::Refused)?;
-    let key = SockRevNatKey { cookie, backend };
+    // The endpoint alone: recvmsg4 and getpeername4 look it up by the address they see.
+    let key = SockRevNatKey {
+        cookie,
+        backend: backend.endpoint(),
+    };
     let service = SockRevNat {
         addr: dst_addr,
         port: dst_port,
@@ -125,7 +129,7 @@ pub fn reverse(ctx: &SockAddrContext) -> i32 {
         backend: Backend {
             addr: addr.user_ip4,
             port: addr.user_port as u16,
-            _pad: 0,
+            stats_slot: 0,
         },
     };
     if let Some(service) = maps::sock_revnat(&key) {

@@ -2,9 +2,7 @@
 //! for a new connection the frontend, its endpoint list, backend selection and tracking. What
 //! the packet becomes is decided here; rewriting and sending it is the programs' part. ICMP is
 //! only told apart here: its errors are tc's (icmp.rs). Fragments follow their first (fragment.rs).
-use lb_common::{
-    BackendStatsKey, CONFIG_F_READY, Config, ConntrackKey, Counter, Frontend, IPPROTO_ICMP,
-};
+use lb_common::{CONFIG_F_READY, Config, ConntrackKey, Counter, Frontend, IPPROTO_ICMP};
 
 use crate::{
     conntrack::{self, Connection},
@@ -54,7 +52,7 @@ pub fn translation<P: PacketAccess>(ctx: &P) -> Result<Translation, Counter> {
     fragment::follow(ctx, &mut packet, now)?;
     if let Some(conntrack::Tracked { entry, to }) = conntrack::lookup(&packet, now) {
         maps::count(Counter::Translated);
-        maps::count_backend(&conntrack::stats_key(entry, &packet.tuple), packet.tot_len);
+        maps::count_backend(entry.stats_slot, entry.stats_owner, packet.tot_len);
         let route = CachedRoute::of(entry);
         return Ok(Translation::To { packet, to, route });
     }
@@ -117,11 +115,7 @@ fn connect(
             if masquerade {
                 maps::count(Counter::Masqueraded);
             }
-            let stats = BackendStatsKey {
-                service_id: frontend.service_id,
-                backend,
-            };
-            maps::count_backend_connection(&stats, packet.tot_len);
+            maps::count_backend_connection(u32::from(backend.stats_slot), packet.tot_len);
             Ok(to)
         }
         Some(theirs) => {

@@ -94,6 +94,7 @@ pub async fn run(args: AgentArgs) -> Result<()> {
             backends: args.backends_max,
             conntrack: args.conntrack_max,
             affinity: args.affinity_max,
+            backend_stats: args.backend_stats_max,
         },
     )?;
     // Before any program of ours is swapped in, so that they never miss an old connection.
@@ -143,6 +144,7 @@ pub async fn run(args: AgentArgs) -> Result<()> {
         no_local_endpoints: NoLocalEndpoints::default(),
         zone_flag: args.zone.clone(),
         reconciler: Reconciler::new(node_ip, existing)
+            .with_stats_slots(datapath.service_maps.stats_capacity())
             .with_node_port_addresses(node_port_addrs)
             .with_node_name(node_name(&args)?)
             .with_default_scheduler(args.scheduler),
@@ -726,11 +728,15 @@ impl State {
                 .sync_changed(&model, Some(&changed), &mut self.datapath.service_maps);
         let reconciled = start.elapsed();
         self.flush_udp(&report.removed_udp);
-        if let Err(err) = self
-            .datapath
-            .forget_backend_stats(&report.removed_endpoints)
-        {
-            warn!(error = %error_chain(&err), "deleting counters of removed endpoints");
+        if report.uncounted > 0 {
+            let (slots, in_use) = self.reconciler.stats_slots();
+            warn!(
+                endpoints = report.uncounted,
+                slots,
+                in_use,
+                "no free backend counter slot: these endpoints' traffic is not counted \
+                 (lb services shows them counted: false; --backend-stats-max)"
+            );
         }
         // Few services have a healthCheckNodePort: the others' changes leave the servers alone.
         let health_checked = previous.iter().any(|(name, before)| {

@@ -151,6 +151,15 @@ pub struct AgentArgs {
     /// within its timeout; when full, the least recently used client loses its affinity.
     #[arg(long, value_name = "N", default_value_t = default_size::AFFINITY)]
     pub affinity_max: u32,
+    /// Backend counter slots: one per (service port, endpoint), for `lb services`; endpoints
+    /// beyond them are not counted. Allocated on every CPU, 32 bytes each.
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = default_size::BACKEND_STATS,
+        value_parser = clap::value_parser!(u32).range(2..=i64::from(lb_common::MAX_BACKEND_STATS)),
+    )]
+    pub backend_stats_max: u32,
 }
 
 #[derive(Debug, Args)]

@@ -9,15 +9,14 @@ use std::time::Duration;
 
 use aya::maps::lpm_trie::{Key, LpmTrie};
 use aya::maps::{
-    Array, HashMap, IterableMap, MapData, MapError, MapType, PerCpuArray, PerCpuHashMap,
+    Array, HashMap, IterableMap, Map, MapData, MapError, MapType, PerCpuArray, PerCpuValues,
 };
 use aya::programs::{CgroupSockAddr, ProgramError, SchedClassifier, Xdp};
 use aya::{Ebpf, EbpfError, EbpfLoader};
 use bytemuck::Pod;
 use lb_common::{
-    Backend, BackendKey, BackendStats, BackendStatsKey, Clock, Config, ConntrackEntry,
-    ConntrackKey, Counter, Frontend, FrontendKey, FrontendOrigin, SourceRangeKey, ipv4_be,
-    map_name, program_name,
+    Backend, BackendKey, BackendStats, Clock, Config, ConntrackEntry, ConntrackKey, Counter,
+    Frontend, FrontendKey, FrontendOrigin, SourceRangeKey, ipv4_be, map_name, program_name,
 };
 use nix::libc::EAGAIN;
 use nix::time::{ClockId, clock_getres};
@@ -25,6 +24,7 @@ use nix::time::{ClockId, clock_getres};
 use crate::map_batch;
 use crate::map_pins;
 use crate::reconcile::{MapContents, MapWriter, SourceRange};
+use crate::stats_slots::StatsReset;
 use crate::udp_flush::{self, UdpEndpoint};
 
 /// The compiled lb-ebpf object, built by build.rs.
@@ -97,6 +97,7 @@ pub struct MapSizes {
     pub backends: u32,
     pub conntrack: u32,
     pub affinity: u32,
+    pub backend_stats: u32,
 }
 
 /// The loaded object: its programs (the ingress one loaded, the XDP one on demand; not attached)
@@ -107,7 +108,6 @@ pub struct Datapath {
     config: Array<MapData, Config>,
     conntrack: HashMap<MapData, ConntrackKey, ConntrackEntry>,
     xdp_egress: HashMap<MapData, u32, u8>,
-    backend_stats: PerCpuHashMap<MapData, BackendStatsKey, BackendStats>,
 }
 
 impl Datapath {
@@ -124,6 +124,7 @@ impl Datapath {
             (map_name::BACKENDS, sizes.backends),
             (map_name::CONNTRACK, sizes.conntrack),
             (map_name::AFFINITY, sizes.affinity),
+            (map_name::BACKEND_STATS, sizes.backend_stats),
         ];
         for (name, size) in wanted {
             loader.map_max_entries(name, size);
@@ -137,8 +138,8 @@ impl Datapath {
             backends: take_map(&mut ebpf, map_name::BACKENDS)?,
             source_ranges: take_map(&mut ebpf, map_name::SOURCE_RANGES)?,
             origins: take_map(&mut ebpf, map_name::FRONTEND_ORIGINS)?,
+            stats: take_map(&mut ebpf, map_name::BACKEND_STATS)?,
         };
-        let backend_stats = take_map(&mut ebpf, map_name::BACKEND_STATS)?;
         let config = take_map(&mut ebpf, map_name::CONFIG)?;
         let conntrack = take_map(&mut ebpf, map_name::CONNTRACK)?;
         let xdp_egress = take_map(&mut ebpf, map_name::XDP_EGRESS)?;
@@ -148,7 +149,6 @@ impl Datapath {
             config,
             conntrack,
             xdp_egress,
-            backend_stats,
         };
         let ingress = datapath.ingress()?;
         load_program(|| ingress.load()).map_err(|source| DatapathError::Program {
@@ -228,29 +228,14 @@ impl Datapath {
         Ok(stale.len())
     }
 
-    /// Deletes the traffic counters of endpoints removed from their service ports.
-    pub fn forget_backend_stats(
-        &mut self,
-        removed: &BTreeSet<BackendStatsKey>,
-    ) -> Result<(), DatapathError> {
-        for key in removed {
-            ignore_missing(self.backend_stats.remove(key)).map_err(|source| {
-                DatapathError::Map {
-                    name: map_name::BACKEND_STATS,
-                    source,
-                }
-            })?;
-        }
-        Ok(())
-    }
-
-    /// Copies the connections of an earlier agent's conntrack map (`map_pins::migrate_conntrack_v1`).
+    /// Copies the connections of earlier agents' conntrack maps
+    /// (`map_pins::migrate_legacy_conntrack`).
     pub fn migrate_conntrack(
         &mut self,
         pin_dir: &Path,
         only_new: bool,
     ) -> Result<usize, DatapathError> {
-        Ok(map_pins::migrate_conntrack_v1(
+        Ok(map_pins::migrate_legacy_conntrack(
             pin_dir,
             &mut self.conntrack,
             only_new,
@@ -275,13 +260,15 @@ where
     T::try_from(map).map_err(|source| DatapathError::Map { name, source })
 }
 
-/// FRONTENDS, BACKENDS and SOURCE_RANGES, written by the reconciler.
+/// FRONTENDS, BACKENDS, SOURCE_RANGES, FRONTEND_ORIGINS and BACKEND_STATS, written by the
+/// reconciler.
 pub struct ServiceMaps {
     frontends: HashMap<MapData, FrontendKey, Frontend>,
     backends: HashMap<MapData, BackendKey, Backend>,
     /// The value is unused: a key's presence allows its prefix.
     source_ranges: LpmTrie<MapData, SourceRangeKey, u8>,
     origins: HashMap<MapData, FrontendKey, FrontendOrigin>,
+    stats: PerCpuArray<MapData, BackendStats>,
 }
 
 fn source_range_key(range: SourceRange) -> Key<SourceRangeKey> {
@@ -312,6 +299,11 @@ fn source_range(key: &Key<SourceRangeKey>) -> Option<SourceRange> {
 }
 
 impl ServiceMaps {
+    /// The size of BACKEND_STATS as it is (a pinned map keeps its size).
+    pub fn stats_capacity(&self) -> u32 {
+        self.stats.len()
+    }
+
     /// What the (pinned) maps hold now.
     pub fn read(&self) -> Result<MapContents, DatapathError> {
         let frontends = self
@@ -375,6 +367,29 @@ fn delete<K: Pod>(map: &MapData, keys: &[K]) -> Vec<(usize, io::Error)> {
 
 impl MapWriter for ServiceMaps {
     type Error = io::Error;
+
+    // One syscall per slot (aya has no batch for per-CPU maps): slots change only with endpoints.
+    fn reset_stats(&mut self, resets: &[StatsReset]) -> Vec<(usize, io::Error)> {
+        resets
+            .iter()
+            .enumerate()
+            .filter_map(|(i, reset)| {
+                let value = BackendStats {
+                    owner: reset.owner,
+                    ..BackendStats::default()
+                };
+                let written = aya::util::nr_cpus()
+                    .map_err(|(_, err)| err)
+                    .and_then(|cpus| PerCpuValues::try_from(vec![value; cpus]))
+                    .and_then(|values| {
+                        self.stats
+                            .set(u32::from(reset.slot), values, 0)
+                            .map_err(io::Error::other)
+                    });
+                written.err().map(|err| (i, err))
+            })
+            .collect()
+    }
 
     fn insert_backends(&mut self, entries: &[(BackendKey, Backend)]) -> Vec<(usize, io::Error)> {
         update(self.backends.map(), entries)
@@ -440,7 +455,8 @@ pub struct MapFill {
 }
 
 /// How full each map pinned in `pin_dir` is (those not pinned are left out). An array always
-/// holds all its entries; a hash map's keys are walked (a full 262k-entry conntrack: ~0.1 s).
+/// holds all its entries, but for the counter slots, which fill as endpoints take them; a hash
+/// map's keys are walked (a full 262k-entry conntrack: ~0.1 s).
 pub fn read_map_fill(pin_dir: &Path) -> Vec<Result<MapFill, DatapathError>> {
     map_name::ALL
         .iter()
@@ -451,6 +467,7 @@ pub fn read_map_fill(pin_dir: &Path) -> Vec<Result<MapFill, DatapathError>> {
             let info = data.info().map_err(err)?;
             let max_entries = info.max_entries();
             let entries = match info.map_type().map_err(err)? {
+                _ if name == map_name::BACKEND_STATS => stats_slots_in_use(pin_dir)?,
                 MapType::Array | MapType::PerCpuArray => max_entries,
                 _ => map_batch::count_keys(data.fd().as_fd(), info.key_size() as usize)
                     .map_err(|source| DatapathError::KeyWalk { name, source })?
@@ -463,6 +480,23 @@ pub fn read_map_fill(pin_dir: &Path) -> Vec<Result<MapFill, DatapathError>> {
             })
         })
         .collect()
+}
+
+/// The counter slots of `BACKEND_STATS` that the pinned backends hold.
+fn stats_slots_in_use(pin_dir: &Path) -> Result<u32, DatapathError> {
+    let name = map_name::BACKENDS;
+    let err = |source| DatapathError::Map { name, source };
+    let backends: HashMap<MapData, BackendKey, Backend> = HashMap::try_from(
+        Map::from_map_data(MapData::from_pin(pin_dir.join(name)).map_err(err)?).map_err(err)?,
+    )
+    .map_err(err)?;
+    let slots: std::collections::BTreeSet<u16> = backends
+        .iter()
+        .filter_map(Result::ok)
+        .map(|(_, backend)| backend.stats_slot)
+        .filter(|&slot| slot != 0)
+        .collect();
+    Ok(slots.len() as u32)
 }
 
 #[cfg(test)]
@@ -519,6 +553,7 @@ mod tests {
             backends: take_map(&mut ebpf, map_name::BACKENDS).unwrap(),
             source_ranges: take_map(&mut ebpf, map_name::SOURCE_RANGES).unwrap(),
             origins: take_map(&mut ebpf, map_name::FRONTEND_ORIGINS).unwrap(),
+            stats: take_map(&mut ebpf, map_name::BACKEND_STATS).unwrap(),
         };
         let entries: Vec<(BackendKey, Backend)> = (0..6)
             .map(|slot| {

@@ -24,6 +24,7 @@ pub mod nodeport;
 pub mod pins;
 pub mod reconcile;
 pub mod service_health;
+pub mod stats_slots;
 pub mod udp_flush;
 pub mod xdp_targets;
 

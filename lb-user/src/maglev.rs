@@ -92,7 +92,7 @@ mod tests {
             .map(|i| Backend {
                 addr: lb_common::ipv4_be([10, 244, 1, i + 2]),
                 port: lb_common::port_be(8080),
-                _pad: 0,
+                stats_slot: 0,
             })
             .collect()
     }

@@ -6,7 +6,7 @@ use std::fmt;
 use std::path::Path;
 
 use aya::maps::{HashMap, Map, MapData, MapError};
-use lb_common::legacy::{self, ConntrackEntryV1};
+use lb_common::legacy::{self, ConntrackEntryV1, ConntrackEntryV2};
 use lb_common::{ConntrackEntry, ConntrackKey, map_name};
 use tracing::{info, warn};
 
@@ -165,15 +165,36 @@ pub fn check(pin_dir: &Path, declared: &BTreeMap<String, Declared>) -> Result<()
     Ok(())
 }
 
-/// Copies the connections of an earlier agent's `LB_CT_V1` in `pin_dir` into `conntrack`, if
-/// there is one. `only_new`: keep entries `conntrack` already has (a second pass after the new
-/// programs are in, for connections the old ones opened meanwhile). Returns how many were copied.
-pub fn migrate_conntrack_v1(
+/// Copies the connections of an earlier agent's conntrack map in `pin_dir` (`LB_CT_V1` or
+/// `LB_CT_V2`, oldest first, so that the newer wins should both be there) into `conntrack`.
+/// `only_new`: keep entries `conntrack` already has (a second pass after the new programs are
+/// in, for connections the old ones opened meanwhile). Returns how many were copied.
+pub fn migrate_legacy_conntrack(
     pin_dir: &Path,
     conntrack: &mut HashMap<MapData, ConntrackKey, ConntrackEntry>,
     only_new: bool,
 ) -> Result<usize, MapPinError> {
-    let name = legacy::CONNTRACK_V1;
+    Ok(
+        migrate_conntrack::<ConntrackEntryV1>(pin_dir, legacy::CONNTRACK_V1, conntrack, only_new)?
+            + migrate_conntrack::<ConntrackEntryV2>(
+                pin_dir,
+                legacy::CONNTRACK_V2,
+                conntrack,
+                only_new,
+            )?,
+    )
+}
+
+/// Copies the connections of the pinned conntrack map `name`, of `Old` values, if there is one.
+fn migrate_conntrack<Old>(
+    pin_dir: &Path,
+    name: &str,
+    conntrack: &mut HashMap<MapData, ConntrackKey, ConntrackEntry>,
+    only_new: bool,
+) -> Result<usize, MapPinError>
+where
+    Old: aya::Pod + Into<ConntrackEntry>,
+{
     let path = pin_dir.join(name);
     let err = |source| MapPinError::Map {
         name: name.to_owned(),
@@ -184,7 +205,7 @@ pub fn migrate_conntrack_v1(
     };
     let wanted = Layout {
         key_size: size_of::<ConntrackKey>() as u32,
-        value_size: size_of::<ConntrackEntryV1>() as u32,
+        value_size: size_of::<Old>() as u32,
         ..pinned
     };
     if pinned != wanted {
@@ -194,7 +215,7 @@ pub fn migrate_conntrack_v1(
             wanted,
         });
     }
-    let old: HashMap<MapData, ConntrackKey, ConntrackEntryV1> =
+    let old: HashMap<MapData, ConntrackKey, Old> =
         HashMap::try_from(Map::from_map_data(MapData::from_pin(&path).map_err(err)?).map_err(err)?)
             .map_err(err)?;
     let flags = if only_new { BPF_NOEXIST } else { 0 };
@@ -202,7 +223,7 @@ pub fn migrate_conntrack_v1(
     for entry in old.iter() {
         // An entry the old datapath deletes while it is read is skipped.
         let Ok((key, value)) = entry else { continue };
-        match conntrack.insert(key, ConntrackEntry::from(value), flags) {
+        match conntrack.insert(key, value.into(), flags) {
             Ok(()) => copied += 1,
             Err(MapError::SyscallError(e))
                 if only_new && e.io_error.raw_os_error() == Some(nix::libc::EEXIST) => {}
@@ -257,6 +278,8 @@ mod tests {
     #[test]
     fn only_pins_of_other_abi_versions_are_stale() {
         assert!(is_stale("LB_CT_V1"));
+        assert!(is_stale("LB_CT_V2"));
+        assert!(is_stale("LB_BACKEND_STATS_V1"));
         assert!(is_stale("LB_FRONTEND_V3"));
         for current in map_name::ALL {
             assert!(!is_stale(current), "{current}");

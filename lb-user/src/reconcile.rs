@@ -5,16 +5,16 @@ use std::net::Ipv4Addr;
 
 use ipnet::Ipv4Net;
 use lb_common::{
-    Backend, BackendKey, BackendStatsKey, FRONTEND_F_LOCAL, FRONTEND_F_MASQUERADE,
-    FRONTEND_F_PRESERVE_SOURCE, FRONTEND_F_SOURCE_RANGES, Frontend, FrontendKey, FrontendOrigin,
-    KIND_CLUSTER_IP, KIND_EXTERNAL_IP, KIND_LOAD_BALANCER, KIND_NODE_PORT, LOCAL_SLOT, ipv4_be,
-    port_be,
+    Backend, BackendKey, FRONTEND_F_LOCAL, FRONTEND_F_MASQUERADE, FRONTEND_F_PRESERVE_SOURCE,
+    FRONTEND_F_SOURCE_RANGES, Frontend, FrontendKey, FrontendOrigin, KIND_CLUSTER_IP,
+    KIND_EXTERNAL_IP, KIND_LOAD_BALANCER, KIND_NODE_PORT, LOCAL_SLOT, ipv4_be, port_be,
 };
 use tracing::{error, warn};
 
 use crate::error_chain;
 use crate::maglev;
 use crate::model::{Endpoint, Model, Protocol, Scheduler, Service, ServiceName, ServicePortId};
+use crate::stats_slots::{PortEndpoint, StatsReset, StatsSlots};
 use crate::udp_flush::{self, UdpEndpoint};
 
 /// The service maps, as the reconciler writes them: the aya maps, or a fake in tests. Each
@@ -23,6 +23,8 @@ use crate::udp_flush::{self, UdpEndpoint};
 /// is no failure. Source ranges, few, are written one by one.
 pub trait MapWriter {
     type Error: std::error::Error;
+    /// Writes each slot of `BACKEND_STATS` zeroed with its owner, on every CPU.
+    fn reset_stats(&mut self, resets: &[StatsReset]) -> Vec<(usize, Self::Error)>;
     fn insert_backends(&mut self, entries: &[(BackendKey, Backend)]) -> Vec<(usize, Self::Error)>;
     fn remove_backends(&mut self, keys: &[BackendKey]) -> Vec<(usize, Self::Error)>;
     fn insert_frontends(
@@ -78,9 +80,9 @@ pub struct SyncReport {
     /// The endpoints of UDP service ports that this sync removed from the maps: their
     /// conntrack entries are to be flushed.
     pub removed_udp: BTreeSet<UdpEndpoint>,
-    /// The endpoints (of any protocol) that this sync removed from their service ports: their
-    /// traffic counters are to be deleted, so that one that comes back counts from zero.
-    pub removed_endpoints: BTreeSet<BackendStatsKey>,
+    /// Endpoints of the services synced that have no counter slot (all in use): their traffic
+    /// is not counted.
+    pub uncounted: usize,
 }
 
 /// A service's failed map writes in one sync.
@@ -198,6 +200,8 @@ pub struct Reconciler {
     pub failed_total: u64,
     /// What the last sync put in the maps, when the next sync may start from it.
     last: Option<LastSync>,
+    /// The endpoints' counter slots.
+    stats: StatsSlots,
 }
 
 impl Reconciler {
@@ -221,7 +225,20 @@ impl Reconciler {
             written: existing,
             failed_total: 0,
             last: None,
+            stats: StatsSlots::default(),
         }
+    }
+
+    /// Counts endpoints in a `BACKEND_STATS` of `capacity` slots, keeping the slots the maps
+    /// read at start give them; without it none is counted.
+    pub fn with_stats_slots(mut self, capacity: u32) -> Self {
+        self.stats = StatsSlots::adopt(capacity, &self.written.backends);
+        self
+    }
+
+    /// Counter slots that can count an endpoint, and those in use.
+    pub fn stats_slots(&self) -> (u32, usize) {
+        (self.stats.capacity(), self.stats.in_use())
     }
 
     /// This node's name, which makes endpoints local; without it none is.
@@ -320,7 +337,7 @@ impl Reconciler {
     /// Puts the map contents of service `name` into `desired`; returns what it put there, and
     /// whether a frontend was skipped as another service's.
     fn put_service(
-        &self,
+        &mut self,
         name: &ServiceName,
         service: &Service,
         desired: &mut MapContents,
@@ -519,7 +536,7 @@ impl Reconciler {
     /// Maglev table of the endpoints, or the endpoints with every one that stays in the slot it
     /// has in the maps; returns its length.
     fn list(
-        &self,
+        &mut self,
         service_id: u32,
         base: u32,
         endpoints: &[&Endpoint],
@@ -528,10 +545,16 @@ impl Reconciler {
     ) -> u32 {
         let mut wanted: Vec<Backend> = endpoints
             .iter()
-            .map(|e| Backend {
-                addr: ipv4_be(e.addr.octets()),
-                port: port_be(e.port),
-                _pad: 0,
+            .map(|e| {
+                let endpoint = Backend {
+                    addr: ipv4_be(e.addr.octets()),
+                    port: port_be(e.port),
+                    stats_slot: 0,
+                };
+                Backend {
+                    stats_slot: self.stats.slot(PortEndpoint::new(service_id, &endpoint)),
+                    ..endpoint
+                }
             })
             .collect();
         wanted.sort_unstable();
@@ -614,10 +637,26 @@ impl Reconciler {
         let mut report = self.apply(&desired, scope.as_ref(), maps);
         let udp_after = udp_endpoints(&self.written);
         report.removed_udp = udp_before.difference(&udp_after).copied().collect();
-        report.removed_endpoints = endpoints_before
-            .difference(&endpoints(&self.written))
-            .copied()
+        // The endpoints that left their service ports, and those given a slot this sync whose
+        // backends could not be written.
+        let endpoints_after = endpoints(&self.written);
+        let assigned = self.stats.take_assigned();
+        let releases: Vec<StatsReset> = endpoints_before
+            .iter()
+            .chain(&assigned)
+            .filter(|e| !endpoints_after.contains(e))
+            .filter_map(|e| self.stats.release(e))
             .collect();
+        let failures = maps.reset_stats(&releases);
+        // A slot that kept its counts is reset again when it is next claimed.
+        self.failures(
+            &mut report,
+            "backend stats release",
+            &releases,
+            failures,
+            |_, reset| reset.service_id,
+        );
+        report.uncounted = self.stats.take_uncounted();
         self.name_failures(&mut report);
         if report.failed == 0 {
             self.last = Some(last);
@@ -635,10 +674,29 @@ impl Reconciler {
     ) -> SyncReport {
         let mut report = SyncReport::default();
 
-        let backends = match scope {
+        // Counter slots are claimed before any backend refers to them: a new connection takes
+        // its slot's owner as it finds it.
+        let claims = self.stats.unclaimed();
+        let failures = maps.reset_stats(&claims);
+        let failed = self.failures(
+            &mut report,
+            "backend stats claim",
+            &claims,
+            failures,
+            |_, reset| reset.service_id,
+        );
+        let mut broken: BTreeSet<u32> = failed.iter().map(|&i| claims[i].service_id).collect();
+        for claim in skip_indices(&claims, &failed) {
+            self.stats.claimed(claim.slot);
+        }
+
+        let backends: Vec<(BackendKey, Backend)> = match scope {
             None => changed(&desired.backends, &self.written.backends),
             Some(scope) => changed_in(&scope.backends, &desired.backends, &self.written.backends),
-        };
+        }
+        .into_iter()
+        .filter(|(key, _)| !broken.contains(&key.service_id))
+        .collect();
         let failures = maps.insert_backends(&backends);
         let failed = self.failures(
             &mut report,
@@ -647,7 +705,7 @@ impl Reconciler {
             failures,
             |_, (key, _)| key.service_id,
         );
-        let mut broken: BTreeSet<u32> = failed.iter().map(|&i| backends[i].0.service_id).collect();
+        broken.extend(failed.iter().map(|&i| backends[i].0.service_id));
         for (key, value) in skip_indices(&backends, &failed) {
             match self.written.backends.insert(*key, *value) {
                 Some(_) => report.backends_updated += 1,
@@ -939,13 +997,13 @@ impl Reconciler {
 fn endpoints_of<'a>(
     contents: &MapContents,
     keys: impl IntoIterator<Item = &'a BackendKey>,
-) -> BTreeSet<BackendStatsKey> {
+) -> BTreeSet<PortEndpoint> {
     keys.into_iter()
         .filter_map(|key| {
-            contents.backends.get(key).map(|backend| BackendStatsKey {
-                service_id: key.service_id,
-                backend: *backend,
-            })
+            contents
+                .backends
+                .get(key)
+                .map(|backend| PortEndpoint::new(key.service_id, backend))
         })
         .collect()
 }
@@ -998,10 +1056,16 @@ fn skip_indices<'a, T>(entries: &'a [T], skip: &'a BTreeSet<usize>) -> impl Iter
 /// that stays keeps its slot while the slot still exists, the others fill the holes. So an
 /// endpoint's sessionAffinity clients (which remember the slot) only move with the endpoint.
 fn assign_slots(previous: &[Backend], wanted: &[Backend]) -> Vec<Backend> {
+    // By endpoint: one that got another counter slot keeps its place.
     let mut slots: Vec<Option<Backend>> = previous
         .iter()
         .take(wanted.len())
-        .map(|b| wanted.binary_search(b).is_ok().then_some(*b))
+        .map(|b| {
+            wanted
+                .binary_search_by_key(&b.endpoint(), Backend::endpoint)
+                .ok()
+                .map(|i| wanted[i])
+        })
         .collect();
     slots.resize(wanted.len(), None);
     let mut placed: Vec<Backend> = slots.iter().flatten().copied().collect();
@@ -1038,6 +1102,7 @@ mod tests {
         RemoveFrontend(FrontendKey),
         InsertSourceRange(SourceRange),
         RemoveSourceRange(SourceRange),
+        ResetStats(u16, u32),
     }
 
     #[derive(Debug, thiserror::Error)]
@@ -1055,6 +1120,12 @@ mod tests {
 
     impl MapWriter for FakeMaps {
         type Error = Full;
+        fn reset_stats(&mut self, resets: &[StatsReset]) -> Vec<(usize, Full)> {
+            for reset in resets {
+                self.ops.push(Op::ResetStats(reset.slot, reset.owner));
+            }
+            Vec::new()
+        }
         fn insert_backends(&mut self, entries: &[(BackendKey, Backend)]) -> Vec<(usize, Full)> {
             let mut failed = Vec::new();
             for (i, &(key, value)) in entries.iter().enumerate() {
@@ -1172,7 +1243,7 @@ mod tests {
         Backend {
             addr: ipv4_be([10, 244, 1, last]),
             port: port_be(8080),
-            _pad: 0,
+            stats_slot: 0,
         }
     }
 
@@ -1617,6 +1688,78 @@ mod tests {
     }
 
     #[test]
+    fn counter_slots_are_claimed_before_their_backends_released_after_and_kept_on_restart() {
+        // Slots 1 and 2.
+        let mut r = Reconciler::new(NODE, MapContents::default()).with_stats_slots(3);
+        let mut maps = FakeMaps::default();
+        let owner = |last| PortEndpoint::new(1, &backend(last)).owner();
+        let counted = |last, stats_slot| Backend {
+            stats_slot,
+            ..backend(last)
+        };
+        let three = model(&[(
+            "web",
+            10,
+            None,
+            vec![endpoint(2, true), endpoint(3, true), endpoint(4, true)],
+        )]);
+        let report = r.sync(&three, &mut maps);
+        assert_eq!(report.uncounted, 1, "two slots for three endpoints");
+        assert_eq!(
+            maps.ops[..2],
+            [Op::ResetStats(1, owner(2)), Op::ResetStats(2, owner(3))],
+            "claimed first: {:?}",
+            maps.ops
+        );
+        let slots: Vec<Backend> = maps.contents.backends.values().copied().collect();
+        assert_eq!(slots, [counted(2, 1), counted(3, 2), counted(4, 0)]);
+
+        // Endpoint 3 leaves: its slot is reset once its backend is gone.
+        maps.ops.clear();
+        let two = model(&[("web", 10, None, vec![endpoint(2, true), endpoint(4, true)])]);
+        let report = r.sync(&two, &mut maps);
+        assert_eq!(report.uncounted, 1, "the slot is free only after the sync");
+        assert_eq!(
+            maps.ops.last(),
+            Some(&Op::ResetStats(2, 0)),
+            "{:?}",
+            maps.ops
+        );
+        // The next sync gives it to endpoint 4.
+        maps.ops.clear();
+        let report = r.sync(&two, &mut maps);
+        assert_eq!(report.uncounted, 0);
+        assert_eq!(
+            maps.ops,
+            [
+                Op::ResetStats(2, owner(4)),
+                Op::InsertBackend(
+                    BackendKey {
+                        service_id: 1,
+                        slot: 1
+                    },
+                    counted(4, 2)
+                )
+            ]
+        );
+        assert_eq!(r.stats_slots(), (2, 2));
+
+        // A restarted agent keeps every slot: it writes nothing.
+        let pinned = MapContents {
+            frontends: maps.contents.frontends.clone(),
+            backends: maps.contents.backends.clone(),
+            source_ranges: maps.contents.source_ranges.clone(),
+            origins: maps.contents.origins.clone(),
+        };
+        let mut r = Reconciler::new(NODE, pinned).with_stats_slots(3);
+        maps.ops.clear();
+        let report = r.sync(&two, &mut maps);
+        assert!(maps.ops.is_empty(), "{:?}", maps.ops);
+        assert!(!report.changed());
+        assert_eq!(r.stats_slots(), (2, 2));
+    }
+
+    #[test]
     fn shrinking_updates_frontend_before_deleting_slots() {
         let mut r = Reconciler::new(NODE, MapContents::default());
         let mut maps = FakeMaps::default();
@@ -1668,12 +1811,6 @@ mod tests {
                 backends_updated: 1,
                 frontends_updated: 1,
                 backends_removed: 1,
-                // Its counters are to be deleted.
-                removed_endpoints: [BackendStatsKey {
-                    service_id: 1,
-                    backend: backend(3),
-                }]
-                .into(),
                 ..Default::default()
             }
         );

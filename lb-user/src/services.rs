@@ -5,14 +5,15 @@ use std::net::{Ipv4Addr, SocketAddrV4};
 use std::path::Path;
 
 use anyhow::{Context as _, Result};
-use aya::maps::{HashMap, Map, MapData, PerCpuHashMap};
+use aya::maps::{HashMap, Map, MapData, PerCpuArray};
 use comfy_table::{Table, presets};
 use lb_common::{
-    Backend, BackendKey, BackendStats, BackendStatsKey, FRONTEND_F_LOCAL, FRONTEND_F_MASQUERADE,
+    Backend, BackendKey, BackendStats, FRONTEND_F_LOCAL, FRONTEND_F_MASQUERADE,
     FRONTEND_F_PRESERVE_SOURCE, FRONTEND_F_SOURCE_RANGES, Frontend, FrontendKey, FrontendOrigin,
     LOCAL_SLOT, SCHED_FLOW_HASH, SCHED_RANDOM, SCHED_ROUND_ROBIN, SCHED_SOURCE_HASH, map_name,
 };
 use lb_user::connections::protocol_name;
+use lb_user::stats_slots::PortEndpoint;
 use lb_user::{error_chain, pins};
 use serde::Serialize;
 
@@ -40,8 +41,8 @@ struct Pinned {
     frontends: BTreeMap<FrontendKey, Frontend>,
     backends: BTreeMap<BackendKey, Backend>,
     origins: BTreeMap<FrontendKey, FrontendOrigin>,
-    /// Summed over CPUs.
-    stats: BTreeMap<BackendStatsKey, BackendStats>,
+    /// The counter slots the backends refer to, summed over CPUs (`owner` as on CPU 0).
+    stats: BTreeMap<u16, BackendStats>,
 }
 
 fn open<K, V>(dir: &Path, name: &str) -> Result<HashMap<MapData, K, V>>
@@ -65,7 +66,7 @@ impl Pinned {
             .iter()
             .collect::<Result<_, _>>()
             .map_err(|e| read(map_name::FRONTENDS, e))?;
-        let backends = open(dir, map_name::BACKENDS)?
+        let backends: BTreeMap<BackendKey, Backend> = open(dir, map_name::BACKENDS)?
             .iter()
             .collect::<Result<_, _>>()
             .map_err(|e| read(map_name::BACKENDS, e))?;
@@ -74,25 +75,33 @@ impl Pinned {
             .collect::<Result<_, _>>()
             .map_err(|e| read(map_name::FRONTEND_ORIGINS, e))?;
         let name = map_name::BACKEND_STATS;
-        let stats: PerCpuHashMap<MapData, BackendStatsKey, BackendStats> =
-            MapData::from_pin(dir.join(name))
-                .and_then(Map::from_map_data)
-                .and_then(PerCpuHashMap::try_from)
-                .map_err(|e| anyhow::anyhow!("opening {name}: {}", error_chain(&e)))?;
-        let stats = stats
-            .iter()
-            .map(|entry| {
-                entry.map(|(key, per_cpu)| {
-                    let sum =
-                        per_cpu
-                            .iter()
-                            .fold(BackendStats::default(), |sum, cpu| BackendStats {
-                                connections: sum.connections + cpu.connections,
-                                packets: sum.packets + cpu.packets,
-                                bytes: sum.bytes + cpu.bytes,
-                            });
-                    (key, sum)
-                })
+        let array: PerCpuArray<MapData, BackendStats> = MapData::from_pin(dir.join(name))
+            .and_then(Map::from_map_data)
+            .and_then(PerCpuArray::try_from)
+            .map_err(|e| anyhow::anyhow!("opening {name}: {}", error_chain(&e)))?;
+        // Only the slots in use: the array is mostly free slots, each as many values as CPUs.
+        let slots: std::collections::BTreeSet<u16> = backends
+            .values()
+            .map(|b| b.stats_slot)
+            .filter(|&slot| slot != 0 && u32::from(slot) < array.len())
+            .collect();
+        let stats = slots
+            .into_iter()
+            .map(|slot| {
+                let per_cpu = array.get(&u32::from(slot), 0)?;
+                let sum = per_cpu.iter().fold(
+                    BackendStats {
+                        owner: per_cpu.first().map_or(0, |cpu| cpu.owner),
+                        ..BackendStats::default()
+                    },
+                    |sum, cpu| BackendStats {
+                        connections: sum.connections + cpu.connections,
+                        packets: sum.packets + cpu.packets,
+                        bytes: sum.bytes + cpu.bytes,
+                        ..sum
+                    },
+                );
+                Ok((slot, sum))
             })
             .collect::<Result<_, _>>()
             .map_err(|e| read(name, e))?;
@@ -140,6 +149,8 @@ struct BackendRow {
     /// "ready" in the Cluster list, "local" in the list of this node's endpoints (traffic
     /// policy Local).
     state: &'static str,
+    /// Whether the endpoint has a counter slot (false: all were in use; its counters are 0).
+    counted: bool,
     /// The service port's counters of this endpoint (shared by the port's frontends).
     connections: u64,
     packets: u64,
@@ -201,19 +212,21 @@ fn rows(pinned: &Pinned) -> Vec<Row> {
                     row.slots += 1;
                     continue;
                 }
+                // A slot that counts another endpoint (its claim is being rewritten) is none.
+                let owner = PortEndpoint::new(frontend.service_id, backend).owner();
                 let stats = pinned
                     .stats
-                    .get(&BackendStatsKey {
-                        service_id: frontend.service_id,
-                        backend: *backend,
-                    })
-                    .copied()
-                    .unwrap_or_default();
+                    .get(&backend.stats_slot)
+                    .filter(|stats| stats.owner == owner)
+                    .copied();
+                let counted = stats.is_some();
+                let stats = stats.unwrap_or_default();
                 backends.push(BackendRow {
                     address,
                     slot,
                     slots: 1,
                     state,
+                    counted,
                     connections: stats.connections,
                     packets: stats.packets,
                     bytes: stats.bytes,
@@ -303,12 +316,19 @@ fn table(rows: &[Row]) -> Table {
         for backend in &row.backends {
             let mut line = vec![format!("  -> {}", backend.address)];
             line.extend(std::iter::repeat_n(String::new(), 7));
+            let count = |n: u64| {
+                if backend.counted {
+                    n.to_string()
+                } else {
+                    "-".to_owned()
+                }
+            };
             line.extend([
                 backend.slot.to_string(),
                 backend.state.to_owned(),
-                backend.connections.to_string(),
-                backend.packets.to_string(),
-                backend.bytes.to_string(),
+                count(backend.connections),
+                count(backend.packets),
+                count(backend.bytes),
             ]);
             table.add_row(line);
         }

@@ -9,10 +9,11 @@ use lb_common::{
 
 use crate::reconcile::MapContents;
 
-/// An endpoint of one UDP service port, as the maps hold it.
+/// An endpoint of one UDP service port.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct UdpEndpoint {
     pub service_id: u32,
+    /// [`Backend::endpoint`]: a counter slot change is no removal.
     pub backend: Backend,
 }
 
@@ -30,7 +31,7 @@ pub fn udp_endpoints(contents: &MapContents) -> BTreeSet<UdpEndpoint> {
         .filter(|(key, _)| udp.contains(&key.service_id))
         .map(|(key, backend)| UdpEndpoint {
             service_id: key.service_id,
-            backend: *backend,
+            backend: backend.endpoint(),
         })
         .collect()
 }
@@ -60,7 +61,7 @@ pub fn udp_endpoints_of<'a>(
                 .range(slots)
                 .map(move |(_, backend)| UdpEndpoint {
                     service_id,
-                    backend: *backend,
+                    backend: backend.endpoint(),
                 })
         })
         .collect()
@@ -84,7 +85,7 @@ pub fn stale_entries<'a>(
             backend: Backend {
                 addr,
                 port,
-                _pad: 0,
+                stats_slot: 0,
             },
         };
         (key.proto == IPPROTO_UDP && removed.contains(&endpoint)).then_some(key)
@@ -102,7 +103,7 @@ mod tests {
         Backend {
             addr: ipv4_be([10, 244, 1, last]),
             port: port_be(53),
-            _pad: 0,
+            stats_slot: 0,
         }
     }
 
@@ -166,7 +167,12 @@ mod tests {
                 service_id: sid,
                 slot: 0,
             };
-            contents.backends.insert(slot, backend(2));
+            // Counted: the endpoint is the same without its counter slot.
+            let counted = Backend {
+                stats_slot: 5,
+                ..backend(2)
+            };
+            contents.backends.insert(slot, counted);
         }
         // A catch-all frontend (protocol 0) makes nothing UDP.
         contents.frontends.insert(

@@ -11,7 +11,7 @@ use std::time::Duration;
 use aya::{
     Ebpf, EbpfLoader,
     maps::{
-        Array, HashMap, MapData, PerCpuArray,
+        Array, HashMap, MapData, PerCpuArray, PerCpuValues,
         lpm_trie::{Key, LpmTrie},
     },
     programs::{SchedClassifier, TestRun, TestRunOptions, Xdp},
@@ -21,13 +21,13 @@ use etherparse::{
     Ipv4Header, PacketBuilder, TcpHeader, UdpHeader,
 };
 use lb_common::{
-    AffinityKey, Backend, BackendKey, CONFIG_F_MASQUERADE_ALL, CONFIG_F_READY, CT_F_MASQUERADE,
-    CT_F_REPLY, CT_STATE_CLOSING, CT_STATE_ESTABLISHED, CT_STATE_NEW, CT_TIMEOUT_TCP_SYN_NS,
-    Config, ConntrackEntry, ConntrackKey, Counter, FRONTEND_F_LOCAL, FRONTEND_F_MASQUERADE,
-    FRONTEND_F_PRESERVE_SOURCE, FRONTEND_F_SOURCE_RANGES, Frontend, FrontendKey, IPPROTO_TCP,
-    IPPROTO_UDP, LOCAL_SLOT, SCHED_FLOW_HASH, SCHED_ROUND_ROBIN, SCHED_SOURCE_HASH, SNAT_PORT_MAX,
-    SNAT_PORT_MIN, SourceRangeKey, StickyBackend, flow_hash, ipv4_be, map_name, port_be,
-    program_name, source_hash,
+    AffinityKey, Backend, BackendKey, BackendStats, CONFIG_F_MASQUERADE_ALL, CONFIG_F_READY,
+    CT_F_MASQUERADE, CT_F_REPLY, CT_STATE_CLOSING, CT_STATE_ESTABLISHED, CT_STATE_NEW,
+    CT_TIMEOUT_TCP_SYN_NS, Config, ConntrackEntry, ConntrackKey, Counter, FRONTEND_F_LOCAL,
+    FRONTEND_F_MASQUERADE, FRONTEND_F_PRESERVE_SOURCE, FRONTEND_F_SOURCE_RANGES, Frontend,
+    FrontendKey, IPPROTO_TCP, IPPROTO_UDP, LOCAL_SLOT, SCHED_FLOW_HASH, SCHED_ROUND_ROBIN,
+    SCHED_SOURCE_HASH, SNAT_PORT_MAX, SNAT_PORT_MIN, SourceRangeKey, StickyBackend, flow_hash,
+    ipv4_be, map_name, port_be, program_name, source_hash,
 };
 
 const TC_ACT_OK: u32 = 0;
@@ -320,7 +320,7 @@ impl Datapath {
             let backend = Backend {
                 addr: ipv4_be(endpoint.ip().octets()),
                 port: port_be(endpoint.port()),
-                _pad: 0,
+                stats_slot: 0,
             };
             backends
                 .insert(BackendKey { service_id, slot }, backend, 0)
@@ -462,6 +462,37 @@ impl Datapath {
         counters.get(&(counter as u32), 0).unwrap().iter().sum()
     }
 
+    /// Writes counter slot `slot` zeroed with `owner` on every CPU, as the agent claims it.
+    fn claim_stats(&mut self, slot: u16, owner: u32) {
+        let mut stats: PerCpuArray<_, BackendStats> = self.map(map_name::BACKEND_STATS);
+        let cpus = aya::util::nr_cpus().unwrap();
+        let claim = BackendStats {
+            owner,
+            ..BackendStats::default()
+        };
+        let values = PerCpuValues::try_from(vec![claim; cpus]).unwrap();
+        stats.set(u32::from(slot), values, 0).unwrap();
+    }
+
+    /// Counter slot `slot`, summed over CPUs (`owner` of CPU 0).
+    fn backend_stats(&self, slot: u16) -> BackendStats {
+        let map = self.ebpf.map(map_name::BACKEND_STATS).unwrap();
+        let stats: PerCpuArray<&MapData, BackendStats> = map.try_into().unwrap();
+        let per_cpu = stats.get(&u32::from(slot), 0).unwrap();
+        per_cpu.iter().fold(
+            BackendStats {
+                owner: per_cpu[0].owner,
+                ..BackendStats::default()
+            },
+            |sum, cpu| BackendStats {
+                connections: sum.connections + cpu.connections,
+                packets: sum.packets + cpu.packets,
+                bytes: sum.bytes + cpu.bytes,
+                ..sum
+            },
+        )
+    }
+
     fn conntrack(&self, key: &ConntrackKey) -> Option<ConntrackEntry> {
         let map = self.ebpf.map(map_name::CONNTRACK).unwrap();
         let conntrack: HashMap<&MapData, ConntrackKey, ConntrackEntry> = map.try_into().unwrap();
@@ -552,6 +583,83 @@ fn cluster_ip_tcp_from_pod() {
     assert_eq!(datapath.counter(Counter::Translated), 22);
     assert_eq!(datapath.counter(Counter::Masqueraded), 0);
     assert_eq!(datapath.conntrack_len(), 2);
+}
+
+/// Per-backend counters: a connection counts in the slot its backend names, both directions,
+/// through the slot and owner its conntrack entries took when it opened; once the slot has
+/// another owner (its endpoint left, the slot went to another) the connection no longer counts
+/// there; a backend in slot 0 is not counted.
+#[test]
+fn backend_counters_count_in_the_slot_while_it_has_the_connections_owner() {
+    let mut datapath = Datapath::new(config());
+    let endpoint = ENDPOINTS[0];
+    datapath.service(Proto::Tcp, CLUSTER_IP, 0, SERVICE_ID, &[endpoint]);
+    let set_slot = |datapath: &mut Datapath, stats_slot| {
+        let mut backends: HashMap<_, BackendKey, Backend> = datapath.map(map_name::BACKENDS);
+        let key = BackendKey {
+            service_id: SERVICE_ID,
+            slot: 0,
+        };
+        let backend = backends.get(&key, 0).unwrap();
+        backends
+            .insert(
+                key,
+                Backend {
+                    stats_slot,
+                    ..backend
+                },
+                0,
+            )
+            .unwrap();
+    };
+    set_slot(&mut datapath, 3);
+    datapath.claim_stats(3, 77);
+
+    let first = Packet::new(Proto::Tcp, POD, CLUSTER_IP);
+    let reply = Packet::new(Proto::Tcp, endpoint, POD);
+    let ip_len = |packet: &Packet| (packet.build().len() - ETH_HLEN) as u64;
+    datapath.translate(&first);
+    for key in [
+        ct_key(Proto::Tcp, POD, CLUSTER_IP),
+        ct_key(Proto::Tcp, endpoint, POD),
+    ] {
+        let entry = datapath.conntrack(&key).unwrap();
+        assert_eq!((entry.stats_slot, entry.stats_owner), (3, 77), "{key:?}");
+    }
+    datapath.translate(&first);
+    datapath.translate(&reply);
+    assert_eq!(
+        datapath.backend_stats(3),
+        BackendStats {
+            connections: 1,
+            packets: 3,
+            bytes: 2 * ip_len(&first) + ip_len(&reply),
+            owner: 77,
+            _pad: 0,
+        }
+    );
+
+    // The slot is another endpoint's now: this connection's packets go uncounted.
+    datapath.claim_stats(3, 78);
+    datapath.translate(&first);
+    datapath.translate(&reply);
+    assert_eq!(
+        datapath.backend_stats(3),
+        BackendStats {
+            owner: 78,
+            ..BackendStats::default()
+        }
+    );
+
+    // Slot 0: not counted anywhere.
+    set_slot(&mut datapath, 0);
+    let other = Packet::new(Proto::Tcp, SocketAddrV4::new(*POD.ip(), 40001), CLUSTER_IP);
+    datapath.translate(&other);
+    datapath.translate(&other);
+    assert_eq!(datapath.backend_stats(0), BackendStats::default());
+    assert_eq!(datapath.backend_stats(3).packets, 0);
+    let entry = datapath.conntrack(&ct_key(Proto::Tcp, other.src, CLUSTER_IP));
+    assert_eq!(entry.map(|e| e.stats_slot), Some(0));
 }
 
 /// A SYN on the tuple of a closing connection opens a new one, to a backend chosen now (the old
@@ -771,7 +879,7 @@ fn session_affinity_sticks_until_expired_or_moved() {
         backend: Backend {
             addr: ipv4_be([10, 244, 9, 9]),
             port: port_be(8080),
-            _pad: 0,
+            stats_slot: 0,
         },
         ..entry(&datapath)
     };
@@ -796,7 +904,7 @@ fn local_policy(frontend: SocketAddrV4, flags: u32, local: &[SocketAddrV4]) -> D
         let backend = Backend {
             addr: ipv4_be(endpoint.ip().octets()),
             port: port_be(endpoint.port()),
-            _pad: 0,
+            stats_slot: 0,
         };
         let key = BackendKey {
             service_id: SERVICE_ID,

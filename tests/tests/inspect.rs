@@ -581,5 +581,18 @@ fn services_lists_frontends_with_their_backends_and_counters() -> Result<()> {
     check_services(
         node, &bpffs_arg, &frontends, &backends, &answers, &udp_bytes,
     )?;
+
+    // A new agent keeps every endpoint's counter slot: the counts go on from where they were.
+    agent.restart(&[], true)?;
+    check_services(
+        node, &bpffs_arg, &frontends, &backends, &answers, &udp_bytes,
+    )
+    .with_context(|| format!("after a restart:\n{}", agent.log()))?;
+    let open = Open::connect(pod_a, Proto::Udp, udp_vip, backend_ip)?;
+    *answers.entry(("dns", open.expected.backend)).or_insert(0) += 1;
+    check_services(
+        node, &bpffs_arg, &frontends, &backends, &answers, &udp_bytes,
+    )
+    .with_context(|| format!("a connection after the restart:\n{}", agent.log()))?;
     Ok(())
 }

@@ -180,6 +180,13 @@ fn proxy_mode_drops_map_fill_changes_and_the_dashboard() -> Result<()> {
     // The ClusterIP's frontend is there (the web service has one port).
     let frontends = format!("lb_map_entries{{map=\"{}\"}}", map_name::FRONTENDS);
     ensure!(sample(&before, &frontends)? >= 1.0, "{before:#?}");
+    // The counter slots fill as endpoints take them, though their map is an array.
+    let stats = |metric: &str| format!("{metric}{{map=\"{}\"}}", map_name::BACKEND_STATS);
+    let slots = sample(&before, &stats("lb_map_entries"))?;
+    ensure!(
+        slots >= 1.0 && slots < sample(&before, &stats("lb_map_max_entries"))?,
+        "counter slots in use: {slots}"
+    );
 
     for name in [
         "kubeproxy_sync_full_proxy_rules_duration_seconds_count",

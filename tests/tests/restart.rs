@@ -208,9 +208,9 @@ enum Scenario {
     Sigterm,
     /// SIGKILL (a crash, the OOM killer), a new agent.
     Sigkill,
-    /// SIGTERM, the pinned conntrack turned into an older release's `LB_CT_V1`, a new agent,
-    /// which converts it.
-    UpgradeFromConntrackV1,
+    /// SIGTERM, the pinned conntrack turned into the previous release's `LB_CT_V2`, a new
+    /// agent, which converts it.
+    UpgradeFromConntrackV2,
     /// SIGTERM, the apiserver goes, a new agent (with --node-ip) serves from the pinned state;
     /// the apiserver comes back.
     ApiserverDown,
@@ -254,7 +254,7 @@ fn restart(node: &mut SurvivalNode, scenario: Scenario) -> Result<()> {
         Scenario::Sigkill => {
             node.agent.kill()?;
         }
-        Scenario::Sigterm | Scenario::UpgradeFromConntrackV1 | Scenario::ApiserverDown => {
+        Scenario::Sigterm | Scenario::UpgradeFromConntrackV2 | Scenario::ApiserverDown => {
             let status = node.agent.stop()?;
             ensure!(
                 status.success(),
@@ -280,12 +280,12 @@ fn restart(node: &mut SurvivalNode, scenario: Scenario) -> Result<()> {
             node.agent.restart(&[], true)?;
         }
         Scenario::Sigkill => node.agent.restart(&[], true)?,
-        Scenario::UpgradeFromConntrackV1 => {
+        Scenario::UpgradeFromConntrackV2 => {
             let converted = legacy_conntrack::downgrade(&pin_dir)?;
-            eprintln!("LB_CT_V1 pinned with {converted} entries");
+            eprintln!("LB_CT_V2 pinned with {converted} entries");
             node.agent.restart(&[], true)?;
             for (pin, wanted) in [
-                (lb_common::legacy::CONNTRACK_V1, false),
+                (lb_common::legacy::CONNTRACK_V2, false),
                 (lb_common::map_name::CONNTRACK, true),
             ] {
                 ensure!(
@@ -348,13 +348,13 @@ fn flows_survive_sigkill_xdp() -> Result<()> {
 }
 
 #[test]
-fn flows_survive_upgrade_from_conntrack_v1() -> Result<()> {
-    survives(Scenario::UpgradeFromConntrackV1, false)
+fn flows_survive_upgrade_from_conntrack_v2() -> Result<()> {
+    survives(Scenario::UpgradeFromConntrackV2, false)
 }
 
 #[test]
-fn flows_survive_upgrade_from_conntrack_v1_xdp() -> Result<()> {
-    survives(Scenario::UpgradeFromConntrackV1, true)
+fn flows_survive_upgrade_from_conntrack_v2_xdp() -> Result<()> {
+    survives(Scenario::UpgradeFromConntrackV2, true)
 }
 
 #[test]
