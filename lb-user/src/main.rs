@@ -4,6 +4,7 @@ mod args;
 mod cleanup;
 mod conntrack;
 mod stats;
+mod trace;
 
 use std::io::IsTerminal as _;
 
@@ -27,6 +28,7 @@ fn main() -> anyhow::Result<()> {
             .block_on(agent::run(*args)),
         Command::Stats(args) => stats::run(args),
         Command::Conntrack(args) => conntrack::run(args),
+        Command::Trace(args) => trace::run(args),
         Command::Cleanup(args) => cleanup::run(args),
     }
 }
