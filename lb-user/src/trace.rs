@@ -1,8 +1,8 @@
 //! `lb trace`: what the datapath does now with one packet, and why.
 //!
 //! The real `lb_ingress` runs on a crafted packet (BPF_PROG_TEST_RUN) in a second instance of the
-//! agent's object. The maps the datapath only reads (frontends, backends, source ranges, config,
-//! XDP egress) are the pinned ones; every map it writes (conntrack, affinity, round-robin cursors,
+//! agent's object. The maps the datapath only reads (frontends, backends, source ranges, config)
+//! are the pinned ones; every map it writes (conntrack, affinity, round-robin cursors,
 //! counters, fragments, socket maps) is a private, unpinned copy holding only what this packet can
 //! read from the pinned one. The run therefore decides exactly as the datapath would, writes only
 //! into the copies, and tells from them why: the counters it moved give the reason, the entry it
@@ -27,13 +27,13 @@ use serde::Serialize;
 
 use crate::args::{Output, Proto, TraceArgs};
 
-/// The maps the datapath only reads: the trace instance uses the pinned ones.
-const SHARED_MAPS: [&str; 5] = [
+/// The pinned maps the datapath only reads: the trace instance uses the pinned ones. (XDP
+/// egress, never pinned, is only `lb_xdp`'s; `lb_ingress` is the one traced.)
+const SHARED_MAPS: [&str; 4] = [
     map_name::FRONTENDS,
     map_name::BACKENDS,
     map_name::SOURCE_RANGES,
     map_name::CONFIG,
-    map_name::XDP_EGRESS,
 ];
 
 /// Entries of each private map: a run writes a handful.
