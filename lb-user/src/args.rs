@@ -224,7 +224,10 @@ pub const TRACE_SOURCE_PORT: u16 = 40_000;
 
 fn parse_source(s: &str) -> Result<SocketAddrV4, String> {
     s.parse::<SocketAddrV4>()
-        .or_else(|_| s.parse::<Ipv4Addr>().map(|ip| SocketAddrV4::new(ip, TRACE_SOURCE_PORT)))
+        .or_else(|_| {
+            s.parse::<Ipv4Addr>()
+                .map(|ip| SocketAddrV4::new(ip, TRACE_SOURCE_PORT))
+        })
         .map_err(|_| format!("{s}: not an IPv4 address[:port]"))
 }
 

@@ -17,7 +17,7 @@ use aya::programs::{SchedClassifier, TestRun as _, TestRunOptions};
 use aya::{Ebpf, EbpfLoader};
 use etherparse::PacketBuilder;
 use lb_common::{
-    AffinityKey, BackendKey, Backend, Config, ConntrackEntry, ConntrackKey, Counter,
+    AffinityKey, Backend, BackendKey, Config, ConntrackEntry, ConntrackKey, Counter,
     FRONTEND_F_LOCAL, FRONTEND_F_PRESERVE_SOURCE, FRONTEND_F_SOURCE_RANGES, Frontend, FrontendKey,
     IPPROTO_TCP, IPPROTO_UDP, LOCAL_SLOT, SCHED_FLOW_HASH, SCHED_ROUND_ROBIN, SCHED_SOURCE_HASH,
     StickyBackend, ipv4_be, map_name, port_be, program_name,
@@ -158,7 +158,11 @@ fn trace(dir: &Path, args: &TraceArgs, ingress_ifindex: u32) -> Result<Trace> {
         reason: String::new(),
         policy: None,
         candidates: Vec::new(),
-        conntrack: if existing.is_some() { "existing" } else { "new" },
+        conntrack: if existing.is_some() {
+            "existing"
+        } else {
+            "new"
+        },
         translation: None,
         interface: None,
         counters: counters.iter().map(|c| c.name()).collect(),
@@ -294,9 +298,12 @@ fn seed(
     tuple: &ConntrackKey,
     frontend: Option<&Frontend>,
 ) -> Result<Option<ConntrackEntry>> {
-    let pinned =
-        HashMap::<_, ConntrackKey, ConntrackEntry>::try_from(pinned_map(dir, map_name::CONNTRACK)?)?;
-    let mut private: HashMap<_, ConntrackKey, ConntrackEntry> = private_map(ebpf, map_name::CONNTRACK)?;
+    let pinned = HashMap::<_, ConntrackKey, ConntrackEntry>::try_from(pinned_map(
+        dir,
+        map_name::CONNTRACK,
+    )?)?;
+    let mut private: HashMap<_, ConntrackKey, ConntrackEntry> =
+        private_map(ebpf, map_name::CONNTRACK)?;
     let existing = pinned.get(tuple, 0).ok();
     if let Some(entry) = &existing {
         private.insert(tuple, entry, 0)?;
@@ -347,8 +354,7 @@ where
 
 /// The conntrack entry of the packet's tuple after the run: found or created.
 fn private_entry(ebpf: &mut Ebpf, tuple: &ConntrackKey) -> Result<Option<ConntrackEntry>> {
-    let private: HashMap<_, ConntrackKey, ConntrackEntry> =
-        private_map(ebpf, map_name::CONNTRACK)?;
+    let private: HashMap<_, ConntrackKey, ConntrackEntry> = private_map(ebpf, map_name::CONNTRACK)?;
     Ok(private.get(tuple, 0).ok())
 }
 

@@ -134,14 +134,20 @@ fn trace_names_what_the_datapath_does_and_changes_nothing() -> Result<()> {
             .annotation("lb.kubernetes.io/scheduler", "sh")
             .endpoints(ips),
         ServiceManifest::new("empty", EMPTY_IP, Proto::Tcp, PORT, TARGET_PORT),
-        ServiceManifest::new("guarded", Ipv4Addr::new(10, 96, 0, 13), Proto::Tcp, PORT, 8080)
-            .node_port(30081)
-            .load_balancer([IngressManifest {
-                ip: LB_IP,
-                ip_mode: Some("VIP"),
-            }])
-            .source_ranges(&[&format!("{CLIENT_IP}/32")])
-            .endpoints(ips),
+        ServiceManifest::new(
+            "guarded",
+            Ipv4Addr::new(10, 96, 0, 13),
+            Proto::Tcp,
+            PORT,
+            8080,
+        )
+        .node_port(30081)
+        .load_balancer([IngressManifest {
+            ip: LB_IP,
+            ip_mode: Some("VIP"),
+        }])
+        .source_ranges(&[&format!("{CLIENT_IP}/32")])
+        .endpoints(ips),
     ]);
     let _agent = Agent::start(&topology, &manifests, &["--bpffs", &bpffs])?;
     let node = &topology.node;
