@@ -443,4 +443,37 @@ mod tests {
         assert!(parse_duration("1x").is_err());
         assert!(parse_duration("").is_err());
     }
+
+    #[test]
+    fn trace_command_line() {
+        let cli = Cli::try_parse_from([
+            "lb",
+            "trace",
+            "--proto",
+            "udp",
+            "--from",
+            "198.51.100.2",
+            "--to",
+            "10.96.0.10:53",
+            "--in-interface",
+            "ext0",
+            "-o",
+            "json",
+        ])
+        .unwrap();
+        let Command::Trace(a) = cli.command else {
+            panic!("not trace");
+        };
+        assert_eq!(a.proto, Proto::Udp);
+        assert_eq!(
+            a.from,
+            SocketAddrV4::new(Ipv4Addr::new(198, 51, 100, 2), TRACE_SOURCE_PORT)
+        );
+        assert_eq!(a.to, "10.96.0.10:53".parse().unwrap());
+        assert_eq!(a.in_interface.as_deref(), Some("ext0"));
+        assert_eq!(a.bpffs, PathBuf::from(DEFAULT_BPFFS));
+        assert_eq!(a.output, Output::Json);
+        assert!(parse_source("198.51.100.2:1234").is_ok_and(|s| s.port() == 1234));
+        assert!(parse_source("example").is_err());
+    }
 }

@@ -16,6 +16,7 @@ use aya::maps::{Array, HashMap, Map, MapData, PerCpuArray};
 use aya::programs::{SchedClassifier, TestRun as _, TestRunOptions};
 use aya::{Ebpf, EbpfLoader};
 use etherparse::PacketBuilder;
+use futures::TryStreamExt as _;
 use lb_common::{
     AffinityKey, Backend, BackendKey, Config, ConntrackEntry, ConntrackKey, Counter,
     FRONTEND_F_LOCAL, FRONTEND_F_PRESERVE_SOURCE, FRONTEND_F_SOURCE_RANGES, Frontend, FrontendKey,
@@ -23,6 +24,8 @@ use lb_common::{
     StickyBackend, ipv4_be, map_name, port_be, program_name,
 };
 use lb_user::{datapath, pins};
+use rtnetlink::RouteMessageBuilder;
+use rtnetlink::packet_route::route::RouteAttribute;
 use serde::Serialize;
 
 use crate::args::{Output, Proto, TraceArgs};
@@ -218,9 +221,13 @@ fn trace(dir: &Path, args: &TraceArgs, ingress_ifindex: u32) -> Result<Trace> {
                 } else {
                     "the scheduler picks one of the candidates".into()
                 };
-                if entry.hop_len != 0 {
-                    trace.interface = interface_name(entry.hop.ifindex);
-                }
+                trace.interface = if entry.hop_len != 0 {
+                    interface_name(entry.hop.ifindex)
+                } else if result.return_value == TC_ACT_REDIRECT {
+                    route_interface(*dnat.ip())?
+                } else {
+                    None
+                };
             } else {
                 trace.reason = counters
                     .first()
@@ -445,6 +452,36 @@ fn frontend_name(key: &FrontendKey) -> String {
     } else {
         socket(key.addr, key.port).to_string()
     }
+}
+
+/// The interface the kernel routes `dst` out of (`ip route get DST`): where the run redirected a
+/// packet whose route it did not cache (its neighbour not resolved yet).
+fn route_interface(dst: Ipv4Addr) -> Result<Option<String>> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async {
+        let (connection, handle, _) = rtnetlink::new_connection().context("rtnetlink")?;
+        tokio::spawn(connection);
+        let request = RouteMessageBuilder::<Ipv4Addr>::new()
+            .destination_prefix(dst, 32)
+            .build();
+        let mut routes = handle.route().get(request).execute();
+        while let Some(route) = routes
+            .try_next()
+            .await
+            .with_context(|| format!("route to {dst}"))?
+        {
+            let oif = route.attributes.iter().find_map(|a| match a {
+                RouteAttribute::Oif(ifindex) => Some(*ifindex),
+                _ => None,
+            });
+            if let Some(oif) = oif {
+                return Ok(interface_name(oif));
+            }
+        }
+        Ok(None)
+    })
 }
 
 fn interface_name(ifindex: u32) -> Option<String> {

@@ -195,6 +195,16 @@ fn trace_names_what_the_datapath_does_and_changes_nothing() -> Result<()> {
             .as_str()
             .with_context(|| format!("backend of {traced:#}"))?
             .to_owned();
+        let backend_pod = topology
+            .pods
+            .iter()
+            .find(|p| SocketAddrV4::new(p.ip, TARGET_PORT).to_string() == backend)
+            .with_context(|| format!("a backend pod at {backend}"))?;
+        ensure!(
+            traced["interface"] == backend_pod.host_interface.as_str(),
+            "new flow from {client} leaves towards {}: {traced:#}",
+            backend_pod.name
+        );
         predicted.push((client, backend));
     }
 
