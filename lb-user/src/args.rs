@@ -33,6 +33,10 @@ pub enum Command {
     /// `conntrack -L`; `lb conntrack delete` deletes them, as `conntrack -D`. Packets and bytes
     /// are not counted per connection.
     Conntrack(ConntrackArgs),
+    /// Show what the datapath does now with one packet, and why: its frontend, policy, backend
+    /// candidates, connection, translation and verdict. Runs the real program on a crafted packet
+    /// (BPF_PROG_TEST_RUN) against the pinned service maps; changes no state.
+    Trace(TraceArgs),
     /// Remove the datapath, as kube-proxy's --cleanup removes its rules: detach every hook and
     /// remove every pin under --bpffs. The datapath stays in the kernel when the agent stops;
     /// this is the only way it goes away (uninstall).
@@ -211,6 +215,43 @@ pub struct ConntrackQuery {
     pub bpffs: PathBuf,
     #[arg(short, long, value_enum, default_value_t)]
     pub output: Output,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Proto {
+    Tcp,
+    Udp,
+}
+
+#[derive(Debug, Args)]
+pub struct TraceArgs {
+    #[arg(long, value_enum)]
+    pub proto: Proto,
+    /// The packet's source; without a port, an unprivileged one.
+    #[arg(long, value_name = "IP[:PORT]", value_parser = parse_source)]
+    pub from: SocketAddrV4,
+    #[arg(long, value_name = "IP:PORT")]
+    pub to: SocketAddrV4,
+    /// The interface the packet arrives on (the FIB lookup's input); default: the loopback.
+    #[arg(long, value_name = "IFNAME")]
+    pub in_interface: Option<String>,
+    /// bpffs directory of the agent's pinned maps.
+    #[arg(long, value_name = "DIR", default_value = DEFAULT_BPFFS)]
+    pub bpffs: PathBuf,
+    #[arg(short, long, value_enum, default_value_t)]
+    pub output: Output,
+}
+
+/// The source port of a `--from` without one.
+pub const TRACE_SOURCE_PORT: u16 = 40_000;
+
+fn parse_source(s: &str) -> Result<SocketAddrV4, String> {
+    s.parse::<SocketAddrV4>()
+        .or_else(|_| {
+            s.parse::<Ipv4Addr>()
+                .map(|ip| SocketAddrV4::new(ip, TRACE_SOURCE_PORT))
+        })
+        .map_err(|_| format!("{s}: not an IPv4 address[:port]"))
 }
 
 #[derive(Debug, Args)]
@@ -424,5 +465,38 @@ mod tests {
         assert!(parse_duration("10").is_err());
         assert!(parse_duration("1x").is_err());
         assert!(parse_duration("").is_err());
+    }
+
+    #[test]
+    fn trace_command_line() {
+        let cli = Cli::try_parse_from([
+            "lb",
+            "trace",
+            "--proto",
+            "udp",
+            "--from",
+            "198.51.100.2",
+            "--to",
+            "10.96.0.10:53",
+            "--in-interface",
+            "ext0",
+            "-o",
+            "json",
+        ])
+        .unwrap();
+        let Command::Trace(a) = cli.command else {
+            panic!("not trace");
+        };
+        assert_eq!(a.proto, Proto::Udp);
+        assert_eq!(
+            a.from,
+            SocketAddrV4::new(Ipv4Addr::new(198, 51, 100, 2), TRACE_SOURCE_PORT)
+        );
+        assert_eq!(a.to, "10.96.0.10:53".parse().unwrap());
+        assert_eq!(a.in_interface.as_deref(), Some("ext0"));
+        assert_eq!(a.bpffs, PathBuf::from(DEFAULT_BPFFS));
+        assert_eq!(a.output, Output::Json);
+        assert!(parse_source("198.51.100.2:1234").is_ok_and(|s| s.port() == 1234));
+        assert!(parse_source("example").is_err());
     }
 }

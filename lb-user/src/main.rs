@@ -5,6 +5,7 @@ mod cleanup;
 mod conntrack;
 mod services;
 mod stats;
+mod trace;
 
 use std::io::IsTerminal as _;
 
@@ -36,6 +37,7 @@ fn main() -> anyhow::Result<()> {
         Command::Stats(args) => stats::run(args),
         Command::Services(args) => services::run(args),
         Command::Conntrack(args) => conntrack::run(args),
+        Command::Trace(args) => trace::run(args),
         Command::Cleanup(args) => cleanup::run(args),
     }
 }

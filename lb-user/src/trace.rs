@@ -1,0 +1,535 @@
+//! `lb trace`: what the datapath does now with one packet, and why.
+//!
+//! The real `lb_ingress` runs on a crafted packet (BPF_PROG_TEST_RUN) in a second instance of the
+//! agent's object. The maps the datapath only reads (frontends, backends, source ranges, config)
+//! are the pinned ones; every map it writes (conntrack, affinity, round-robin cursors,
+//! counters, fragments, socket maps) is a private, unpinned copy holding only what this packet can
+//! read from the pinned one. The run therefore decides exactly as the datapath would, writes only
+//! into the copies, and tells from them why: the counters it moved give the reason, the entry it
+//! created or found gives the backend and the route. Nothing in lb-ebpf knows about tracing, so
+//! the real path pays nothing for it.
+use std::net::{Ipv4Addr, SocketAddrV4};
+use std::path::Path;
+
+use anyhow::{Context as _, Result, bail};
+use aya::maps::{Array, HashMap, Map, MapData, PerCpuArray};
+use aya::programs::{SchedClassifier, TestRun as _, TestRunOptions};
+use aya::{Ebpf, EbpfLoader};
+use etherparse::PacketBuilder;
+use futures::TryStreamExt as _;
+use lb_common::{
+    AffinityKey, Backend, BackendKey, Config, ConntrackEntry, ConntrackKey, Counter,
+    FRONTEND_F_LOCAL, FRONTEND_F_PRESERVE_SOURCE, FRONTEND_F_SOURCE_RANGES, Frontend, FrontendKey,
+    IPPROTO_TCP, IPPROTO_UDP, LOCAL_SLOT, SCHED_FLOW_HASH, SCHED_ROUND_ROBIN, SCHED_SOURCE_HASH,
+    StickyBackend, ipv4_be, map_name, port_be, program_name,
+};
+use lb_user::{datapath, pins};
+use rtnetlink::RouteMessageBuilder;
+use rtnetlink::packet_route::route::RouteAttribute;
+use serde::Serialize;
+
+use crate::args::{Output, Proto, TraceArgs};
+
+/// The pinned maps the datapath only reads: the trace instance uses the pinned ones. (XDP
+/// egress, never pinned, is only `lb_xdp`'s; `lb_ingress` is the one traced.)
+const SHARED_MAPS: [&str; 4] = [
+    map_name::FRONTENDS,
+    map_name::BACKENDS,
+    map_name::SOURCE_RANGES,
+    map_name::CONFIG,
+];
+
+/// Entries of each private map: a run writes a handful.
+const PRIVATE_MAP_SIZE: u32 = 1024;
+
+/// tc verdicts (uapi/linux/pkt_cls.h).
+const TC_ACT_OK: u32 = 0;
+const TC_ACT_SHOT: u32 = 2;
+const TC_ACT_REDIRECT: u32 = 7;
+
+/// Offset of `ingress_ifindex` in `struct __sk_buff`; the kernel zero-fills what follows.
+const SKB_INGRESS_IFINDEX: usize = 36;
+
+/// What `lb trace -o json` prints.
+#[derive(Debug, Serialize)]
+struct Trace {
+    /// "forwarded", "passed", "REJECT" or "drop".
+    verdict: &'static str,
+    /// The frontend matched ("IP:PORT", or "IP:*" for a ClusterIP's catch-all), null for none.
+    frontend: Option<String>,
+    /// The backend the packet goes to; null when the scheduler picks one of `candidates` at
+    /// random or in turn, or when there is none.
+    backend: Option<String>,
+    reason: String,
+    policy: Option<Policy>,
+    /// The endpoint list a new connection chooses from ("IP:PORT").
+    candidates: Vec<String>,
+    /// "existing" (its conntrack entry decides) or "new".
+    conntrack: &'static str,
+    translation: Option<Translation>,
+    /// The interface the packet is forwarded out of, when known.
+    interface: Option<String>,
+    /// The datapath counters the packet moves.
+    counters: Vec<&'static str>,
+}
+
+#[derive(Debug, Serialize)]
+struct Policy {
+    source_ranges: bool,
+    /// "Cluster" or "Local" (the list the packet's source uses; topology hints are already
+    /// applied to the lists by the agent).
+    traffic_policy: &'static str,
+    /// sessionAffinity ClientIP timeout; 0 without affinity.
+    affinity_timeout_s: u32,
+    scheduler: &'static str,
+}
+
+#[derive(Debug, Serialize)]
+struct Translation {
+    /// The destination the packet is rewritten to.
+    dnat: String,
+    /// The source the backend sees when it is not the client's; for a new masqueraded connection
+    /// "NODE_IP:a port from MIN-MAX" (the run's pick is not reserved).
+    masquerade: Option<String>,
+}
+
+pub fn run(args: TraceArgs) -> Result<()> {
+    let dir = pins::locate(&args.bpffs, map_name::FRONTENDS).with_context(|| {
+        format!(
+            "no {} pinned in {} (nor seen by an agent in this network namespace)",
+            map_name::FRONTENDS,
+            args.bpffs.display()
+        )
+    })?;
+    let ingress_ifindex = match &args.in_interface {
+        Some(name) => nix::net::if_::if_nametoindex(name.as_str())
+            .with_context(|| format!("interface {name}"))?,
+        None => 1,
+    };
+    let trace = trace(&dir, &args, ingress_ifindex)?;
+    match args.output {
+        Output::Table => print!("{}", trace.text()),
+        Output::Json => println!("{}", serde_json::to_string_pretty(&trace)?),
+    }
+    Ok(())
+}
+
+fn trace(dir: &Path, args: &TraceArgs, ingress_ifindex: u32) -> Result<Trace> {
+    let proto = match args.proto {
+        Proto::Tcp => IPPROTO_TCP,
+        Proto::Udp => IPPROTO_UDP,
+    };
+    let tuple = ConntrackKey {
+        src_addr: ipv4_be(args.from.ip().octets()),
+        dst_addr: ipv4_be(args.to.ip().octets()),
+        src_port: port_be(args.from.port()),
+        dst_port: port_be(args.to.port()),
+        proto,
+        ..Default::default()
+    };
+    let mut ebpf = load(dir)?;
+    let config: Config = pinned_array(dir, map_name::CONFIG)?;
+    let frontend = lookup_frontend(dir, &tuple)?;
+    let existing = seed(dir, &mut ebpf, &tuple, frontend.as_ref().map(|(_, f)| f))?;
+
+    let program: &mut SchedClassifier = ebpf
+        .program_mut(program_name::INGRESS)
+        .context("lb_ingress not in the eBPF object")?
+        .try_into()?;
+    datapath::load_program(|| program.load()).context("loading lb_ingress")?;
+    let packet = build_packet(args, existing.is_some())?;
+    let mut out = vec![0; packet.len() + 256];
+    let mut skb = [0u8; SKB_INGRESS_IFINDEX + 4];
+    skb[SKB_INGRESS_IFINDEX..].copy_from_slice(&ingress_ifindex.to_ne_bytes());
+    let result = program
+        .test_run(TestRunOptions {
+            data_in: Some(&packet),
+            data_out: Some(&mut out),
+            ctx_in: Some(&skb),
+            ..Default::default()
+        })
+        .context("BPF_PROG_TEST_RUN of lb_ingress")?;
+    out.truncate(result.data_size_out as usize);
+
+    let counters = moved_counters(&mut ebpf)?;
+    let moved = |c: Counter| counters.contains(&c);
+    let entry = private_entry(&mut ebpf, &tuple)?;
+    let mut trace = Trace {
+        verdict: "passed",
+        frontend: frontend.as_ref().map(|(key, _)| frontend_name(key)),
+        backend: None,
+        reason: String::new(),
+        policy: None,
+        candidates: Vec::new(),
+        conntrack: if existing.is_some() {
+            "existing"
+        } else {
+            "new"
+        },
+        translation: None,
+        interface: None,
+        counters: counters.iter().map(|c| c.name()).collect(),
+    };
+    if let Some((_, frontend)) = &frontend {
+        let list = backend_list(&config, frontend, tuple.src_addr);
+        trace.policy = Some(policy(frontend, list.0 == LOCAL_SLOT));
+        trace.candidates = candidates(dir, frontend.service_id, list)?;
+    }
+    let drop_reason = counters.iter().find_map(|c| c.drop_reason());
+    match result.return_value {
+        _ if moved(Counter::Rejected) => {
+            trace.verdict = "REJECT";
+            trace.reason = "the service has no endpoints: ICMP port unreachable".into();
+        }
+        TC_ACT_SHOT => {
+            trace.verdict = "drop";
+            trace.reason = drop_reason.unwrap_or("dropped").into();
+        }
+        TC_ACT_OK | TC_ACT_REDIRECT => {
+            if let Some(entry) = &entry {
+                let dnat = socket(entry.dst_addr, entry.dst_port);
+                let masqueraded = entry.src_addr != tuple.src_addr
+                    || (existing.is_some() && entry.src_port != tuple.src_port);
+                let masquerade = masqueraded.then(|| {
+                    if existing.is_some() {
+                        socket(entry.src_addr, entry.src_port).to_string()
+                    } else {
+                        format!(
+                            "{}:a port from {}-{}",
+                            Ipv4Addr::from(entry.src_addr.to_ne_bytes()),
+                            config.snat_port_min,
+                            config.snat_port_max
+                        )
+                    }
+                });
+                trace.translation = Some(Translation {
+                    dnat: dnat.to_string(),
+                    masquerade,
+                });
+                let exact = existing.is_some()
+                    || frontend.as_ref().is_some_and(|(_, f)| {
+                        f.affinity_timeout_s != 0
+                            || matches!(f.scheduler, SCHED_SOURCE_HASH | SCHED_FLOW_HASH)
+                    });
+                if exact {
+                    trace.backend = Some(dnat.to_string());
+                }
+                trace.reason = if existing.is_some() {
+                    "its conntrack entry holds the backend".into()
+                } else if exact {
+                    "the scheduler's pick for this flow".into()
+                } else {
+                    "the scheduler picks one of the candidates".into()
+                };
+                trace.interface = if entry.hop_len != 0 {
+                    interface_name(entry.hop.ifindex)
+                } else if result.return_value == TC_ACT_REDIRECT {
+                    route_interface(*dnat.ip())?
+                } else {
+                    None
+                };
+            } else {
+                trace.reason = counters
+                    .first()
+                    .map_or("not service traffic", |c| c.meaning())
+                    .into();
+            }
+            trace.verdict = if result.return_value == TC_ACT_REDIRECT {
+                "forwarded"
+            } else {
+                "passed"
+            };
+        }
+        other => bail!("lb_ingress returned {other}"),
+    }
+    Ok(trace)
+}
+
+/// A second instance of the agent's object: the read-only maps from the pins, the others
+/// private and small.
+fn load(dir: &Path) -> Result<Ebpf> {
+    let mut loader = EbpfLoader::new();
+    for name in SHARED_MAPS {
+        let path = dir.join(name);
+        // A missing pin would be created (and pinned) by the loader: a trace creates nothing.
+        let pinned = MapData::from_pin(&path)
+            .and_then(|m| m.info())
+            .with_context(|| format!("pinned map {}", path.display()))?;
+        loader.map_pin_path(name, path);
+        loader.map_max_entries(name, pinned.max_entries());
+    }
+    for name in map_name::ALL {
+        if !SHARED_MAPS.contains(&name) && name != map_name::COUNTERS {
+            loader.map_max_entries(name, PRIVATE_MAP_SIZE);
+        }
+    }
+    loader
+        .load(datapath::EBPF_OBJECT)
+        .context("loading the eBPF object")
+}
+
+fn pinned_map(dir: &Path, name: &str) -> Result<Map> {
+    let data = MapData::from_pin(dir.join(name)).with_context(|| format!("pinned map {name}"))?;
+    Map::from_map_data(data).with_context(|| format!("pinned map {name}"))
+}
+
+fn pinned_array<V: aya::Pod>(dir: &Path, name: &str) -> Result<V> {
+    let array = Array::<_, V>::try_from(pinned_map(dir, name)?)?;
+    Ok(array.get(&0, 0)?)
+}
+
+/// The frontend the datapath would match (service.rs: the exact port, else the catch-all).
+fn lookup_frontend(dir: &Path, tuple: &ConntrackKey) -> Result<Option<(FrontendKey, Frontend)>> {
+    let frontends =
+        HashMap::<_, FrontendKey, Frontend>::try_from(pinned_map(dir, map_name::FRONTENDS)?)?;
+    let exact = FrontendKey {
+        addr: tuple.dst_addr,
+        port: tuple.dst_port,
+        proto: tuple.proto,
+        _pad: 0,
+    };
+    for key in [exact, FrontendKey::any_port(tuple.dst_addr)] {
+        if let Ok(frontend) = frontends.get(&key, 0) {
+            return Ok(Some((key, frontend)));
+        }
+    }
+    Ok(None)
+}
+
+/// Copies into the private maps what the packet's run may read from the pinned ones: the
+/// conntrack entries of its connection, its client's affinity and the service's round-robin
+/// cursor. Returns the connection's entry, if it has one.
+fn seed(
+    dir: &Path,
+    ebpf: &mut Ebpf,
+    tuple: &ConntrackKey,
+    frontend: Option<&Frontend>,
+) -> Result<Option<ConntrackEntry>> {
+    let pinned = HashMap::<_, ConntrackKey, ConntrackEntry>::try_from(pinned_map(
+        dir,
+        map_name::CONNTRACK,
+    )?)?;
+    let mut private: HashMap<_, ConntrackKey, ConntrackEntry> =
+        private_map(ebpf, map_name::CONNTRACK)?;
+    let existing = pinned.get(tuple, 0).ok();
+    if let Some(entry) = &existing {
+        private.insert(tuple, entry, 0)?;
+        // The peer, keyed by this entry's rewrite turned around.
+        let peer = ConntrackKey {
+            src_addr: entry.dst_addr,
+            dst_addr: entry.src_addr,
+            src_port: entry.dst_port,
+            dst_port: entry.src_port,
+            proto: tuple.proto,
+            ..Default::default()
+        };
+        if let Ok(peer_entry) = pinned.get(&peer, 0) {
+            private.insert(peer, peer_entry, 0)?;
+        }
+    }
+    let Some(frontend) = frontend else {
+        return Ok(existing);
+    };
+    let affinity_key = AffinityKey {
+        service_id: frontend.service_id,
+        client_addr: tuple.src_addr,
+    };
+    let pinned =
+        HashMap::<_, AffinityKey, StickyBackend>::try_from(pinned_map(dir, map_name::AFFINITY)?)?;
+    if let Ok(sticky) = pinned.get(&affinity_key, 0) {
+        let mut private: HashMap<_, AffinityKey, StickyBackend> =
+            private_map(ebpf, map_name::AFFINITY)?;
+        private.insert(affinity_key, sticky, 0)?;
+    }
+    let pinned = HashMap::<_, u32, u32>::try_from(pinned_map(dir, map_name::ROUND_ROBIN)?)?;
+    if let Ok(cursor) = pinned.get(&frontend.service_id, 0) {
+        let mut private: HashMap<_, u32, u32> = private_map(ebpf, map_name::ROUND_ROBIN)?;
+        private.insert(frontend.service_id, cursor, 0)?;
+    }
+    Ok(existing)
+}
+
+fn private_map<'a, T>(ebpf: &'a mut Ebpf, name: &str) -> Result<T>
+where
+    T: TryFrom<&'a mut Map, Error = aya::maps::MapError>,
+{
+    let map = ebpf
+        .map_mut(name)
+        .with_context(|| format!("map {name} not in the eBPF object"))?;
+    T::try_from(map).with_context(|| format!("map {name}"))
+}
+
+/// The conntrack entry of the packet's tuple after the run: found or created.
+fn private_entry(ebpf: &mut Ebpf, tuple: &ConntrackKey) -> Result<Option<ConntrackEntry>> {
+    let private: HashMap<_, ConntrackKey, ConntrackEntry> = private_map(ebpf, map_name::CONNTRACK)?;
+    Ok(private.get(tuple, 0).ok())
+}
+
+/// The counters the run moved (the private ones started at zero).
+fn moved_counters(ebpf: &mut Ebpf) -> Result<Vec<Counter>> {
+    let counters: PerCpuArray<_, u64> = private_map(ebpf, map_name::COUNTERS)?;
+    let mut moved = Vec::new();
+    for counter in Counter::ALL {
+        if counters.get(&(counter as u32), 0)?.iter().any(|&v| v != 0) {
+            moved.push(counter);
+        }
+    }
+    Ok(moved)
+}
+
+/// The slot base and length of the list a new connection from `client` uses (service.rs).
+fn backend_list(config: &Config, frontend: &Frontend, client: u32) -> (u32, u32) {
+    let pod = client & config.cluster_cidr_mask == config.cluster_cidr_addr;
+    let local = frontend.flags & FRONTEND_F_LOCAL != 0
+        && !(pod && frontend.flags & FRONTEND_F_PRESERVE_SOURCE != 0);
+    if local {
+        (LOCAL_SLOT, frontend.local_count)
+    } else {
+        (0, frontend.backend_count)
+    }
+}
+
+fn candidates(dir: &Path, service_id: u32, (base, count): (u32, u32)) -> Result<Vec<String>> {
+    let backends =
+        HashMap::<_, BackendKey, Backend>::try_from(pinned_map(dir, map_name::BACKENDS)?)?;
+    Ok((0..count)
+        .filter_map(|i| {
+            let key = BackendKey {
+                service_id,
+                slot: base | i,
+            };
+            backends.get(&key, 0).ok()
+        })
+        .map(|b| socket(b.addr, b.port).to_string())
+        .collect())
+}
+
+fn policy(frontend: &Frontend, local: bool) -> Policy {
+    Policy {
+        source_ranges: frontend.flags & FRONTEND_F_SOURCE_RANGES != 0,
+        traffic_policy: if local { "Local" } else { "Cluster" },
+        affinity_timeout_s: frontend.affinity_timeout_s,
+        scheduler: match frontend.scheduler {
+            SCHED_ROUND_ROBIN => "rr",
+            SCHED_SOURCE_HASH => "sh",
+            SCHED_FLOW_HASH => "maglev",
+            _ => "random",
+        },
+    }
+}
+
+/// The packet as it arrives on the wire: Ethernet, IPv4 (TTL 64, checksums right), TCP (an ACK
+/// on a live connection, else a SYN) or UDP with a few bytes of payload.
+fn build_packet(args: &TraceArgs, existing: bool) -> Result<Vec<u8>> {
+    const PAYLOAD: &[u8] = b"lb trace";
+    let ip = PacketBuilder::ethernet2([2, 0, 0, 0, 0, 1], [2, 0, 0, 0, 0, 2]).ipv4(
+        args.from.ip().octets(),
+        args.to.ip().octets(),
+        64,
+    );
+    let mut packet = Vec::new();
+    match args.proto {
+        Proto::Tcp => {
+            let tcp = ip.tcp(args.from.port(), args.to.port(), 1, 64_240);
+            let tcp = if existing { tcp.ack(1) } else { tcp.syn() };
+            tcp.write(&mut packet, &[])?;
+        }
+        Proto::Udp => ip
+            .udp(args.from.port(), args.to.port())
+            .write(&mut packet, PAYLOAD)?,
+    }
+    Ok(packet)
+}
+
+fn socket(addr: u32, port: u16) -> SocketAddrV4 {
+    SocketAddrV4::new(Ipv4Addr::from(addr.to_ne_bytes()), u16::from_be(port))
+}
+
+fn frontend_name(key: &FrontendKey) -> String {
+    let addr = Ipv4Addr::from(key.addr.to_ne_bytes());
+    if *key == FrontendKey::any_port(key.addr) {
+        format!("{addr}:*")
+    } else {
+        socket(key.addr, key.port).to_string()
+    }
+}
+
+/// The interface the kernel routes `dst` out of (`ip route get DST`): where the run redirected a
+/// packet whose route it did not cache (its neighbour not resolved yet).
+fn route_interface(dst: Ipv4Addr) -> Result<Option<String>> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async {
+        let (connection, handle, _) = rtnetlink::new_connection().context("rtnetlink")?;
+        tokio::spawn(connection);
+        let request = RouteMessageBuilder::<Ipv4Addr>::new()
+            .destination_prefix(dst, 32)
+            .build();
+        let mut routes = handle.route().get(request).execute();
+        while let Some(route) = routes
+            .try_next()
+            .await
+            .with_context(|| format!("route to {dst}"))?
+        {
+            let oif = route.attributes.iter().find_map(|a| match a {
+                RouteAttribute::Oif(ifindex) => Some(*ifindex),
+                _ => None,
+            });
+            if let Some(oif) = oif {
+                return Ok(interface_name(oif));
+            }
+        }
+        Ok(None)
+    })
+}
+
+fn interface_name(ifindex: u32) -> Option<String> {
+    nix::net::if_::if_indextoname(ifindex)
+        .ok()
+        .and_then(|name| name.into_string().ok())
+}
+
+impl Trace {
+    fn text(&self) -> String {
+        let or_none = |s: &Option<String>| s.clone().unwrap_or_else(|| "none".into());
+        let mut text = format!(
+            "verdict:     {}\nreason:      {}\nfrontend:    {}\n",
+            self.verdict,
+            self.reason,
+            or_none(&self.frontend)
+        );
+        if let Some(p) = &self.policy {
+            text += &format!(
+                "policy:      scheduler {}, traffic policy {}, affinity {} s, source ranges {}\n",
+                p.scheduler,
+                p.traffic_policy,
+                p.affinity_timeout_s,
+                if p.source_ranges { "on" } else { "off" }
+            );
+            text += &format!("candidates:  {}\n", self.candidates.join(", "));
+        }
+        text += &format!(
+            "conntrack:   {}\nbackend:     {}\n",
+            self.conntrack,
+            match (&self.backend, self.candidates.is_empty()) {
+                (Some(b), _) => b.clone(),
+                (None, false) if self.translation.is_some() => "one of the candidates".into(),
+                (None, _) => "none".into(),
+            }
+        );
+        if let Some(t) = &self.translation {
+            text += &format!(
+                "translation: DNAT to {}, masquerade {}\n",
+                t.dnat,
+                t.masquerade.as_deref().unwrap_or("none")
+            );
+        }
+        text += &format!(
+            "interface:   {}\ncounters:    {}\n",
+            or_none(&self.interface),
+            self.counters.join(",")
+        );
+        text
+    }
+}
