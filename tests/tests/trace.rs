@@ -88,8 +88,9 @@ fn connect(ns: &Netns, service: SocketAddrV4) -> Result<(TcpStream, SocketAddrV4
 }
 
 /// What of the datapath's state a trace could change: the connections (without their
-/// remaining time, which moves by itself) and the counters a traced packet would move.
-fn state(node: &Netns, bpffs: &str) -> Result<(BTreeSet<String>, Vec<u64>)> {
+/// remaining time, which moves by itself), the counters a traced packet would move and the
+/// per-backend counters (in `lb services`).
+fn state(node: &Netns, bpffs: &str) -> Result<(BTreeSet<String>, Vec<u64>, Value)> {
     let rows = lb_json(node, bpffs, &["conntrack"])?;
     let connections = rows
         .as_array()
@@ -116,7 +117,7 @@ fn state(node: &Netns, bpffs: &str) -> Result<(BTreeSet<String>, Vec<u64>)> {
             .with_context(|| format!("{} in {stats}", c.name()))
     })
     .collect::<Result<_>>()?;
-    Ok((connections, counters))
+    Ok((connections, counters, lb_json(node, bpffs, &["services"])?))
 }
 
 #[test]
