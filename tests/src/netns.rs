@@ -1,8 +1,11 @@
 //! Network namespaces owned by a test, removed on drop (also when the test fails).
 use std::{
     fs::File,
+    io::{Read as _, Write as _},
+    net::SocketAddr,
     process::{Command, Output},
     sync::atomic::{AtomicU32, Ordering},
+    time::Duration,
 };
 
 use anyhow::{Context as _, Result, bail};
@@ -79,6 +82,31 @@ impl Netns {
         })
         .join()
         .map_err(|_| anyhow::anyhow!("thread in {} panicked", self.name))?
+    }
+
+    /// GET over plain HTTP/1.1 from inside the namespace: (status, body).
+    pub fn http_get(&self, to: SocketAddr, path: &str) -> Result<(u16, String)> {
+        let path = path.to_owned();
+        self.run(move || -> Result<(u16, String)> {
+            let mut stream = std::net::TcpStream::connect_timeout(&to, Duration::from_secs(2))?;
+            stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+            write!(
+                stream,
+                "GET {path} HTTP/1.1\r\nHost: {to}\r\nConnection: close\r\n\r\n"
+            )?;
+            let mut response = String::new();
+            stream.read_to_string(&mut response)?;
+            let status = response
+                .split(' ')
+                .nth(1)
+                .and_then(|s| s.parse().ok())
+                .context("status line")?;
+            let body = response
+                .split_once("\r\n\r\n")
+                .map(|(_, b)| b.to_owned())
+                .unwrap_or_default();
+            Ok((status, body))
+        })?
     }
 }
 

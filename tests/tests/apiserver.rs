@@ -2,7 +2,6 @@
 //! lb_tests::fake_apiserver): the four paths, changes while traffic flows, the apiserver going
 //! away, expired watches, split and early slices, 10,000 services, /healthz, /livez, /metrics.
 use std::{
-    io::{Read as _, Write as _},
     net::{Ipv4Addr, SocketAddr},
     time::{Duration, Instant},
 };
@@ -451,31 +450,6 @@ fn rss_kib(agent: &Agent) -> Result<u64> {
         .context("VmRSS")
 }
 
-/// GET over plain HTTP from inside `ns`: (status, body).
-fn http_get(ns: &Netns, to: SocketAddr, path: &str) -> Result<(u16, String)> {
-    let path = path.to_owned();
-    ns.run(move || -> Result<(u16, String)> {
-        let mut stream = std::net::TcpStream::connect_timeout(&to, Duration::from_secs(2))?;
-        stream.set_read_timeout(Some(Duration::from_secs(5)))?;
-        write!(
-            stream,
-            "GET {path} HTTP/1.1\r\nHost: {to}\r\nConnection: close\r\n\r\n"
-        )?;
-        let mut response = String::new();
-        stream.read_to_string(&mut response)?;
-        let status = response
-            .split(' ')
-            .nth(1)
-            .and_then(|s| s.parse().ok())
-            .context("status line")?;
-        let body = response
-            .split_once("\r\n\r\n")
-            .map(|(_, b)| b.to_owned())
-            .unwrap_or_default();
-        Ok((status, body))
-    })?
-}
-
 /// kube-proxy's body: {"lastUpdated": "...","currentTime": "..."[, "nodeEligible": bool]}.
 fn health_json(body: &str) -> Result<serde_json::Value> {
     let json: serde_json::Value = serde_json::from_str(body).with_context(|| body.to_owned())?;
@@ -493,7 +467,7 @@ fn healthz_livez_and_metrics() -> Result<()> {
     node.agent.wait_for_programmed(1, 1, SYNC)?;
     let ns = &node.topology.node;
     let health: SocketAddr = (Ipv4Addr::LOCALHOST, 10256).into();
-    let (status, body) = http_get(ns, health, "/healthz")?;
+    let (status, body) = ns.http_get(health, "/healthz")?;
     ensure!(status == 200, "{status} {body}");
     let json = health_json(&body)?;
     ensure!(json["nodeEligible"] == true, "{body}");
@@ -501,14 +475,14 @@ fn healthz_livez_and_metrics() -> Result<()> {
         json["lastUpdated"] == json["currentTime"],
         "healthy: lastUpdated is now: {body}"
     );
-    let (status, body) = http_get(ns, health, "/livez")?;
+    let (status, body) = ns.http_get(health, "/livez")?;
     ensure!(
         status == 200 && health_json(&body)?.get("nodeEligible").is_none(),
         "{status} {body}"
     );
-    ensure!(http_get(ns, health, "/nope")?.0 == 404);
+    ensure!(ns.http_get(health, "/nope")?.0 == 404);
 
-    let (status, text) = http_get(ns, (Ipv4Addr::LOCALHOST, 10249).into(), "/metrics")?;
+    let (status, text) = ns.http_get((Ipv4Addr::LOCALHOST, 10249).into(), "/metrics")?;
     ensure!(status == 200, "{status} {text}");
     for line in [
         "lb_services_programmed 1",
@@ -536,7 +510,7 @@ fn healthz_livez_and_metrics() -> Result<()> {
     node.api.apply(&[tainted]);
     let deadline = Instant::now() + SYNC;
     loop {
-        let (status, body) = http_get(ns, health, "/healthz")?;
+        let (status, body) = ns.http_get(health, "/healthz")?;
         if status == 503 {
             ensure!(health_json(&body)?["nodeEligible"] == false, "{body}");
             break;
@@ -544,7 +518,7 @@ fn healthz_livez_and_metrics() -> Result<()> {
         ensure!(Instant::now() < deadline, "/healthz still {status} {body}");
         std::thread::sleep(Duration::from_millis(50));
     }
-    ensure!(http_get(ns, health, "/livez")?.0 == 200);
+    ensure!(ns.http_get(health, "/livez")?.0 == 200);
     Ok(())
 }
 
@@ -561,7 +535,7 @@ fn health_fails_while_changes_wait() -> Result<()> {
     let health: SocketAddr = (Ipv4Addr::LOCALHOST, 10256).into();
     let deadline = Instant::now() + SYNC;
     loop {
-        match http_get(ns, health, "/livez") {
+        match ns.http_get(health, "/livez") {
             Ok((503, body)) => {
                 let json = health_json(&body)?;
                 ensure!(
@@ -574,10 +548,10 @@ fn health_fails_while_changes_wait() -> Result<()> {
         }
         std::thread::sleep(Duration::from_millis(100));
     }
-    ensure!(http_get(ns, health, "/healthz")?.0 == 503);
+    ensure!(ns.http_get(health, "/healthz")?.0 == 503);
     node.api.fail_lists(Kind::EndpointSlice, false);
     node.agent.wait_for_programmed(1, 1, SYNC)?;
-    let (status, body) = http_get(ns, health, "/healthz")?;
+    let (status, body) = ns.http_get(health, "/healthz")?;
     ensure!(status == 200, "{status} {body}");
     Ok(())
 }
@@ -587,7 +561,7 @@ fn answers_throughout(ns: &Netns, path: &str, want: u16, duration: Duration) -> 
     let health: SocketAddr = (Ipv4Addr::LOCALHOST, 10256).into();
     let end = Instant::now() + duration;
     while Instant::now() < end {
-        let (status, body) = http_get(ns, health, path)?;
+        let (status, body) = ns.http_get(health, path)?;
         ensure!(status == want, "{path}: {status} {body}");
         std::thread::sleep(Duration::from_millis(100));
     }
@@ -608,7 +582,7 @@ fn starts_and_attaches_while_the_apiserver_is_down() -> Result<()> {
         .context("attaching while the apiserver is down")?;
     let ns = &node.topology.node;
     let health: SocketAddr = (Ipv4Addr::LOCALHOST, 10256).into();
-    let (status, body) = http_get(ns, health, "/healthz")?;
+    let (status, body) = ns.http_get(health, "/healthz")?;
     ensure!(status == 503, "/healthz before any sync: {status} {body}");
     ensure!(
         health_json(&body)?["lastUpdated"] == "0001-01-01 00:00:00 +0000 UTC",
@@ -617,7 +591,7 @@ fn starts_and_attaches_while_the_apiserver_is_down() -> Result<()> {
     // Not ready, but alive: nothing waits to be synced, the apiserver is away.
     answers_throughout(ns, "/livez", 200, Duration::from_secs(1))?;
     ensure!(
-        http_get(ns, health, "/healthz")?.0 == 503,
+        ns.http_get(health, "/healthz")?.0 == 503,
         "ready before a sync"
     );
     let log = node.agent.log();
@@ -629,7 +603,7 @@ fn starts_and_attaches_while_the_apiserver_is_down() -> Result<()> {
     node.publish(&[node.service("web", WEB_IP, Proto::Tcp, &["pod-b", "pod-c"])]);
     node.api.restart()?;
     node.agent.wait_for_programmed(1, 2, SYNC)?;
-    let (status, body) = http_get(ns, health, "/healthz")?;
+    let (status, body) = ns.http_get(health, "/healthz")?;
     ensure!(
         status == 200,
         "/healthz after the first sync: {status} {body}"
@@ -663,7 +637,7 @@ fn full_maps_fail_writes_not_liveness() -> Result<()> {
     let ns = &node.topology.node;
     let metrics: SocketAddr = (Ipv4Addr::LOCALHOST, 10249).into();
     let failures = || -> Result<u64> {
-        let (_, text) = http_get(ns, metrics, "/metrics")?;
+        let (_, text) = ns.http_get(metrics, "/metrics")?;
         text.lines()
             .find_map(|l| l.strip_prefix("lb_map_write_failures_total "))
             .context("lb_map_write_failures_total")?

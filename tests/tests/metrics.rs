@@ -3,10 +3,8 @@
 //! kube-proxy's change counters moving with a manifest change; every metric the Grafana
 //! dashboard in deploy/ queries is exported.
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::{Read as _, Write as _};
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::Path;
-use std::time::Duration;
 
 use anyhow::{Context as _, Result, ensure};
 use lb_common::map_name;
@@ -26,33 +24,9 @@ const HEALTHZ: SocketAddr = SocketAddr::new(std::net::IpAddr::V4(Ipv4Addr::LOCAL
 const CONNTRACK_MAX: u32 = 4096;
 const LOCAL_CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 12);
 
-fn http_get(ns: &Netns, to: SocketAddr, path: &str) -> Result<(u16, String)> {
-    let path = path.to_owned();
-    ns.run(move || -> Result<(u16, String)> {
-        let mut stream = std::net::TcpStream::connect_timeout(&to, Duration::from_secs(2))?;
-        stream.set_read_timeout(Some(Duration::from_secs(5)))?;
-        write!(
-            stream,
-            "GET {path} HTTP/1.1\r\nHost: {to}\r\nConnection: close\r\n\r\n"
-        )?;
-        let mut response = String::new();
-        stream.read_to_string(&mut response)?;
-        let status = response
-            .split(' ')
-            .nth(1)
-            .and_then(|s| s.parse().ok())
-            .context("status line")?;
-        let body = response
-            .split_once("\r\n\r\n")
-            .map(|(_, b)| b.to_owned())
-            .unwrap_or_default();
-        Ok((status, body))
-    })?
-}
-
 /// Every sample of the text format: `name{labels}` → value.
 fn samples(ns: &Netns) -> Result<BTreeMap<String, f64>> {
-    let (status, text) = http_get(ns, METRICS, "/metrics")?;
+    let (status, text) = ns.http_get(METRICS, "/metrics")?;
     ensure!(status == 200, "/metrics: {status} {text}");
     Ok(text
         .lines()
@@ -147,14 +121,14 @@ fn proxy_mode_drops_map_fill_changes_and_the_dashboard() -> Result<()> {
     )?;
     let node = &topology.node;
 
-    let (status, mode) = http_get(node, METRICS, "/proxyMode")?;
+    let (status, mode) = node.http_get(METRICS, "/proxyMode")?;
     ensure!(
         (status, mode.as_str()) == (200, "ebpf"),
         "/proxyMode: {status} {mode}"
     );
 
     // The dashboard's /healthz panel counts answers: one to count.
-    http_get(node, HEALTHZ, "/healthz")?;
+    node.http_get(HEALTHZ, "/healthz")?;
     let before = samples(node)?;
 
     let reasons: BTreeSet<String> = before
