@@ -21,13 +21,7 @@ pub fn run(args: ConntrackArgs) -> Result<()> {
 
 /// Prints the connections `query` selects, after deleting them if `delete`.
 fn list(query: &ConntrackQuery, delete: bool) -> Result<()> {
-    let dir = pins::locate(&query.bpffs, map_name::CONNTRACK).with_context(|| {
-        format!(
-            "no {} pinned in {} (nor seen by an agent in this network namespace)",
-            map_name::CONNTRACK,
-            query.bpffs.display()
-        )
-    })?;
+    let dir = pins::find(&query.bpffs, map_name::CONNTRACK)?;
     let mut map = ConntrackMap::open(&dir)
         .map_err(|e| anyhow::anyhow!("opening {}: {}", map_name::CONNTRACK, error_chain(&e)))?;
     let now = datapath_now().context("reading CLOCK_MONOTONIC_COARSE")?;

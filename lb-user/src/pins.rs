@@ -30,6 +30,16 @@ pub fn locate(dir: &Path, pin: &str) -> Option<PathBuf> {
         .find(|candidate| candidate.join(pin).exists())
 }
 
+/// The directory `locate` finds, or an error saying where `pin` was looked for.
+pub fn find(dir: &Path, pin: &str) -> anyhow::Result<PathBuf> {
+    locate(dir, pin).ok_or_else(|| {
+        anyhow::anyhow!(
+            "no {pin} pinned in {} (nor seen by an agent in this network namespace)",
+            dir.display()
+        )
+    })
+}
+
 /// argv is `.../lb agent ...`.
 fn is_agent(cmdline: &[u8]) -> bool {
     let mut args = cmdline.split(|&b| b == 0);

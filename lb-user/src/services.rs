@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::net::{Ipv4Addr, SocketAddrV4};
 use std::path::Path;
 
-use anyhow::{Context as _, Result};
+use anyhow::Result;
 use aya::maps::{HashMap, Map, MapData, PerCpuArray};
 use comfy_table::{Table, presets};
 use lb_common::{
@@ -20,13 +20,7 @@ use serde::Serialize;
 use crate::args::{Output, StatsArgs};
 
 pub fn run(args: StatsArgs) -> Result<()> {
-    let dir = pins::locate(&args.bpffs, map_name::FRONTENDS).with_context(|| {
-        format!(
-            "no {} pinned in {} (nor seen by an agent in this network namespace)",
-            map_name::FRONTENDS,
-            args.bpffs.display()
-        )
-    })?;
+    let dir = pins::find(&args.bpffs, map_name::FRONTENDS)?;
     let rows = rows(&Pinned::read(&dir)?);
     match args.output {
         Output::Table => print!("{}", table(&rows)),

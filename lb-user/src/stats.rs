@@ -1,5 +1,5 @@
 //! `lb stats`: the datapath's counters, each with its meaning, and the drops by reason.
-use anyhow::{Context as _, Result};
+use anyhow::Result;
 use comfy_table::{Table, presets};
 use lb_common::{Counter, map_name};
 use lb_user::{datapath, pins};
@@ -8,13 +8,7 @@ use serde::Serialize;
 use crate::args::{Output, StatsArgs};
 
 pub fn run(args: StatsArgs) -> Result<()> {
-    let dir = pins::locate(&args.bpffs, map_name::COUNTERS).with_context(|| {
-        format!(
-            "no {} pinned in {} (nor seen by an agent in this network namespace)",
-            map_name::COUNTERS,
-            args.bpffs.display()
-        )
-    })?;
+    let dir = pins::find(&args.bpffs, map_name::COUNTERS)?;
     let stats = Stats::new(&datapath::read_counters(&dir)?);
     match args.output {
         Output::Table => print!("{}", stats.table()),

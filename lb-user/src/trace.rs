@@ -94,13 +94,7 @@ struct Translation {
 }
 
 pub fn run(args: TraceArgs) -> Result<()> {
-    let dir = pins::locate(&args.bpffs, map_name::FRONTENDS).with_context(|| {
-        format!(
-            "no {} pinned in {} (nor seen by an agent in this network namespace)",
-            map_name::FRONTENDS,
-            args.bpffs.display()
-        )
-    })?;
+    let dir = pins::find(&args.bpffs, map_name::FRONTENDS)?;
     let ingress_ifindex = match &args.in_interface {
         Some(name) => nix::net::if_::if_nametoindex(name.as_str())
             .with_context(|| format!("interface {name}"))?,
