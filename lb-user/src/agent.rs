@@ -197,6 +197,13 @@ pub async fn run(args: AgentArgs) -> Result<()> {
     map_pins::remove_stale(&args.bpffs);
     state.health.lock().expect("health lock").attached();
     let mut links_open = true;
+    // 0s: no audit (an interval of zero would spin).
+    let mut audit = (!args.sync_period.is_zero()).then(|| {
+        let period = args.sync_period;
+        let mut audit = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+        audit.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        audit
+    });
 
     loop {
         let deadline = source
@@ -215,6 +222,11 @@ pub async fn run(args: AgentArgs) -> Result<()> {
             }
             () = async { tokio::time::sleep_until(deadline.expect("guarded")).await }, if deadline.is_some() => {
                 state.sync(&mut source, &mut coalescer);
+            }
+            _ = async { audit.as_mut().expect("guarded").tick().await }, if audit.is_some() => {
+                if state.audit() {
+                    coalescer.queue(Instant::now(), Duration::ZERO);
+                }
             }
             (index, accepts) = hooks.next_xdp_target() => {
                 hooks.xdp_target_changed(&mut state.datapath, index, accepts)?;
@@ -650,6 +662,29 @@ struct Sync {
 }
 
 impl State {
+    /// The `--sync-period` audit: compares the service maps with what the agent wrote; whether
+    /// any entry differs (then a full sync, due now, repairs it). A failed read audits nothing.
+    fn audit(&mut self) -> bool {
+        let actual = match self.datapath.service_maps.read() {
+            Ok(actual) => actual,
+            Err(err) => {
+                warn!(error = %error_chain(&err), "audit: reading the service maps");
+                return false;
+            }
+        };
+        let repairs = self.reconciler.audit(actual);
+        if repairs == 0 {
+            return false;
+        }
+        warn!(
+            entries = repairs,
+            "audit: service map entries differ from what the agent wrote (changed, lost or added \
+             behind its back); a full sync repairs them"
+        );
+        self.metrics.audit_repairs.inc_by(repairs as u64);
+        true
+    }
+
     /// Reads the node's addresses again after a netlink change; whether the NodePort addresses
     /// changed (then a sync is due). A failed read keeps the current ones.
     async fn node_addresses_changed(

@@ -125,8 +125,9 @@ pub struct AgentArgs {
     /// Changes are synced to the maps at most this often: a burst in between is one sync.
     #[arg(long, value_name = "DURATION", default_value = "1s", value_parser = parse_duration)]
     pub min_sync_period: Duration,
-    /// kube-proxy's sync period: /healthz and /livez fail when a change has waited twice this
-    /// long to be synced.
+    /// kube-proxy's sync period: this often the service maps are audited against what the agent
+    /// wrote, and entries changed, lost or added behind its back are repaired ("0s": never);
+    /// /healthz and /livez fail when a change has waited twice this long to be synced.
     #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = parse_duration)]
     pub sync_period: Duration,
     /// cgroup v2 directory whose sockets (host processes, hostNetwork pods) reach services

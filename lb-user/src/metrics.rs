@@ -58,6 +58,8 @@ pub struct Metrics {
     pub services: Gauge,
     pub endpoints: Gauge,
     pub map_write_failures: Counter,
+    /// Map entries the periodic audit found differing from what the agent wrote.
+    pub audit_repairs: Counter,
     pub healthz: Family<CodeLabel, Counter>,
     pub livez: Family<CodeLabel, Counter>,
 }
@@ -92,6 +94,7 @@ impl Metrics {
             services: Gauge::default(),
             endpoints: Gauge::default(),
             map_write_failures: Counter::default(),
+            audit_repairs: Counter::default(),
             healthz: Family::default(),
             livez: Family::default(),
         };
@@ -181,6 +184,12 @@ impl Metrics {
             "lb_map_write_failures",
             "Service map writes that failed (each is retried by a later sync)",
             m.map_write_failures.clone(),
+        );
+        registry.register(
+            "lb_sync_audit_repairs",
+            "Service map entries the --sync-period audit found changed, lost or added behind the \
+             agent's back (each is rewritten or removed by the next sync)",
+            m.audit_repairs.clone(),
         );
         registry.register(
             "kubeproxy_proxy_healthz",

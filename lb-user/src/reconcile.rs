@@ -50,13 +50,30 @@ pub struct SourceRange {
 }
 
 /// Desired contents of the service maps.
-#[derive(Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct MapContents {
     pub frontends: BTreeMap<FrontendKey, Frontend>,
     pub backends: BTreeMap<BackendKey, Backend>,
     pub source_ranges: BTreeSet<SourceRange>,
     /// The Service port and kind of each frontend but the catch-alls (for `lb services`).
     pub origins: BTreeMap<FrontendKey, FrontendOrigin>,
+}
+
+impl MapContents {
+    /// How many entries of `self` and `other` differ: in one only, or with other values.
+    fn differences(&self, other: &MapContents) -> usize {
+        fn differing<K: Ord, V: PartialEq>(a: &BTreeMap<K, V>, b: &BTreeMap<K, V>) -> usize {
+            let changed_or_lost = a.iter().filter(|(k, v)| b.get(k) != Some(*v)).count();
+            changed_or_lost + b.keys().filter(|k| !a.contains_key(k)).count()
+        }
+        differing(&self.frontends, &other.frontends)
+            + differing(&self.backends, &other.backends)
+            + differing(&self.origins, &other.origins)
+            + self
+                .source_ranges
+                .symmetric_difference(&other.source_ranges)
+                .count()
+    }
 }
 
 /// What one sync did.
@@ -278,6 +295,19 @@ impl Reconciler {
     /// What the maps hold, as far as the reconciler knows.
     pub fn written(&self) -> &MapContents {
         &self.written
+    }
+
+    /// kube-proxy's periodic full sync, as an audit: `actual` is what the maps hold now. Returns
+    /// how many entries differ from what this reconciler wrote (changed, lost or added behind
+    /// its back); if any, it takes `actual` as written and makes the next sync a full one, which
+    /// repairs them.
+    pub fn audit(&mut self, actual: MapContents) -> usize {
+        let differences = self.written.differences(&actual);
+        if differences > 0 {
+            self.written = actual;
+            self.last = None;
+        }
+        differences
     }
 
     /// The map contents for `model`; gives new service ports their ids.
@@ -1905,6 +1935,30 @@ mod tests {
         assert!(!report.changed(), "{report:?}");
         assert!(maps.ops.is_empty());
         assert_eq!(restarted.next_id, 8);
+    }
+
+    #[test]
+    fn audit_finds_what_changed_behind_the_writer_and_the_next_sync_repairs_it() {
+        let mut r = Reconciler::new(NODE, MapContents::default());
+        let mut maps = FakeMaps::default();
+        let m = model(&[("web", 10, None, vec![endpoint(2, true), endpoint(3, true)])]);
+        r.sync_changed(&m, None, &mut maps);
+        let wanted = maps.contents.clone();
+        assert_eq!(r.audit(wanted.clone()), 0);
+
+        // Behind the agent's back: a frontend lost, a backend changed, a stray frontend added.
+        let lost = *maps.contents.frontends.keys().next().unwrap();
+        maps.contents.frontends.remove(&lost);
+        maps.contents.backends.values_mut().next().unwrap().port ^= 1;
+        let stray = frontend_key(Ipv4Addr::new(10, 96, 9, 9), 80, lb_common::IPPROTO_TCP);
+        maps.contents.frontends.insert(stray, Frontend::default());
+        assert_eq!(r.audit(maps.contents.clone()), 3);
+
+        // The next sync, though nothing changed in the model, repairs all three.
+        let report = r.sync_changed(&m, Some(&BTreeSet::new()), &mut maps);
+        assert!(report.changed(), "{report:?}");
+        assert_eq!(maps.contents, wanted);
+        assert_eq!(r.audit(maps.contents.clone()), 0);
     }
 
     #[test]

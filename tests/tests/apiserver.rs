@@ -7,8 +7,10 @@ use std::{
 };
 
 use anyhow::{Context as _, Result, ensure};
+use aya::maps::{HashMap, Map, MapData};
 use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
+use lb_common::{Frontend, FrontendKey, IPPROTO_TCP, ipv4_be, map_name, port_be};
 use lb_tests::{
     agent::{Agent, NODE_NAME},
     echo::{EchoServer, Proto, request, requests},
@@ -782,4 +784,68 @@ fn no_node_port_without_allocation() -> Result<()> {
         "a NodePort the agent invented answers"
     );
     Ok(())
+}
+
+/// The --sync-period audit: a frontend deleted behind the agent's back (a stray `bpftool map
+/// delete`, a lost write) is written again within the period, though nothing changed in the
+/// cluster, and the repair is logged and counted.
+#[test]
+fn a_frontend_deleted_behind_the_agents_back_is_restored_within_the_sync_period() -> Result<()> {
+    const SYNC_PERIOD: Duration = Duration::from_secs(2);
+    let args = ["--min-sync-period", "200ms", "--sync-period", "2s"];
+    let mut node = ApiNode::start_with(3, &args, true, |_| {})?;
+    node.publish(&[node.service("web", WEB_IP, Proto::Tcp, &["pod-b"])]);
+    node.agent.wait_for_programmed(1, 1, SYNC)?;
+    let pod_a = &node.topology.pod("pod-a").ns;
+    assert_answered_by(&requests(pod_a, Proto::Tcp, addr(WEB_IP), 3)?, &["pod-b"])?;
+
+    // The agent's bpffs, seen through its own mount namespace.
+    let pin = format!(
+        "/proc/{}/root/sys/fs/bpf/lb/{}",
+        node.agent.pid(),
+        map_name::FRONTENDS
+    );
+    let map = MapData::from_pin(&pin).with_context(|| pin.clone())?;
+    let mut frontends: HashMap<_, FrontendKey, Frontend> = HashMap::try_from(Map::HashMap(map))?;
+    let key = FrontendKey {
+        addr: ipv4_be(WEB_IP.octets()),
+        port: port_be(PORT),
+        proto: IPPROTO_TCP,
+        _pad: 0,
+    };
+    let written = frontends.get(&key, 0).context("the web frontend")?;
+    frontends.remove(&key)?;
+    let deleted = Instant::now();
+    let deadline = deleted + SYNC_PERIOD + SYNC;
+    let restored = loop {
+        if let Ok(frontend) = frontends.get(&key, 0) {
+            break frontend;
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "the frontend is still missing {:?} after its deletion",
+            deleted.elapsed()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    ensure!(
+        restored == written,
+        "restored {restored:?}, written {written:?}"
+    );
+    ensure!(
+        deleted.elapsed() <= SYNC_PERIOD + Duration::from_secs(1),
+        "restored after {:?}",
+        deleted.elapsed()
+    );
+    node.agent
+        .wait_for_log("audit: service map entries differ", SYNC)?;
+    let (_, metrics) = node
+        .topology
+        .node
+        .http_get((Ipv4Addr::LOCALHOST, 10249).into(), "/metrics")?;
+    ensure!(
+        metrics.contains("lb_sync_audit_repairs_total 1"),
+        "{metrics}"
+    );
+    assert_answered_by(&requests(pod_a, Proto::Tcp, addr(WEB_IP), 3)?, &["pod-b"])
 }
