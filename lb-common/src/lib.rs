@@ -273,6 +273,27 @@ pub struct BackendStats {
     pub _pad: u32,
 }
 
+impl BackendStats {
+    /// One slot's per-CPU values added up; `owner` is the first CPU's (a claim writes the same
+    /// owner on every CPU).
+    pub fn sum<'a>(per_cpu: impl IntoIterator<Item = &'a BackendStats>) -> BackendStats {
+        let mut per_cpu = per_cpu.into_iter().peekable();
+        let owner = per_cpu.peek().map_or(0, |cpu| cpu.owner);
+        per_cpu.fold(
+            BackendStats {
+                owner,
+                ..BackendStats::default()
+            },
+            |sum, cpu| BackendStats {
+                connections: sum.connections + cpu.connections,
+                packets: sum.packets + cpu.packets,
+                bytes: sum.bytes + cpu.bytes,
+                ..sum
+            },
+        )
+    }
+}
+
 /// Value of `FRONTEND_ORIGINS` (keyed by `FrontendKey`): which Service port a frontend is and
 /// how it is reached, for `lb services`. Only the agent reads and writes it; the datapath never
 /// touches it. Names are NUL-padded UTF-8, at Kubernetes' length limits (DNS labels of 63

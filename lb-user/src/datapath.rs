@@ -24,7 +24,7 @@ use nix::time::{ClockId, clock_getres};
 use crate::map_batch;
 use crate::map_pins;
 use crate::reconcile::{MapContents, MapWriter, SourceRange};
-use crate::stats_slots::StatsReset;
+use crate::stats_slots::{self, StatsReset};
 use crate::udp_flush::{self, UdpEndpoint};
 
 /// The compiled lb-ebpf object, built by build.rs.
@@ -370,6 +370,14 @@ impl MapWriter for ServiceMaps {
 
     // One syscall per slot (aya has no batch for per-CPU maps): slots change only with endpoints.
     fn reset_stats(&mut self, resets: &[StatsReset]) -> Vec<(usize, io::Error)> {
+        // Read once (it is a file read), not per slot; without it every reset fails alike.
+        let cpus = match aya::util::nr_cpus() {
+            Ok(cpus) => cpus,
+            Err((_, err)) => {
+                let failed = |i| (i, io::Error::new(err.kind(), err.to_string()));
+                return (0..resets.len()).map(failed).collect();
+            }
+        };
         resets
             .iter()
             .enumerate()
@@ -378,15 +386,14 @@ impl MapWriter for ServiceMaps {
                     owner: reset.owner,
                     ..BackendStats::default()
                 };
-                let written = aya::util::nr_cpus()
-                    .map_err(|(_, err)| err)
-                    .and_then(|cpus| PerCpuValues::try_from(vec![value; cpus]))
+                PerCpuValues::try_from(vec![value; cpus])
                     .and_then(|values| {
                         self.stats
                             .set(u32::from(reset.slot), values, 0)
                             .map_err(io::Error::other)
-                    });
-                written.err().map(|err| (i, err))
+                    })
+                    .err()
+                    .map(|err| (i, err))
             })
             .collect()
     }
@@ -490,13 +497,12 @@ fn stats_slots_in_use(pin_dir: &Path) -> Result<u32, DatapathError> {
         Map::from_map_data(MapData::from_pin(pin_dir.join(name)).map_err(err)?).map_err(err)?,
     )
     .map_err(err)?;
-    let slots: std::collections::BTreeSet<u16> = backends
+    let backends: Vec<Backend> = backends
         .iter()
         .filter_map(Result::ok)
-        .map(|(_, backend)| backend.stats_slot)
-        .filter(|&slot| slot != 0)
+        .map(|(_, backend)| backend)
         .collect();
-    Ok(slots.len() as u32)
+    Ok(stats_slots::in_use(&backends).len() as u32)
 }
 
 #[cfg(test)]

@@ -7,6 +7,8 @@ use std::fs;
 use std::os::unix::ffi::OsStrExt as _;
 use std::path::{Path, PathBuf};
 
+use aya::maps::{Map, MapData, MapError};
+
 /// `dir` if `pin` is pinned there; else the same directory as seen by an `lb agent` process in
 /// this network namespace; None if neither has it.
 pub fn locate(dir: &Path, pin: &str) -> Option<PathBuf> {
@@ -28,6 +30,17 @@ pub fn locate(dir: &Path, pin: &str) -> Option<PathBuf> {
         .filter(|proc| fs::read(proc.join("cmdline")).is_ok_and(|c| is_agent(&c)))
         .map(|proc| proc.join("root").join(relative))
         .find(|candidate| candidate.join(pin).exists())
+}
+
+/// The map pinned as `name` in `dir`, as the aya map type `T` (`HashMap<MapData, K, V>`, ...).
+pub fn open<T>(dir: &Path, name: &str) -> anyhow::Result<T>
+where
+    T: TryFrom<Map, Error = MapError>,
+{
+    MapData::from_pin(dir.join(name))
+        .and_then(Map::from_map_data)
+        .and_then(T::try_from)
+        .map_err(|e| anyhow::anyhow!("opening {name}: {}", crate::error_chain(&e)))
 }
 
 /// The directory `locate` finds, or an error saying where `pin` was looked for.

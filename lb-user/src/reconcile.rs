@@ -1775,13 +1775,7 @@ mod tests {
         assert_eq!(r.stats_slots(), (2, 2));
 
         // A restarted agent keeps every slot: it writes nothing.
-        let pinned = MapContents {
-            frontends: maps.contents.frontends.clone(),
-            backends: maps.contents.backends.clone(),
-            source_ranges: maps.contents.source_ranges.clone(),
-            origins: maps.contents.origins.clone(),
-        };
-        let mut r = Reconciler::new(NODE, pinned).with_stats_slots(3);
+        let mut r = Reconciler::new(NODE, maps.contents.clone()).with_stats_slots(3);
         maps.ops.clear();
         let report = r.sync(&two, &mut maps);
         assert!(maps.ops.is_empty(), "{:?}", maps.ops);
@@ -1918,15 +1912,7 @@ mod tests {
         first.sync(&m, &mut maps);
         let pinned = std::mem::take(&mut maps.contents);
 
-        let mut restarted = Reconciler::new(
-            NODE,
-            MapContents {
-                frontends: pinned.frontends.clone(),
-                backends: pinned.backends.clone(),
-                source_ranges: pinned.source_ranges.clone(),
-                origins: pinned.origins.clone(),
-            },
-        );
+        let mut restarted = Reconciler::new(NODE, pinned.clone());
         let mut maps = FakeMaps {
             contents: pinned,
             ..Default::default()

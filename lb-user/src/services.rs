@@ -5,7 +5,7 @@ use std::net::{Ipv4Addr, SocketAddrV4};
 use std::path::Path;
 
 use anyhow::Result;
-use aya::maps::{HashMap, Map, MapData, PerCpuArray};
+use aya::maps::{HashMap, MapData, PerCpuArray};
 use comfy_table::{Table, presets};
 use lb_common::{
     Backend, BackendKey, BackendStats, FRONTEND_F_LOCAL, FRONTEND_F_MASQUERADE,
@@ -13,7 +13,7 @@ use lb_common::{
     LOCAL_SLOT, SCHED_FLOW_HASH, SCHED_RANDOM, SCHED_ROUND_ROBIN, SCHED_SOURCE_HASH, map_name,
 };
 use lb_user::connections::protocol_name;
-use lb_user::stats_slots::PortEndpoint;
+use lb_user::stats_slots::{self, PortEndpoint};
 use lb_user::{error_chain, pins};
 use serde::Serialize;
 
@@ -39,63 +39,33 @@ struct Pinned {
     stats: BTreeMap<u16, BackendStats>,
 }
 
-fn open<K, V>(dir: &Path, name: &str) -> Result<HashMap<MapData, K, V>>
-where
-    K: aya::Pod,
-    V: aya::Pod,
-{
-    let map = MapData::from_pin(dir.join(name))
-        .and_then(Map::from_map_data)
-        .and_then(HashMap::try_from)
-        .map_err(|e| anyhow::anyhow!("opening {name}: {}", error_chain(&e)))?;
-    Ok(map)
-}
-
 impl Pinned {
     fn read(dir: &Path) -> Result<Self> {
         let read = |name: &str, e: aya::maps::MapError| {
             anyhow::anyhow!("reading {name}: {}", error_chain(&e))
         };
-        let frontends = open(dir, map_name::FRONTENDS)?
+        let frontends = pins::open::<HashMap<MapData, _, _>>(dir, map_name::FRONTENDS)?
             .iter()
             .collect::<Result<_, _>>()
             .map_err(|e| read(map_name::FRONTENDS, e))?;
-        let backends: BTreeMap<BackendKey, Backend> = open(dir, map_name::BACKENDS)?
-            .iter()
-            .collect::<Result<_, _>>()
-            .map_err(|e| read(map_name::BACKENDS, e))?;
-        let origins = open(dir, map_name::FRONTEND_ORIGINS)?
+        let backends: BTreeMap<BackendKey, Backend> =
+            pins::open::<HashMap<MapData, _, _>>(dir, map_name::BACKENDS)?
+                .iter()
+                .collect::<Result<_, _>>()
+                .map_err(|e| read(map_name::BACKENDS, e))?;
+        let origins = pins::open::<HashMap<MapData, _, _>>(dir, map_name::FRONTEND_ORIGINS)?
             .iter()
             .collect::<Result<_, _>>()
             .map_err(|e| read(map_name::FRONTEND_ORIGINS, e))?;
         let name = map_name::BACKEND_STATS;
-        let array: PerCpuArray<MapData, BackendStats> = MapData::from_pin(dir.join(name))
-            .and_then(Map::from_map_data)
-            .and_then(PerCpuArray::try_from)
-            .map_err(|e| anyhow::anyhow!("opening {name}: {}", error_chain(&e)))?;
+        let array: PerCpuArray<MapData, BackendStats> = pins::open(dir, name)?;
         // Only the slots in use: the array is mostly free slots, each as many values as CPUs.
-        let slots: std::collections::BTreeSet<u16> = backends
-            .values()
-            .map(|b| b.stats_slot)
-            .filter(|&slot| slot != 0 && u32::from(slot) < array.len())
-            .collect();
-        let stats = slots
+        let stats = stats_slots::in_use(backends.values())
             .into_iter()
+            .filter(|&slot| u32::from(slot) < array.len())
             .map(|slot| {
                 let per_cpu = array.get(&u32::from(slot), 0)?;
-                let sum = per_cpu.iter().fold(
-                    BackendStats {
-                        owner: per_cpu.first().map_or(0, |cpu| cpu.owner),
-                        ..BackendStats::default()
-                    },
-                    |sum, cpu| BackendStats {
-                        connections: sum.connections + cpu.connections,
-                        packets: sum.packets + cpu.packets,
-                        bytes: sum.bytes + cpu.bytes,
-                        ..sum
-                    },
-                );
-                Ok((slot, sum))
+                Ok((slot, BackendStats::sum(per_cpu.iter())))
             })
             .collect::<Result<_, _>>()
             .map_err(|e| read(name, e))?;

@@ -10,6 +10,15 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use lb_common::{Backend, BackendKey, mix32};
 
+/// The counter slots `backends` refer to (slot 0, "not counted", left out).
+pub fn in_use<'a>(backends: impl IntoIterator<Item = &'a Backend>) -> BTreeSet<u16> {
+    backends
+        .into_iter()
+        .map(|backend| backend.stats_slot)
+        .filter(|&slot| slot != 0)
+        .collect()
+}
+
 /// An endpoint of one service port: what a counter slot counts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct PortEndpoint {

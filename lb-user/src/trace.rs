@@ -262,20 +262,15 @@ fn load(dir: &Path) -> Result<Ebpf> {
         .context("loading the eBPF object")
 }
 
-fn pinned_map(dir: &Path, name: &str) -> Result<Map> {
-    let data = MapData::from_pin(dir.join(name)).with_context(|| format!("pinned map {name}"))?;
-    Map::from_map_data(data).with_context(|| format!("pinned map {name}"))
-}
-
 fn pinned_array<V: aya::Pod>(dir: &Path, name: &str) -> Result<V> {
-    let array = Array::<_, V>::try_from(pinned_map(dir, name)?)?;
+    let array: Array<MapData, V> = pins::open(dir, name)?;
     Ok(array.get(&0, 0)?)
 }
 
 /// The frontend the datapath would match (service.rs: the exact port, else the catch-all).
 fn lookup_frontend(dir: &Path, tuple: &ConntrackKey) -> Result<Option<(FrontendKey, Frontend)>> {
     let frontends =
-        HashMap::<_, FrontendKey, Frontend>::try_from(pinned_map(dir, map_name::FRONTENDS)?)?;
+        pins::open::<HashMap<MapData, FrontendKey, Frontend>>(dir, map_name::FRONTENDS)?;
     let exact = FrontendKey {
         addr: tuple.dst_addr,
         port: tuple.dst_port,
@@ -299,10 +294,8 @@ fn seed(
     tuple: &ConntrackKey,
     frontend: Option<&Frontend>,
 ) -> Result<Option<ConntrackEntry>> {
-    let pinned = HashMap::<_, ConntrackKey, ConntrackEntry>::try_from(pinned_map(
-        dir,
-        map_name::CONNTRACK,
-    )?)?;
+    let pinned =
+        pins::open::<HashMap<MapData, ConntrackKey, ConntrackEntry>>(dir, map_name::CONNTRACK)?;
     let mut private: HashMap<_, ConntrackKey, ConntrackEntry> =
         private_map(ebpf, map_name::CONNTRACK)?;
     let existing = pinned.get(tuple, 0).ok();
@@ -329,13 +322,13 @@ fn seed(
         client_addr: tuple.src_addr,
     };
     let pinned =
-        HashMap::<_, AffinityKey, StickyBackend>::try_from(pinned_map(dir, map_name::AFFINITY)?)?;
+        pins::open::<HashMap<MapData, AffinityKey, StickyBackend>>(dir, map_name::AFFINITY)?;
     if let Ok(sticky) = pinned.get(&affinity_key, 0) {
         let mut private: HashMap<_, AffinityKey, StickyBackend> =
             private_map(ebpf, map_name::AFFINITY)?;
         private.insert(affinity_key, sticky, 0)?;
     }
-    let pinned = HashMap::<_, u32, u32>::try_from(pinned_map(dir, map_name::ROUND_ROBIN)?)?;
+    let pinned = pins::open::<HashMap<MapData, u32, u32>>(dir, map_name::ROUND_ROBIN)?;
     if let Ok(cursor) = pinned.get(&frontend.service_id, 0) {
         let mut private: HashMap<_, u32, u32> = private_map(ebpf, map_name::ROUND_ROBIN)?;
         private.insert(frontend.service_id, cursor, 0)?;
@@ -384,8 +377,7 @@ fn backend_list(config: &Config, frontend: &Frontend, client: u32) -> (u32, u32)
 }
 
 fn candidates(dir: &Path, service_id: u32, (base, count): (u32, u32)) -> Result<Vec<String>> {
-    let backends =
-        HashMap::<_, BackendKey, Backend>::try_from(pinned_map(dir, map_name::BACKENDS)?)?;
+    let backends = pins::open::<HashMap<MapData, BackendKey, Backend>>(dir, map_name::BACKENDS)?;
     Ok((0..count)
         .filter_map(|i| {
             let key = BackendKey {

@@ -478,19 +478,7 @@ impl Datapath {
     fn backend_stats(&self, slot: u16) -> BackendStats {
         let map = self.ebpf.map(map_name::BACKEND_STATS).unwrap();
         let stats: PerCpuArray<&MapData, BackendStats> = map.try_into().unwrap();
-        let per_cpu = stats.get(&u32::from(slot), 0).unwrap();
-        per_cpu.iter().fold(
-            BackendStats {
-                owner: per_cpu[0].owner,
-                ..BackendStats::default()
-            },
-            |sum, cpu| BackendStats {
-                connections: sum.connections + cpu.connections,
-                packets: sum.packets + cpu.packets,
-                bytes: sum.bytes + cpu.bytes,
-                ..sum
-            },
-        )
+        BackendStats::sum(stats.get(&u32::from(slot), 0).unwrap().iter())
     }
 
     fn conntrack(&self, key: &ConntrackKey) -> Option<ConntrackEntry> {

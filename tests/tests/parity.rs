@@ -2,7 +2,7 @@
 //! relies on, through a real node namespace with real sockets.
 use std::{
     collections::BTreeSet,
-    io::{ErrorKind, Read as _, Write as _},
+    io::ErrorKind,
     net::{SocketAddr, TcpStream, UdpSocket},
     time::{Duration, Instant},
 };
@@ -161,21 +161,9 @@ fn on(n: &Node, pod: &str, node: &str) -> EndpointManifest {
 
 /// GET / on the healthCheckNodePort from the external client: status and body.
 fn health_check(n: &Node) -> Result<(u16, String)> {
-    let to = SocketAddr::from((NODE_IP, HEALTH_PORT));
-    n.topology.client.run(move || -> Result<(u16, String)> {
-        let mut stream = TcpStream::connect_timeout(&to, TIMEOUT)?;
-        stream.set_read_timeout(Some(TIMEOUT))?;
-        stream.write_all(b"GET / HTTP/1.1\r\nHost: lb\r\nConnection: close\r\n\r\n")?;
-        let mut text = String::new();
-        stream.read_to_string(&mut text)?;
-        let status = text
-            .split(' ')
-            .nth(1)
-            .and_then(|s| s.parse().ok())
-            .with_context(|| format!("no status in {text:?}"))?;
-        let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_string());
-        Ok((status, body.unwrap_or_default()))
-    })?
+    n.topology
+        .client
+        .http_get(SocketAddr::from((NODE_IP, HEALTH_PORT)), "/")
 }
 
 /// Polls the health check until it reports `status` (the agent updates it after its sync).
