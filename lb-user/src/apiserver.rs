@@ -534,7 +534,7 @@ mod tests {
     use super::*;
 
     fn node(yaml: &str) -> Node {
-        serde_yaml::from_str(yaml).unwrap()
+        yaml_serde::from_str(yaml).unwrap()
     }
 
     #[test]
@@ -563,7 +563,7 @@ mod tests {
 
     #[test]
     fn trimming_keeps_what_is_used() {
-        let mut slice: EndpointSlice = serde_yaml::from_str(
+        let mut slice: EndpointSlice = yaml_serde::from_str(
             "metadata:\n  name: s\n  annotations: {endpoints.kubernetes.io/last-change-trigger-time: '2025-03-01T10:00:00Z', other: x}\n  managedFields: [{manager: kcm}]\naddressType: IPv4\nendpoints: []\n",
         )
         .unwrap();
@@ -575,7 +575,7 @@ mod tests {
         );
         assert_eq!(slice.metadata.annotations.unwrap().len(), 1);
 
-        let mut svc: Service = serde_yaml::from_str(
+        let mut svc: Service = yaml_serde::from_str(
             "metadata:\n  name: web\n  annotations: {lb.kubernetes.io/scheduler: maglev, other: x}\n",
         )
         .unwrap();

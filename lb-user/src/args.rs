@@ -1,13 +1,18 @@
 //! Command line.
+use std::ffi::OsString;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::ops::RangeInclusive;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::{Args, Parser, Subcommand, ValueEnum};
+use anyhow::Context as _;
+use clap::parser::ValueSource;
+use clap::{ArgAction, Args, CommandFactory as _, Parser, Subcommand, ValueEnum};
 use ipnet::Ipv4Net;
 use lb_common::default_size;
 use lb_user::model::Scheduler;
+
+use crate::kube_proxy_config::{self, FileFlags};
 
 pub const DEFAULT_BPFFS: &str = "/sys/fs/bpf/lb";
 
@@ -16,6 +21,77 @@ pub const DEFAULT_BPFFS: &str = "/sys/fs/bpf/lb";
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
+}
+
+impl Cli {
+    /// The command line, with what `lb agent --config FILE` sets added as flags where the
+    /// command line has none; and the file's fields that were not applied, each a sentence.
+    /// Exits as clap does on a usage error, `--help` or `--version`.
+    pub fn parse_with_config(mut argv: Vec<OsString>) -> anyhow::Result<(Cli, Vec<String>)> {
+        let mut ignored = Vec::new();
+        if let Some(file) = config_file_flags(&argv)? {
+            ignored = add_file_flags(&mut argv, file);
+        }
+        let cli = Cli::try_parse_from(argv).unwrap_or_else(|e| e.exit());
+        Ok((cli, ignored))
+    }
+}
+
+/// What the `--config` file of an `lb agent` command line sets, if it names one.
+fn config_file_flags(argv: &[OsString]) -> anyhow::Result<Option<FileFlags>> {
+    // Leniently: a required flag may be missing until the file adds it.
+    let matches = Cli::command()
+        .ignore_errors(true)
+        .try_get_matches_from(argv)
+        .unwrap_or_else(|e| e.exit());
+    let Some(("agent", agent)) = matches.subcommand() else {
+        return Ok(None);
+    };
+    let Some(path) = agent.get_one::<PathBuf>("config") else {
+        return Ok(None);
+    };
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading --config {}", path.display()))?;
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let flags = kube_proxy_config::flags_from(&text, u32::try_from(cpus).unwrap_or(u32::MAX))
+        .with_context(|| format!("--config {}", path.display()))?;
+    Ok(Some(flags))
+}
+
+/// Appends the file's flags that the command line does not give; returns the file's fields
+/// that were not applied.
+fn add_file_flags(argv: &mut Vec<OsString>, file: FileFlags) -> Vec<String> {
+    let mut ignored = file.ignored;
+    let command = Cli::command();
+    let agent = command
+        .find_subcommand("agent")
+        .expect("lb has an agent command");
+    let given = Cli::command()
+        .ignore_errors(true)
+        .try_get_matches_from(argv.iter())
+        .ok();
+    let on_command_line = |id: &str| {
+        given
+            .as_ref()
+            .and_then(|m| m.subcommand_matches("agent"))
+            .and_then(|m| m.value_source(id))
+            == Some(ValueSource::CommandLine)
+    };
+    for (id, value) in file.flags {
+        let flag = kube_proxy_config::flag_of(id);
+        let Some(arg) = agent.get_arguments().find(|a| a.get_id() == id) else {
+            ignored.push(format!("{flag}: not an option of this version"));
+            continue;
+        };
+        if on_command_line(id) {
+            continue;
+        }
+        argv.push(flag.into());
+        if !matches!(arg.get_action(), ArgAction::SetTrue) {
+            argv.push(value.into());
+        }
+    }
+    ignored
 }
 
 #[derive(Debug, Subcommand)]
@@ -52,6 +128,13 @@ pub enum LogFormat {
 
 #[derive(Debug, Args)]
 pub struct AgentArgs {
+    /// kube-proxy's configuration file (KubeProxyConfiguration, kubeproxy.config.k8s.io/v1alpha1).
+    /// Each field that applies sets the flag of the same meaning (clusterCIDR, nodePortAddresses,
+    /// conntrack, healthzBindAddress, metricsBindAddress, syncPeriod, minSyncPeriod,
+    /// hostnameOverride, ...); a flag given on the command line wins. Fields that do not apply
+    /// are named in a warning.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
     /// Directory of Kubernetes YAML (*.yaml, *.yml): v1 Services and discovery.k8s.io/v1
     /// EndpointSlices, watched for changes, instead of the apiserver.
     #[arg(long, value_name = "DIR", conflicts_with = "kubeconfig")]
@@ -290,37 +373,14 @@ fn parse_bind_address(s: &str, default_port: u16) -> Result<BindAddress, String>
         .map_err(|e| format!("{s:?}: {e} (expected IP:PORT, IP or \"\")"))
 }
 
-/// Go-style durations as kube-proxy takes them: `1s`, `500ms`, `1m30s`, `0`.
+/// Go-style durations as kube-proxy takes them: `1s`, `500ms`, `1m30s`, `24h0m0s`, `0`.
 fn parse_duration(s: &str) -> Result<Duration, String> {
+    let bad = || format!("{s:?}: expected a duration like 1s, 500ms, 1m30s");
     if s == "0" {
         return Ok(Duration::ZERO);
     }
-    let bad = || format!("{s:?}: expected a duration like 1s, 500ms, 1m30s");
-    if s.is_empty() {
-        return Err(bad());
-    }
-    let mut total = Duration::ZERO;
-    let mut rest = s;
-    while !rest.is_empty() {
-        let digits = rest
-            .find(|c: char| !c.is_ascii_digit() && c != '.')
-            .ok_or_else(bad)?;
-        let number: f64 = rest[..digits].parse().map_err(|_| bad())?;
-        rest = &rest[digits..];
-        let unit_len = rest
-            .find(|c: char| c.is_ascii_digit())
-            .unwrap_or(rest.len());
-        let unit = match &rest[..unit_len] {
-            "ms" => 0.001,
-            "s" => 1.0,
-            "m" => 60.0,
-            "h" => 3600.0,
-            _ => return Err(bad()),
-        };
-        rest = &rest[unit_len..];
-        total += Duration::try_from_secs_f64(number * unit).map_err(|_| bad())?;
-    }
-    Ok(total)
+    let duration: jiff::SignedDuration = s.parse().map_err(|_| bad())?;
+    Duration::try_from(duration).map_err(|_| bad())
 }
 
 #[cfg(test)]
@@ -457,6 +517,52 @@ mod tests {
     }
 
     #[test]
+    fn config_file_fills_what_the_command_line_leaves_out() {
+        let file = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(
+            file.path(),
+            "apiVersion: kubeproxy.config.k8s.io/v1alpha1
+kind: KubeProxyConfiguration
+clusterCIDR: 10.244.0.0/16
+metricsBindAddress: 0.0.0.0:10249
+minSyncPeriod: 3s
+linux: {masqueradeAll: true}
+oomScoreAdj: -999
+",
+        )
+        .unwrap();
+        let argv = [
+            "lb",
+            "agent",
+            "--config",
+            file.path().to_str().unwrap(),
+            "--manifests",
+            "/m",
+            "--external-interface",
+            "ext0",
+            "--pod-interfaces",
+            "lbp*",
+            "--min-sync-period",
+            "250ms",
+        ];
+        let (cli, ignored) =
+            Cli::parse_with_config(argv.iter().map(OsString::from).collect()).unwrap();
+        let Command::Agent(a) = cli.command else {
+            panic!("not agent")
+        };
+        // The required --cluster-cidr comes from the file.
+        assert_eq!(a.cluster_cidr, "10.244.0.0/16".parse().unwrap());
+        assert_eq!(
+            a.metrics_bind_address,
+            BindAddress(Some("0.0.0.0:10249".parse().unwrap()))
+        );
+        assert!(a.masquerade_all);
+        // The command line wins.
+        assert_eq!(a.min_sync_period, Duration::from_millis(250));
+        assert_eq!(ignored, ["oomScoreAdj: not a field lb uses"]);
+    }
+
+    #[test]
     fn durations() {
         assert_eq!(parse_duration("1s"), Ok(Duration::from_secs(1)));
         assert_eq!(parse_duration("0"), Ok(Duration::ZERO));
@@ -466,6 +572,8 @@ mod tests {
         assert!(parse_duration("10").is_err());
         assert!(parse_duration("1x").is_err());
         assert!(parse_duration("").is_err());
+        assert_eq!(parse_duration("24h0m0s"), Ok(Duration::from_secs(86_400)));
+        assert!(parse_duration("-1s").is_err());
     }
 
     #[test]

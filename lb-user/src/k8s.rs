@@ -463,11 +463,11 @@ mod tests {
     }
 
     fn svc(yaml: &str) -> Service {
-        serde_yaml::from_str(yaml).expect("test yaml")
+        yaml_serde::from_str(yaml).expect("test yaml")
     }
 
     fn slice(yaml: &str) -> EndpointSlice {
-        serde_yaml::from_str(yaml).expect("test yaml")
+        yaml_serde::from_str(yaml).expect("test yaml")
     }
 
     const HEAD: &str = "apiVersion: v1\nkind: Service\nmetadata: {name: web, namespace: shop}\n";

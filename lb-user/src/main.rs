@@ -3,19 +3,19 @@ mod agent;
 mod args;
 mod cleanup;
 mod conntrack;
+mod kube_proxy_config;
 mod services;
 mod stats;
 mod trace;
 
 use std::io::IsTerminal as _;
 
-use clap::Parser as _;
 use tracing_subscriber::EnvFilter;
 
 use crate::args::{Cli, Command, LogFormat};
 
 fn main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
+    let (cli, ignored) = Cli::parse_with_config(std::env::args_os().collect())?;
     let log_format = match &cli.command {
         Command::Agent(args) => args.log_format,
         _ => LogFormat::Text,
@@ -28,6 +28,9 @@ fn main() -> anyhow::Result<()> {
     match log_format {
         LogFormat::Text => logs.with_ansi(std::io::stderr().is_terminal()).init(),
         LogFormat::Json => logs.json().init(),
+    }
+    for field in &ignored {
+        tracing::warn!("--config: {field}: ignored");
     }
     match cli.command {
         Command::Agent(args) => tokio::runtime::Builder::new_current_thread()

@@ -42,7 +42,7 @@ pub enum ManifestError {
     #[error("{at}: {source}")]
     Yaml {
         at: Location,
-        source: serde_yaml::Error,
+        source: yaml_serde::Error,
     },
     #[error("{at}: {field}")]
     MissingKind { at: Location, field: &'static str },
@@ -50,7 +50,7 @@ pub enum ManifestError {
     Decode {
         at: Location,
         path: String,
-        source: serde_yaml::Error,
+        source: yaml_serde::Error,
     },
     #[error("{at}: {source}")]
     Invalid { at: Location, source: InvalidField },
@@ -480,7 +480,7 @@ fn next_marker(text: &str, from: usize) -> Option<usize> {
 fn decode_part(file: &str, text: &str) -> Option<(usize, Vec<Object>)> {
     let mut objects = Vec::new();
     let mut documents = 0;
-    for (i, document) in serde_yaml::Deserializer::from_str(text).enumerate() {
+    for (i, document) in yaml_serde::Deserializer::from_str(text).enumerate() {
         documents = i + 1;
         let at = Location {
             file: file.to_owned(),
@@ -566,17 +566,17 @@ impl<'de> serde::de::Visitor<'de> for DecodedVisitor {
 }
 
 /// Every Service and EndpointSlice document of one file, validated, by way of a
-/// [`serde_yaml::Value`] per document: the slow pass, whose errors name the document and the
+/// [`yaml_serde::Value`] per document: the slow pass, whose errors name the document and the
 /// failing field.
 fn parse_exact(file: &str, text: &str) -> Result<Vec<Object>, ManifestError> {
     let mut objects = Vec::new();
-    for (i, document) in serde_yaml::Deserializer::from_str(text).enumerate() {
+    for (i, document) in yaml_serde::Deserializer::from_str(text).enumerate() {
         let at = Location {
             file: file.to_owned(),
             document: i + 1,
         };
         let value =
-            serde_yaml::Value::deserialize(document).map_err(|source| ManifestError::Yaml {
+            yaml_serde::Value::deserialize(document).map_err(|source| ManifestError::Yaml {
                 at: at.clone(),
                 source,
             })?;
@@ -591,7 +591,7 @@ enum Typed {
     Slice(Box<EndpointSlice>),
 }
 
-fn parse_document(at: Location, value: serde_yaml::Value) -> Result<Option<Object>, ManifestError> {
+fn parse_document(at: Location, value: yaml_serde::Value) -> Result<Option<Object>, ManifestError> {
     if value.is_null() {
         return Ok(None);
     }
@@ -669,7 +669,7 @@ fn object_key(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta)
 /// Decodes with the path of the failing field in the error (`spec.ports[0].port`).
 fn decode<T: DeserializeOwned>(
     at: &Location,
-    value: serde_yaml::Value,
+    value: yaml_serde::Value,
 ) -> Result<T, ManifestError> {
     serde_path_to_error::deserialize(value).map_err(|err| ManifestError::Decode {
         at: at.clone(),

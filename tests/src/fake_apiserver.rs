@@ -192,7 +192,7 @@ current-context: fake
                 .split("---\n")
                 .filter(|d| !d.trim().is_empty())
             {
-                values.push(serde_yaml::from_str(doc).context("a test manifest")?);
+                values.push(yaml_serde::from_str(doc).context("a test manifest")?);
             }
         }
         self.apply_values(values);

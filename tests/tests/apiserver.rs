@@ -55,8 +55,8 @@ fn node_object() -> Node {
 fn objects(manifest: &ServiceManifest) -> (Service, EndpointSlice) {
     let yaml = manifest.yaml();
     let mut docs = yaml.split("---\n");
-    let service = serde_yaml::from_str(docs.next().expect("service")).expect("service yaml");
-    let slice = serde_yaml::from_str(docs.next().expect("slice")).expect("slice yaml");
+    let service = yaml_serde::from_str(docs.next().expect("service")).expect("service yaml");
+    let slice = yaml_serde::from_str(docs.next().expect("slice")).expect("slice yaml");
     (service, slice)
 }
 
@@ -848,4 +848,51 @@ fn a_frontend_deleted_behind_the_agents_back_is_restored_within_the_sync_period(
         "{metrics}"
     );
     assert_answered_by(&requests(pod_a, Proto::Tcp, addr(WEB_IP), 3)?, &["pod-b"])
+}
+
+/// `--config` with kube-proxy's KubeProxyConfiguration: the fields that apply set their flags
+/// (the metrics and health servers move), a flag on the command line wins over the file (the
+/// node name: the file's would find no Node and never sync), and a field that does not apply
+/// is named in a warning.
+#[test]
+fn a_kube_proxy_configuration_file_sets_the_flags() -> Result<()> {
+    let metrics: SocketAddr = (Ipv4Addr::LOCALHOST, 10351).into();
+    let health: SocketAddr = (Ipv4Addr::LOCALHOST, 10356).into();
+    let dir = tempfile::Builder::new().prefix("lbt-config").tempdir()?;
+    let config = dir.path().join("kube-proxy.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "apiVersion: kubeproxy.config.k8s.io/v1alpha1
+kind: KubeProxyConfiguration
+hostnameOverride: not-this-node
+metricsBindAddress: {metrics}
+healthzBindAddress: {health}
+minSyncPeriod: 200ms
+mode: ipvs
+"
+        ),
+    )?;
+    let config = config.to_str().context("temp path")?;
+    let mut node = ApiNode::start_with(2, &["--config", config], true, |_| {})?;
+    node.publish(&[node.service("web", WEB_IP, Proto::Tcp, &["pod-b"])]);
+    node.agent.wait_for_programmed(1, 1, SYNC)?;
+    let answer = request(&node.topology.pod("pod-a").ns, Proto::Tcp, addr(WEB_IP))?;
+    assert_answered_by(&[answer], &["pod-b"])?;
+
+    let ns = &node.topology.node;
+    let (status, mode) = ns.http_get(metrics, "/proxyMode")?;
+    ensure!((status, mode.as_str()) == (200, "ebpf"), "{status} {mode}");
+    ensure!(ns.http_get(health, "/healthz")?.0 == 200);
+    ensure!(
+        ns.http_get((Ipv4Addr::LOCALHOST, 10249).into(), "/metrics")
+            .is_err(),
+        "metrics still on the default port"
+    );
+    let log = node.agent.log();
+    ensure!(
+        log.contains("--config: mode: ipvs: lb is its own proxy mode: ignored"),
+        "no warning for the mode:\n{log}"
+    );
+    Ok(())
 }

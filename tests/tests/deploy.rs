@@ -61,7 +61,7 @@ fn deploy_manifests_are_valid() -> Result<()> {
         }
         files.insert(file.clone());
         let text = std::fs::read_to_string(&path)?;
-        for doc in serde_yaml::Deserializer::from_str(&text) {
+        for doc in yaml_serde::Deserializer::from_str(&text) {
             let value: Value = serde::Deserialize::deserialize(doc).context(file.clone())?;
             let kind = format!(
                 "{}/{}",
@@ -86,7 +86,7 @@ fn deploy_manifests_are_valid() -> Result<()> {
     }
     ensure!(kinds.len() == 6, "{kinds:?}");
 
-    let kustomization: Value = serde_yaml::from_str(&std::fs::read_to_string(
+    let kustomization: Value = yaml_serde::from_str(&std::fs::read_to_string(
         deploy_dir().join("kustomization.yaml"),
     )?)?;
     let listed: BTreeSet<String> = kustomization["resources"]
@@ -206,7 +206,7 @@ fn deploy_manifests_are_valid() -> Result<()> {
 fn uninstall_runs_lb_cleanup_on_every_node() -> Result<()> {
     let dir = deploy_dir().join("uninstall");
     let text = std::fs::read_to_string(dir.join("daemonset.yaml"))?;
-    let ds: DaemonSet = typed("uninstall/daemonset.yaml", &serde_yaml::from_str(&text)?)?;
+    let ds: DaemonSet = typed("uninstall/daemonset.yaml", &yaml_serde::from_str(&text)?)?;
     let pod = ds.spec.template.spec.context("pod spec")?;
     ensure!(
         pod.tolerations
@@ -245,7 +245,7 @@ fn uninstall_runs_lb_cleanup_on_every_node() -> Result<()> {
         });
     ensure!(mounts_host_bpffs, "cleanup sees the host's /sys/fs/bpf");
     let kustomization: Value =
-        serde_yaml::from_str(&std::fs::read_to_string(dir.join("kustomization.yaml"))?)?;
+        yaml_serde::from_str(&std::fs::read_to_string(dir.join("kustomization.yaml"))?)?;
     ensure!(
         kustomization["resources"] == serde_json::json!(["daemonset.yaml"]),
         "{kustomization}"
