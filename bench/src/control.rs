@@ -53,7 +53,7 @@ pub struct ControlPoint {
 
 /// What a probe waits for after a change.
 #[derive(Clone, Copy)]
-enum Shows {
+pub enum Shows {
     /// An answer from this server (an added endpoint).
     AnswerFrom(u8),
     /// STREAK answers in a row from this server (the other endpoint was removed).
@@ -142,7 +142,7 @@ fn measure(plan: &Plan, deployment: &mut Deployment, point: &mut ControlPoint) -
 }
 
 /// Probes `to` until it `shows` the change made at `changed`; returns how long after it.
-fn probe(changed: Instant, to: SocketAddr, shows: Shows) -> Result<Duration> {
+pub fn probe(changed: Instant, to: SocketAddr, shows: Shows) -> Result<Duration> {
     pin(CLIENT_CPU)?;
     let mut streak_start: Option<Instant> = None;
     let mut streak = 0;

@@ -4,6 +4,7 @@
 mod bpf;
 mod conntrack_full;
 mod control;
+mod control_api;
 mod datapath_cost;
 mod flood;
 mod interrupt;
@@ -76,6 +77,8 @@ pub enum Section {
     /// B6's restart gap alone: the agent programs 10k × 10 from nothing, then is restarted on
     /// its pins.
     B6Restart,
+    /// B6 through the in-test apiserver: cold start, change to first packet, relist, RSS.
+    B6Api,
     /// Map and agent memory.
     B7,
 }
@@ -186,6 +189,14 @@ impl Plan {
             let endpoints = (self.bulk.0 * self.bulk.1) as f64;
             seconds += endpoints * 4e-4 + if endpoints >= 50_000.0 { 180.0 } else { 0.0 };
         }
+        if self.wants(Section::B6Api) {
+            let per_count: f64 = self
+                .control_counts
+                .iter()
+                .map(|&c| 2.0 + c as f64 * 1e-4 + self.control_changes as f64 * 0.2)
+                .sum();
+            seconds += per_count;
+        }
         if self.wants_restart() {
             // The agent's start on them, then two restarts.
             seconds += 3.0 * (self.bulk.0 * self.bulk.1) as f64 * 1e-5 + 5.0;
@@ -273,6 +284,12 @@ fn main() -> Result<()> {
     if plan.wants(Section::B6) {
         progress("B6 control plane: endpoint change to first packet");
         results.control = control::run(&plan, bpffs.path(), &progress)?;
+        results.write(&out)?;
+        report::write(&results, &out)?;
+    }
+    if plan.wants(Section::B6Api) {
+        progress("B6 through the apiserver: cold start, change to first packet, relist");
+        results.control_api = control_api::run(&plan, bpffs.path(), &progress)?;
         results.write(&out)?;
         report::write(&results, &out)?;
     }

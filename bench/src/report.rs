@@ -68,6 +68,7 @@ pub fn write(results: &Results, dir: &Path) -> Result<()> {
     write_flood(&mut md, results);
     write_conntrack(&mut md, results);
     write_control(&mut md, results);
+    write_control_api(&mut md, results);
     write_bulk(&mut md, results);
     write_restarts(&mut md, results);
     write_memory(&mut md, results);
@@ -341,6 +342,40 @@ fn write_control(md: &mut String, results: &Results) {
             p.latencies_ms.len(),
             p.p50_ms,
             p.p99_ms
+        );
+    }
+    md.push('\n');
+}
+
+fn write_control_api(md: &mut String, results: &Results) {
+    if results.control_api.is_empty() {
+        return;
+    }
+    md.push_str(
+        "## B6 through the apiserver (tc, --min-sync-period 0s)\n\n\
+         The agent lists and watches the in-test apiserver holding N Services × 10 endpoints. \
+         Cold start: agent spawn → the sync of every Service (the list's transfer included). \
+         Change: one EndpointSlice replaced at the apiserver → the first probe (a new connection \
+         every 200 µs) that shows it. Relist: every watch expired (410) → every store listed \
+         again. Goals: cold start ≥ 50k Services/s beyond the list's transfer, change p99 ≤ \
+         100 ms, a change's cost flat in N, RSS ≤ 2 KiB per Service + 200 B per endpoint.\n\n\
+         | services | cold start s | Services/s | changes | p50 ms | p99 ms | relist s | RSS start KiB | RSS after KiB | error |\n\
+         | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |\n",
+    );
+    for p in &results.control_api {
+        let _ = writeln!(
+            md,
+            "| {} | {:.2} | {:.0} | {} | {:.1} | {:.1} | {:.2} | {} | {} | {} |",
+            p.services,
+            p.cold_start_s,
+            p.services_per_s,
+            p.latencies_ms.len(),
+            p.p50_ms,
+            p.p99_ms,
+            p.relist_s,
+            p.rss_start_kib,
+            p.rss_after_changes_kib,
+            p.error.as_deref().unwrap_or("")
         );
     }
     md.push('\n');

@@ -8,6 +8,7 @@ use crate::{
     Plan,
     conntrack_full::ConntrackPoint,
     control::ControlPoint,
+    control_api::ApiControlPoint,
     datapath_cost::DatapathCost,
     flood::Flood,
     memory::MapMemory,
@@ -37,6 +38,8 @@ pub struct Results {
     pub conntrack: Vec<ConntrackPoint>,
     /// B6: change to first packet.
     pub control: Vec<ControlPoint>,
+    /// B6 through the apiserver.
+    pub control_api: Vec<ApiControlPoint>,
     /// B6: programming many Services at once; B7: the agent's memory then.
     pub bulk: Vec<Bulk>,
     /// B6: the tc agent of `bulk` restarted on its pins, once per signal.
@@ -62,6 +65,7 @@ impl Results {
             flood: Vec::new(),
             conntrack: Vec::new(),
             control: Vec::new(),
+            control_api: Vec::new(),
             bulk: Vec::new(),
             restarts: Vec::new(),
             maps: Vec::new(),

@@ -59,6 +59,20 @@ fn smoke_run_writes_results_report_and_plots() {
         assert!(latencies.iter().all(|l| l.as_f64().unwrap() > 0.0));
     }
 
+    // B6 through the apiserver: started, every change seen, relisted after the 410.
+    let control_api = results["control_api"].as_array().unwrap();
+    assert_eq!(control_api.len(), 1, "{control_api:?}");
+    let point = &control_api[0];
+    assert!(point["error"].is_null(), "{point}");
+    assert!(point["cold_start_s"].as_f64().unwrap() > 0.0, "{point}");
+    assert_eq!(
+        point["latencies_ms"].as_array().unwrap().len(),
+        2,
+        "{point}"
+    );
+    assert!(point["relist_s"].as_f64().unwrap() > 0.0, "{point}");
+    assert!(point["rss_start_kib"].as_u64().unwrap() > 0, "{point}");
+
     // B6 restart, after SIGTERM and after SIGKILL: the new agent swapped its programs into the
     // pinned links, its first sync found the maps already written, and every probe connection
     // across the restart was answered.
@@ -89,6 +103,7 @@ fn smoke_run_writes_results_report_and_plots() {
         "## B4",
         "## B5",
         "## B6 control plane",
+        "## B6 through the apiserver",
         "## B6 programming",
         "## B6 restart",
     ] {

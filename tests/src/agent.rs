@@ -256,6 +256,16 @@ impl Agent {
         self.child.id()
     }
 
+    /// The agent's resident memory (VmRSS), in KiB.
+    pub fn rss_kib(&self) -> Result<u64> {
+        let status = fs::read_to_string(format!("/proc/{}/status", self.pid()))?;
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .context("VmRSS")
+    }
+
     pub fn manifest_dir(&self) -> PathBuf {
         self.dir.path().join("manifests")
     }

@@ -406,7 +406,7 @@ fn ten_thousand_services_in_one_list() -> Result<()> {
         .lines()
         .find(|l| l.contains(&format!(" services={N} ")))
         .unwrap_or_default();
-    let rss = rss_kib(&agent)?;
+    let rss = agent.rss_kib()?;
     eprintln!(
         "{N} services x 10 endpoints: agent start to programmed in {took:?}, agent RSS {rss} KiB; {sync}"
     );
@@ -441,15 +441,6 @@ fn ten_thousand_services_in_one_list() -> Result<()> {
         "a one-slice change joined more than its service: {change}"
     );
     Ok(())
-}
-
-fn rss_kib(agent: &Agent) -> Result<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{}/status", agent.pid()))?;
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .context("VmRSS")
 }
 
 /// kube-proxy's body: {"lastUpdated": "...","currentTime": "..."[, "nodeEligible": bool]}.
