@@ -101,7 +101,20 @@ fn measure(plan: &Plan, bpffs: &std::path::Path, point: &mut ApiControlPoint) ->
 
     let pins = bpffs.join(format!("api-{}", point.services));
     let pins = pins.to_str().context("utf-8 path")?;
-    let args = ["--bpffs", pins, "--min-sync-period", "0s"];
+    // The default --backends-max (262,144) holds 26k Services × 10 endpoints: the agent does not
+    // size its maps from the cluster yet.
+    let backends_max = (set.endpoint_count() + 1)
+        .next_power_of_two()
+        .max(262_144)
+        .to_string();
+    let args = [
+        "--bpffs",
+        pins,
+        "--min-sync-period",
+        "0s",
+        "--backends-max",
+        &backends_max,
+    ];
     let start = Instant::now();
     let mut agent = Agent::start_api(&topology.inner, &api, &args, false)?;
     agent.wait_for_log(&format!(" services={} ", point.services), START_TIMEOUT)?;

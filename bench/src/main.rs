@@ -44,6 +44,9 @@ struct Cli {
     /// B2/B3 service counts instead of the plan's (e.g. `1,1000`).
     #[arg(long, value_delimiter = ',')]
     services: Vec<usize>,
+    /// B6 service counts instead of the plan's (e.g. `10000`).
+    #[arg(long, value_delimiter = ',')]
+    control_services: Vec<usize>,
     /// Only these measurements (e.g. `b4,b6`); default: all.
     #[arg(long, value_delimiter = ',', value_enum)]
     only: Vec<Section>,
@@ -232,6 +235,9 @@ fn main() -> Result<()> {
     };
     if !cli.services.is_empty() {
         plan.service_counts = cli.services;
+    }
+    if !cli.control_services.is_empty() {
+        plan.control_counts = cli.control_services;
     }
     if !cli.only.is_empty() {
         plan.sections = cli.only;
