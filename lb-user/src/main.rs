@@ -33,7 +33,10 @@ fn main() -> anyhow::Result<()> {
         tracing::warn!("--config: {field}: ignored");
     }
     match cli.command {
-        Command::Agent(args) => tokio::runtime::Builder::new_current_thread()
+        // The agent's loop (syncs, audits: map work that blocks) runs on this thread; the servers
+        // and watchers on two workers, so /healthz and /metrics answer during a long sync.
+        Command::Agent(args) => tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
             .enable_all()
             .build()?
             .block_on(agent::run(*args)),

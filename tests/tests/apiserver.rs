@@ -12,7 +12,7 @@ use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use lb_common::{Frontend, FrontendKey, IPPROTO_TCP, ipv4_be, map_name, port_be};
 use lb_tests::{
-    agent::{Agent, NODE_NAME},
+    agent::{Agent, NODE_NAME, SYNC_DONE},
     echo::{EchoServer, Proto, request, requests},
     fake_apiserver::{FakeApiserver, Kind},
     manifests::ServiceManifest,
@@ -367,19 +367,13 @@ fn slices_before_their_service() -> Result<()> {
     check_pod_to_service(&node.topology, Proto::Udp, addr(WEB_IP))
 }
 
-/// 10,000 services × 10 endpoints in the first list: all programmed, the time logged.
-#[test]
-fn ten_thousand_services_in_one_list() -> Result<()> {
-    const N: usize = 10_000;
-    let topology = Topology::new(2)?;
-    let _server = EchoServer::start(&topology.pods[1].ns, "pod-b", TARGET_PORT)?;
-    let api = FakeApiserver::start(&topology.node)?;
-    api.apply(&[node_object()]);
-    let mut services = Vec::with_capacity(N);
-    let mut slices = Vec::with_capacity(N);
-    for i in 0..N {
+/// `n` Services × 10 endpoints at `api`, on ClusterIPs from 10.100.0.0; the first Service's one
+/// endpoint is pod-b, so traffic shows the maps serve it.
+fn publish_many(api: &FakeApiserver, topology: &Topology, n: usize) {
+    let mut services = Vec::with_capacity(n);
+    let mut slices = Vec::with_capacity(n);
+    for i in 0..n {
         let ip = Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 100, 0, 0)) + i as u32);
-        // The first service's endpoint is a real pod, so traffic shows the maps serve it.
         let endpoints: Vec<Ipv4Addr> = if i == 0 {
             vec![topology.pods[1].ip]
         } else {
@@ -397,6 +391,58 @@ fn ten_thousand_services_in_one_list() -> Result<()> {
     }
     api.apply(&services);
     api.apply(&slices);
+}
+
+/// /livez answers while the agent's first sync of 10,000 Services × 10 endpoints runs: the
+/// sync blocks the agent's own loop, not its servers. An answer counts when the log shows every
+/// store listed (the sync is due at once with --min-sync-period 0s) and no sync done yet, read
+/// after the answer came.
+#[test]
+fn health_answers_during_a_long_sync() -> Result<()> {
+    const N: usize = 10_000;
+    let topology = Topology::new(2)?;
+    let api = FakeApiserver::start(&topology.node)?;
+    api.apply(&[node_object()]);
+    publish_many(&api, &topology, N);
+    let mut agent = Agent::start_api(&topology, &api, &["--min-sync-period", "0s"], false)?;
+    let health: SocketAddr = (Ipv4Addr::LOCALHOST, 10256).into();
+    let listed = [
+        "list complete resource=Node",
+        "list complete resource=Services",
+        "list complete resource=EndpointSlices",
+    ];
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut during_sync = 0;
+    loop {
+        let answered = topology.node.http_get(health, "/livez").is_ok();
+        let log = agent.log();
+        if log.contains(SYNC_DONE) {
+            break;
+        }
+        if answered && listed.iter().all(|l| log.contains(l)) {
+            during_sync += 1;
+        }
+        ensure!(Instant::now() < deadline, "no first sync:\n{log}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    agent.wait_for_programmed(N, (N - 1) * 10 + 1, SYNC)?;
+    ensure!(
+        during_sync >= 3,
+        "/livez answered {during_sync} times during the first sync:\n{}",
+        agent.log()
+    );
+    Ok(())
+}
+
+/// 10,000 services × 10 endpoints in the first list: all programmed, the time logged.
+#[test]
+fn ten_thousand_services_in_one_list() -> Result<()> {
+    const N: usize = 10_000;
+    let topology = Topology::new(2)?;
+    let _server = EchoServer::start(&topology.pods[1].ns, "pod-b", TARGET_PORT)?;
+    let api = FakeApiserver::start(&topology.node)?;
+    api.apply(&[node_object()]);
+    publish_many(&api, &topology, N);
     let start = Instant::now();
     let mut agent = Agent::start_api(&topology, &api, AGENT_ARGS, false)?;
     agent.wait_for_programmed(N, (N - 1) * 10 + 1, Duration::from_secs(120))?;
