@@ -39,15 +39,34 @@ const GAP: Duration = Duration::from_millis(100);
 /// The measured Service's manifest file while its changes are measured.
 const MEASURED_FILE: &str = "bench.yaml";
 
+/// The change-to-first-packet latencies of a run of changes.
+#[derive(Debug, Default, Serialize)]
+pub struct Latencies {
+    pub latencies_ms: Vec<f64>,
+    pub p50_ms: f64,
+    pub p99_ms: f64,
+}
+
+impl Latencies {
+    pub fn of(latencies: &[Duration]) -> Self {
+        let mut ns: Vec<u64> = latencies.iter().map(|l| l.as_nanos() as u64).collect();
+        ns.sort_unstable();
+        Latencies {
+            latencies_ms: latencies.iter().map(|l| l.as_secs_f64() * 1000.0).collect(),
+            p50_ms: percentile(&ns, 0.50) / 1e6,
+            p99_ms: percentile(&ns, 0.99) / 1e6,
+        }
+    }
+}
+
 #[derive(Debug, Serialize)]
 pub struct ControlPoint {
     pub min_sync_period: &'static str,
     pub services: usize,
     /// Agent start (or manifest rename) to the sync of all `services`.
     pub program_s: f64,
-    pub latencies_ms: Vec<f64>,
-    pub p50_ms: f64,
-    pub p99_ms: f64,
+    #[serde(flatten)]
+    pub changes: Latencies,
     pub error: Option<String>,
 }
 
@@ -71,9 +90,7 @@ pub fn run(plan: &Plan, bpffs: &Path, progress: Progress) -> Result<Vec<ControlP
                 min_sync_period: period,
                 services,
                 program_s: 0.0,
-                latencies_ms: Vec::new(),
-                p50_ms: 0.0,
-                p99_ms: 0.0,
+                changes: Latencies::default(),
                 error: None,
             };
             if let Err(err) = measure(plan, &mut deployment, &mut point) {
@@ -114,7 +131,7 @@ fn measure(plan: &Plan, deployment: &mut Deployment, point: &mut ControlPoint) -
         (vec![a, b], Shows::AnswerFrom(b'a')),
         (vec![a], Shows::OnlyFrom(b'a')),
     ];
-    let mut latencies_ns = Vec::new();
+    let mut latencies = Vec::new();
     for (endpoints, shows) in steps.iter().cycle().take(plan.control_changes) {
         interrupt::check()?;
         set.measured_endpoints = endpoints.clone();
@@ -131,13 +148,10 @@ fn measure(plan: &Plan, deployment: &mut Deployment, point: &mut ControlPoint) -
             .run(move || probe(changed, to, shows))??;
         let agent = deployment.agent().context("the agent is not running")?;
         wait_for_sync(agent, SYNC_TIMEOUT)?;
-        latencies_ns.push(latency.as_nanos() as u64);
-        point.latencies_ms.push(latency.as_secs_f64() * 1000.0);
+        latencies.push(latency);
         std::thread::sleep(GAP);
     }
-    latencies_ns.sort_unstable();
-    point.p50_ms = percentile(&latencies_ns, 0.50) / 1e6;
-    point.p99_ms = percentile(&latencies_ns, 0.99) / 1e6;
+    point.changes = Latencies::of(&latencies);
     Ok(())
 }
 
@@ -181,9 +195,9 @@ impl ControlPoint {
             self.min_sync_period,
             self.services,
             self.program_s,
-            self.latencies_ms.len(),
-            self.p50_ms,
-            self.p99_ms
+            self.changes.latencies_ms.len(),
+            self.changes.p50_ms,
+            self.changes.p99_ms
         );
         if let Some(e) = &self.error {
             text += &format!(" ERROR {e}");

@@ -23,11 +23,11 @@ use serde_json::Value;
 
 use crate::{
     Plan, Progress,
-    control::{Shows, probe},
+    control::{Latencies, Shows, probe},
     interrupt,
     services::{SERVICE_PORT, ServiceSet},
     topology::BenchTopology,
-    traffic::{Server, percentile},
+    traffic::Server,
 };
 
 /// Endpoints of every Service but the measured one.
@@ -45,9 +45,8 @@ pub struct ApiControlPoint {
     /// Agent spawn → the sync of every Service.
     pub cold_start_s: f64,
     pub services_per_s: f64,
-    pub latencies_ms: Vec<f64>,
-    pub p50_ms: f64,
-    pub p99_ms: f64,
+    #[serde(flatten)]
+    pub changes: Latencies,
     /// Every watch expired → every store listed again.
     pub relist_s: f64,
     /// The agent's `sync done` line after the relist, if it synced.
@@ -69,9 +68,7 @@ pub fn run(
             services,
             cold_start_s: 0.0,
             services_per_s: 0.0,
-            latencies_ms: Vec::new(),
-            p50_ms: 0.0,
-            p99_ms: 0.0,
+            changes: Latencies::default(),
             relist_s: 0.0,
             relist_sync: None,
             rss_start_kib: 0,
@@ -129,7 +126,7 @@ fn measure(plan: &Plan, bpffs: &std::path::Path, point: &mut ApiControlPoint) ->
         (vec![a], Shows::OnlyFrom(b'a')),
     ];
     let to = (set.measured_ip(), SERVICE_PORT).into();
-    let mut latencies_ns = Vec::new();
+    let mut latencies = Vec::new();
     for (endpoints, shows) in steps.iter().cycle().take(plan.control_changes) {
         interrupt::check()?;
         set.measured_endpoints = endpoints.clone();
@@ -141,13 +138,10 @@ fn measure(plan: &Plan, bpffs: &std::path::Path, point: &mut ApiControlPoint) ->
             .client_pod()
             .ns
             .run(move || probe(changed, to, shows))??;
-        latencies_ns.push(latency.as_nanos() as u64);
-        point.latencies_ms.push(latency.as_secs_f64() * 1000.0);
+        latencies.push(latency);
         std::thread::sleep(GAP);
     }
-    latencies_ns.sort_unstable();
-    point.p50_ms = percentile(&latencies_ns, 0.50) / 1e6;
-    point.p99_ms = percentile(&latencies_ns, 0.99) / 1e6;
+    point.changes = Latencies::of(&latencies);
     point.rss_after_changes_kib = agent.rss_kib()?;
 
     let lists = agent.log().matches("list complete").count();
@@ -198,9 +192,9 @@ impl ApiControlPoint {
             self.services,
             self.cold_start_s,
             self.services_per_s,
-            self.latencies_ms.len(),
-            self.p50_ms,
-            self.p99_ms,
+            self.changes.latencies_ms.len(),
+            self.changes.p50_ms,
+            self.changes.p99_ms,
             self.relist_s,
             self.rss_start_kib,
             self.rss_after_changes_kib,

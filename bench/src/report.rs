@@ -330,7 +330,7 @@ fn write_control(md: &mut String, results: &Results) {
     for p in &results.control {
         let verdict = match &p.error {
             Some(e) => format!("error: {e}"),
-            None if p.p99_ms <= 100.0 => "met".into(),
+            None if p.changes.p99_ms <= 100.0 => "met".into(),
             None => "missed".into(),
         };
         let _ = writeln!(
@@ -339,9 +339,9 @@ fn write_control(md: &mut String, results: &Results) {
             p.min_sync_period,
             p.services,
             p.program_s,
-            p.latencies_ms.len(),
-            p.p50_ms,
-            p.p99_ms
+            p.changes.latencies_ms.len(),
+            p.changes.p50_ms,
+            p.changes.p99_ms
         );
     }
     md.push('\n');
@@ -369,9 +369,9 @@ fn write_control_api(md: &mut String, results: &Results) {
             p.services,
             p.cold_start_s,
             p.services_per_s,
-            p.latencies_ms.len(),
-            p.p50_ms,
-            p.p99_ms,
+            p.changes.latencies_ms.len(),
+            p.changes.p50_ms,
+            p.changes.p99_ms,
             p.relist_s,
             p.rss_start_kib,
             p.rss_after_changes_kib,
