@@ -121,6 +121,8 @@ impl Datapath {
         }
         let wanted = [
             (map_name::FRONTENDS, sizes.frontends),
+            // One origin per frontend.
+            (map_name::FRONTEND_ORIGINS, sizes.frontends),
             (map_name::BACKENDS, sizes.backends),
             (map_name::CONNTRACK, sizes.conntrack),
             (map_name::AFFINITY, sizes.affinity),
@@ -356,9 +358,24 @@ fn ignore_missing(result: Result<(), MapError>) -> Result<(), MapError> {
     }
 }
 
-fn update<K: Pod, V: Pod>(map: &MapData, entries: &[(K, V)]) -> Vec<(usize, io::Error)> {
+/// Writes `entries`; a write the map refuses for want of room (E2BIG) fails with an error that
+/// names `size_flag`, the flag that sizes the map.
+fn update<K: Pod, V: Pod>(
+    map: &MapData,
+    entries: &[(K, V)],
+    size_flag: &str,
+) -> Vec<(usize, io::Error)> {
     let (keys, values): (Vec<K>, Vec<V>) = entries.iter().copied().unzip();
-    map_batch::update_all(map.fd().as_fd(), &keys, &values)
+    let mut failures = map_batch::update_all(map.fd().as_fd(), &keys, &values);
+    for (_, err) in &mut failures {
+        if err.raw_os_error() == Some(nix::libc::E2BIG) {
+            *err = io::Error::new(
+                io::ErrorKind::StorageFull,
+                format!("the map is full: raise {size_flag}"),
+            );
+        }
+    }
+    failures
 }
 
 fn delete<K: Pod>(map: &MapData, keys: &[K]) -> Vec<(usize, io::Error)> {
@@ -399,7 +416,7 @@ impl MapWriter for ServiceMaps {
     }
 
     fn insert_backends(&mut self, entries: &[(BackendKey, Backend)]) -> Vec<(usize, io::Error)> {
-        update(self.backends.map(), entries)
+        update(self.backends.map(), entries, "--backends-max")
     }
 
     fn remove_backends(&mut self, keys: &[BackendKey]) -> Vec<(usize, io::Error)> {
@@ -407,7 +424,7 @@ impl MapWriter for ServiceMaps {
     }
 
     fn insert_frontends(&mut self, entries: &[(FrontendKey, Frontend)]) -> Vec<(usize, io::Error)> {
-        update(self.frontends.map(), entries)
+        update(self.frontends.map(), entries, "--frontends-max")
     }
 
     fn remove_frontends(&mut self, keys: &[FrontendKey]) -> Vec<(usize, io::Error)> {
@@ -418,7 +435,7 @@ impl MapWriter for ServiceMaps {
         &mut self,
         entries: &[(FrontendKey, FrontendOrigin)],
     ) -> Vec<(usize, io::Error)> {
-        update(self.origins.map(), entries)
+        update(self.origins.map(), entries, "--frontends-max")
     }
 
     fn remove_origins(&mut self, keys: &[FrontendKey]) -> Vec<(usize, io::Error)> {

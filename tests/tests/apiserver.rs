@@ -695,7 +695,15 @@ fn full_maps_fail_writes_not_liveness() -> Result<()> {
     // The health timeout is 2 s; the failed writes are retried every 5 s.
     answers_throughout(ns, "/livez", 200, Duration::from_secs(3))?;
     answers_throughout(ns, "/healthz", 200, Duration::from_millis(500))?;
-    ensure!(node.agent.log().contains("map write failed"));
+    // The error names the flag that sizes the full map.
+    ensure!(
+        node.agent
+            .log()
+            .lines()
+            .any(|l| l.contains("map write failed") && l.contains("raise --backends-max")),
+        "no failed write naming --backends-max:\n{}",
+        node.agent.log()
+    );
 
     let deadline = Instant::now() + SYNC;
     let event = loop {
@@ -720,7 +728,7 @@ fn full_maps_fail_writes_not_liveness() -> Result<()> {
             && event["reportingInstance"] == NODE_NAME
             && event["note"]
                 .as_str()
-                .is_some_and(|n| n.contains(NODE_NAME)),
+                .is_some_and(|n| n.contains(NODE_NAME) && n.contains("raise --backends-max")),
         "{event:#}"
     );
     let events = node.api.events();
