@@ -5,6 +5,7 @@ mod cleanup;
 mod conntrack;
 mod services;
 mod stats;
+mod status;
 mod trace;
 
 use std::io::IsTerminal as _;
@@ -39,5 +40,6 @@ fn main() -> anyhow::Result<()> {
         Command::Conntrack(args) => conntrack::run(args),
         Command::Trace(args) => trace::run(args),
         Command::Cleanup(args) => cleanup::run(args),
+        Command::Status(args) => status::run(args),
     }
 }

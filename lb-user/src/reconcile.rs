@@ -7,7 +7,8 @@ use ipnet::Ipv4Net;
 use lb_common::{
     Backend, BackendKey, FRONTEND_F_LOCAL, FRONTEND_F_MASQUERADE, FRONTEND_F_PRESERVE_SOURCE,
     FRONTEND_F_SOURCE_RANGES, Frontend, FrontendKey, FrontendOrigin, KIND_CLUSTER_IP,
-    KIND_EXTERNAL_IP, KIND_LOAD_BALANCER, KIND_NODE_PORT, LOCAL_SLOT, ipv4_be, port_be,
+    KIND_EXTERNAL_IP, KIND_LOAD_BALANCER, KIND_NODE_PORT, LOCAL_SLOT, ServiceStatus, ipv4_be,
+    port_be,
 };
 use tracing::{error, warn};
 
@@ -15,6 +16,7 @@ use crate::error_chain;
 use crate::maglev;
 use crate::model::{Endpoint, Model, Protocol, Scheduler, Service, ServiceName, ServicePortId};
 use crate::stats_slots::{PortEndpoint, StatsReset, StatsSlots};
+use crate::sync_status;
 use crate::udp_flush::{self, UdpEndpoint};
 
 /// The service maps, as the reconciler writes them: the aya maps, or a fake in tests. Each
@@ -37,6 +39,8 @@ pub trait MapWriter {
         entries: &[(FrontendKey, FrontendOrigin)],
     ) -> Vec<(usize, Self::Error)>;
     fn remove_origins(&mut self, keys: &[FrontendKey]) -> Vec<(usize, Self::Error)>;
+    fn insert_statuses(&mut self, entries: &[(u32, ServiceStatus)]) -> Vec<(usize, Self::Error)>;
+    fn remove_statuses(&mut self, service_ids: &[u32]) -> Vec<(usize, Self::Error)>;
     fn insert_source_range(&mut self, range: SourceRange) -> Result<(), Self::Error>;
     fn remove_source_range(&mut self, range: SourceRange) -> Result<(), Self::Error>;
 }
@@ -57,6 +61,9 @@ pub struct MapContents {
     pub source_ranges: BTreeSet<SourceRange>,
     /// The Service port and kind of each frontend but the catch-alls (for `lb services`).
     pub origins: BTreeMap<FrontendKey, FrontendOrigin>,
+    /// What each service port wants the other maps to hold, by service id (for `lb status`);
+    /// written after them at each sync.
+    pub statuses: BTreeMap<u32, ServiceStatus>,
 }
 
 impl MapContents {
@@ -69,6 +76,7 @@ impl MapContents {
         differing(&self.frontends, &other.frontends)
             + differing(&self.backends, &other.backends)
             + differing(&self.origins, &other.origins)
+            + differing(&self.statuses, &other.statuses)
             + self
                 .source_ranges
                 .symmetric_difference(&other.source_ranges)
@@ -185,6 +193,10 @@ struct Scope {
     frontends: BTreeSet<FrontendKey>,
     backends: BTreeSet<BackendKey>,
     source_ranges: BTreeSet<SourceRange>,
+    /// The ports of the services that changed, by service id, and the ids they had before:
+    /// their status records.
+    ports: BTreeMap<u32, ServicePortId>,
+    old_ids: BTreeSet<u32>,
 }
 
 impl Scope {
@@ -513,6 +525,7 @@ impl Reconciler {
                         protocol: *protocol,
                     };
                     if let Some(sid) = self.ids.remove(&id) {
+                        scope.old_ids.insert(sid);
                         old_ids.insert(id, sid);
                     }
                 }
@@ -531,6 +544,7 @@ impl Reconciler {
                     self.next_id += 1;
                     self.next_id - 1
                 });
+                scope.ports.insert(sid, id.clone());
                 self.ids.insert(id, sid);
             }
             let (contribution, conflicted) = self.put_service(name, service, &mut desired);
@@ -687,6 +701,7 @@ impl Reconciler {
             |_, reset| reset.service_id,
         );
         report.uncounted = self.stats.take_uncounted();
+        self.record_statuses(model, &desired, scope.as_ref(), &mut report, maps);
         self.name_failures(&mut report);
         if report.failed == 0 {
             self.last = Some(last);
@@ -957,6 +972,60 @@ impl Reconciler {
         report
     }
 
+    /// Writes the status record of every port in `scope` (None: every port) from its entries in
+    /// `desired` and the failures of this sync so far, and removes those of ports gone. Last, so
+    /// that a record never says a port is failed or in sync before its entries are written.
+    fn record_statuses<W: MapWriter>(
+        &mut self,
+        model: &Model,
+        desired: &MapContents,
+        scope: Option<&Scope>,
+        report: &mut SyncReport,
+        maps: &mut W,
+    ) {
+        let (records, gone) = {
+            let ports: BTreeMap<u32, &ServicePortId> = match scope {
+                None => self.ids.iter().map(|(port, &sid)| (sid, port)).collect(),
+                Some(scope) => scope.ports.iter().map(|(&sid, port)| (sid, port)).collect(),
+            };
+            let cluster_ip = |sid: u32| -> Option<Ipv4Addr> {
+                let port = ports.get(&sid)?;
+                Some(model.services.get(&port.service)?.cluster_ip)
+            };
+            let tallies = sync_status::tallies(desired, |sid| {
+                cluster_ip(sid).map(|ip| ipv4_be(ip.octets()))
+            });
+            let records: Vec<(u32, ServiceStatus)> = ports
+                .iter()
+                .filter_map(|(&sid, port)| {
+                    let desired = tallies.get(&sid).copied().unwrap_or_default();
+                    let failure = report.failed_ids.get(&sid);
+                    let record = sync_status::record(port, cluster_ip(sid)?, desired, failure);
+                    (self.written.statuses.get(&sid) != Some(&record)).then_some((sid, record))
+                })
+                .collect();
+            let candidates: Box<dyn Iterator<Item = &u32>> = match scope {
+                None => Box::new(self.written.statuses.keys()),
+                Some(scope) => Box::new(scope.old_ids.iter()),
+            };
+            let gone: Vec<u32> = candidates
+                .filter(|sid| !ports.contains_key(sid) && self.written.statuses.contains_key(sid))
+                .copied()
+                .collect();
+            (records, gone)
+        };
+        let failures = maps.insert_statuses(&records);
+        let failed = self.failures(report, "status insert", &records, failures, |_, r| r.0);
+        for (sid, record) in skip_indices(&records, &failed) {
+            self.written.statuses.insert(*sid, *record);
+        }
+        let failures = maps.remove_statuses(&gone);
+        let failed = self.failures(report, "status remove", &gone, failures, |_, _| 0);
+        for sid in skip_indices(&gone, &failed) {
+            self.written.statuses.remove(sid);
+        }
+    }
+
     /// Logs and counts the entries of `entries` that failed, each for the service id
     /// `service_id` gives it (from the entry, or what the maps hold for it); returns their
     /// indices.
@@ -1194,6 +1263,16 @@ mod tests {
             entries: &[(FrontendKey, FrontendOrigin)],
         ) -> Vec<(usize, Full)> {
             self.contents.origins.extend(entries.iter().copied());
+            Vec::new()
+        }
+        fn insert_statuses(&mut self, entries: &[(u32, ServiceStatus)]) -> Vec<(usize, Full)> {
+            self.contents.statuses.extend(entries.iter().copied());
+            Vec::new()
+        }
+        fn remove_statuses(&mut self, service_ids: &[u32]) -> Vec<(usize, Full)> {
+            for service_id in service_ids {
+                self.contents.statuses.remove(service_id);
+            }
             Vec::new()
         }
         fn remove_origins(&mut self, keys: &[FrontendKey]) -> Vec<(usize, Full)> {
