@@ -322,9 +322,12 @@ impl Reconciler {
         differences
     }
 
-    /// The map contents for `model`; gives new service ports their ids.
+    /// The map contents for `model`, with status records of a sync without failures; gives new
+    /// service ports their ids.
     pub fn desired(&mut self, model: &Model) -> MapContents {
-        self.full(model).0
+        let mut desired = self.full(model).0;
+        desired.statuses = self.statuses(model, &desired, None, &BTreeMap::new());
+        desired
     }
 
     /// The map contents for `model` computed whole, and what each service put there.
@@ -972,9 +975,39 @@ impl Reconciler {
         report
     }
 
-    /// Writes the status record of every port in `scope` (None: every port) from its entries in
-    /// `desired` and the failures of this sync so far, and removes those of ports gone. Last, so
-    /// that a record never says a port is failed or in sync before its entries are written.
+    /// The status record of every port in `scope` (None: every port), from its entries in
+    /// `desired` and its failed writes in `failures`.
+    fn statuses(
+        &self,
+        model: &Model,
+        desired: &MapContents,
+        scope: Option<&Scope>,
+        failures: &BTreeMap<u32, WriteFailure>,
+    ) -> BTreeMap<u32, ServiceStatus> {
+        let ports: BTreeMap<u32, &ServicePortId> = match scope {
+            None => self.ids.iter().map(|(port, &sid)| (sid, port)).collect(),
+            Some(scope) => scope.ports.iter().map(|(&sid, port)| (sid, port)).collect(),
+        };
+        let cluster_ip = |sid: u32| -> Option<Ipv4Addr> {
+            let port = ports.get(&sid)?;
+            Some(model.services.get(&port.service)?.cluster_ip)
+        };
+        let tallies = sync_status::tallies(desired, |sid| {
+            cluster_ip(sid).map(|ip| ipv4_be(ip.octets()))
+        });
+        ports
+            .iter()
+            .filter_map(|(&sid, port)| {
+                let tally = tallies.get(&sid).copied().unwrap_or_default();
+                let record = sync_status::record(port, cluster_ip(sid)?, tally, failures.get(&sid));
+                Some((sid, record))
+            })
+            .collect()
+    }
+
+    /// Writes the status records of the ports in `scope` (None: every port) that changed, with
+    /// the failures of this sync so far, and removes those of ports gone. Last, so that a record
+    /// never says a port is in sync before its entries are written.
     fn record_statuses<W: MapWriter>(
         &mut self,
         model: &Model,
@@ -983,42 +1016,21 @@ impl Reconciler {
         report: &mut SyncReport,
         maps: &mut W,
     ) {
-        let (records, gone) = {
-            let ports: BTreeMap<u32, &ServicePortId> = match scope {
-                None => self.ids.iter().map(|(port, &sid)| (sid, port)).collect(),
-                Some(scope) => scope.ports.iter().map(|(&sid, port)| (sid, port)).collect(),
-            };
-            let cluster_ip = |sid: u32| -> Option<Ipv4Addr> {
-                let port = ports.get(&sid)?;
-                Some(model.services.get(&port.service)?.cluster_ip)
-            };
-            let tallies = sync_status::tallies(desired, |sid| {
-                cluster_ip(sid).map(|ip| ipv4_be(ip.octets()))
-            });
-            let records: Vec<(u32, ServiceStatus)> = ports
-                .iter()
-                .filter_map(|(&sid, port)| {
-                    let desired = tallies.get(&sid).copied().unwrap_or_default();
-                    let failure = report.failed_ids.get(&sid);
-                    let record = sync_status::record(port, cluster_ip(sid)?, desired, failure);
-                    (self.written.statuses.get(&sid) != Some(&record)).then_some((sid, record))
-                })
-                .collect();
-            let candidates: Box<dyn Iterator<Item = &u32>> = match scope {
-                None => Box::new(self.written.statuses.keys()),
-                Some(scope) => Box::new(scope.old_ids.iter()),
-            };
-            let gone: Vec<u32> = candidates
-                .filter(|sid| !ports.contains_key(sid) && self.written.statuses.contains_key(sid))
-                .copied()
-                .collect();
-            (records, gone)
-        };
+        let wanted = self.statuses(model, desired, scope, &report.failed_ids);
+        let records = changed(&wanted, &self.written.statuses);
         let failures = maps.insert_statuses(&records);
         let failed = self.failures(report, "status insert", &records, failures, |_, r| r.0);
         for (sid, record) in skip_indices(&records, &failed) {
             self.written.statuses.insert(*sid, *record);
         }
+        let candidates: Box<dyn Iterator<Item = &u32>> = match scope {
+            None => Box::new(self.written.statuses.keys()),
+            Some(scope) => Box::new(scope.old_ids.iter()),
+        };
+        let gone: Vec<u32> = candidates
+            .filter(|sid| !wanted.contains_key(sid) && self.written.statuses.contains_key(sid))
+            .copied()
+            .collect();
         let failures = maps.remove_statuses(&gone);
         let failed = self.failures(report, "status remove", &gone, failures, |_, _| 0);
         for sid in skip_indices(&gone, &failed) {
