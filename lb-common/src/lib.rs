@@ -1077,6 +1077,14 @@ mod tests {
     }
 
     #[test]
+    fn long_texts_are_cut_at_a_character_boundary() {
+        let field: [u8; 4] = text_field("abcé");
+        assert_eq!(field_text(&field), "abc");
+        let field: [u8; 8] = text_field("ns");
+        assert_eq!(field_text(&field), "ns");
+    }
+
+    #[test]
     fn byte_order_helpers_match_packet_layout() {
         let addr = ipv4_be([10, 96, 0, 1]);
         assert_eq!(addr.to_ne_bytes(), [10, 96, 0, 1]);

@@ -2160,4 +2160,81 @@ mod tests {
         assert_eq!(desired.frontends.len(), 2, "one port and one catch-all");
         assert_eq!(port_frontend(&desired).map(|f| f.service_id), Some(1));
     }
+
+    /// What `lb status` says of the fake maps, by service name and port state.
+    fn status_of(maps: &FakeMaps) -> Vec<(String, sync_status::SyncState)> {
+        sync_status::compare(&maps.contents.statuses, &maps.contents)
+            .into_iter()
+            .map(|p| {
+                let record = p.record.expect("a record");
+                (lb_common::field_text(&record.name).to_owned(), p.state)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn status_records_follow_every_sync_and_name_failed_writes() {
+        use sync_status::SyncState::{Failed, InSync};
+        let mut r = Reconciler::new(NODE, MapContents::default());
+        let mut maps = FakeMaps::default();
+        let mut m = model(&[
+            ("a", 10, None, vec![endpoint(2, true)]),
+            ("b", 11, Some(30080), vec![endpoint(3, true)]),
+        ]);
+        r.sync(&m, &mut maps);
+        let in_sync = |names: &[&str]| -> Vec<(String, sync_status::SyncState)> {
+            names.iter().map(|n| (n.to_string(), InSync)).collect()
+        };
+        assert_eq!(status_of(&maps), in_sync(&["a", "b"]));
+        let whole = r.desired(&m);
+        assert_eq!(r.written(), &whole);
+
+        // A partial sync rewrites a's record only; c comes, b goes with its record.
+        let a = name("a");
+        let b_record = maps.contents.statuses.values().nth(1).copied();
+        m.services.get_mut(&a).unwrap().ports[0]
+            .endpoints
+            .push(endpoint(5, true));
+        let mut c = m.services[&name("b")].clone();
+        c.cluster_ip = Ipv4Addr::new(10, 96, 0, 12);
+        c.ports[0].node_port = None;
+        m.services.insert(name("c"), c);
+        let changed = BTreeSet::from([a.clone(), name("c")]);
+        r.sync_changed(&m, Some(&changed), &mut maps);
+        assert_eq!(status_of(&maps), in_sync(&["a", "b", "c"]));
+        assert_eq!(maps.contents.statuses.values().nth(1).copied(), b_record);
+        m.services.remove(&name("b"));
+        r.sync_changed(&m, Some(&BTreeSet::from([name("b")])), &mut maps);
+        assert_eq!(status_of(&maps), in_sync(&["a", "c"]));
+        assert_eq!(maps.contents.statuses.len(), 2);
+        let whole = r.desired(&m);
+        assert_eq!(r.written(), &whole);
+
+        // a's new slot cannot be written: failed, with the error; in sync once retried.
+        let a_id = r
+            .ids
+            .iter()
+            .find(|(id, _)| id.service == a)
+            .map(|(_, sid)| *sid);
+        maps.fail_backends_of = a_id;
+        m.services.get_mut(&a).unwrap().ports[0]
+            .endpoints
+            .push(endpoint(6, true));
+        r.sync_changed(&m, Some(&BTreeSet::from([a.clone()])), &mut maps);
+        let status = status_of(&maps);
+        assert_eq!(
+            status[0],
+            ("a".to_owned(), Failed("backend insert: map full".into()))
+        );
+        assert_eq!(status[1], ("c".to_owned(), InSync));
+        maps.fail_backends_of = None;
+        r.sync_changed(&m, Some(&BTreeSet::new()), &mut maps);
+        assert_eq!(status_of(&maps), in_sync(&["a", "c"]));
+
+        // Changed behind the writer's back: the audit repairs the record too.
+        maps.contents.statuses.clear();
+        assert_eq!(r.audit(maps.contents.clone()), 2);
+        r.sync(&m, &mut maps);
+        assert_eq!(status_of(&maps), in_sync(&["a", "c"]));
+    }
 }

@@ -222,3 +222,251 @@ fn state(desired: Tally, actual: Tally) -> SyncState {
         SyncState::Extra
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use lb_common::{KIND_CLUSTER_IP, KIND_NODE_PORT, port_be};
+
+    use super::*;
+    use crate::model::{Protocol, ServiceName};
+
+    const WEB: u32 = 7;
+    const DNS: u32 = 8;
+    const WEB_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
+    const DNS_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 11);
+
+    fn fk(ip: Ipv4Addr, port: u16) -> FrontendKey {
+        FrontendKey {
+            addr: ipv4_be(ip.octets()),
+            port: port_be(port),
+            proto: 6,
+            _pad: 0,
+        }
+    }
+
+    fn frontend(service_id: u32, backends: u32) -> Frontend {
+        Frontend {
+            service_id,
+            backend_count: backends,
+            ..Frontend::default()
+        }
+    }
+
+    fn backend(last: u8) -> Backend {
+        Backend {
+            addr: ipv4_be([10, 244, 1, last]),
+            port: port_be(8080),
+            stats_slot: u16::from(last),
+        }
+    }
+
+    fn port(name: &str) -> ServicePortId {
+        ServicePortId {
+            service: ServiceName {
+                namespace: "default".into(),
+                name: name.into(),
+            },
+            port_name: "http".into(),
+            protocol: Protocol::Tcp,
+        }
+    }
+
+    /// web: a ClusterIP and a NodePort frontend, two slots, a source range; dns: one frontend,
+    /// one slot; each with its ClusterIP's catch-all.
+    fn desired() -> MapContents {
+        let mut c = MapContents::default();
+        let node_port = fk(Ipv4Addr::new(198, 51, 100, 1), 30080);
+        for (key, value, kind, name) in [
+            (fk(WEB_IP, 80), frontend(WEB, 2), KIND_CLUSTER_IP, "web"),
+            (node_port, frontend(WEB, 2), KIND_NODE_PORT, "web"),
+            (fk(DNS_IP, 53), frontend(DNS, 1), KIND_CLUSTER_IP, "dns"),
+        ] {
+            c.frontends.insert(key, value);
+            let origin = FrontendOrigin::new("default", name, "http", kind);
+            c.origins.insert(key, origin);
+        }
+        for ip in [WEB_IP, DNS_IP] {
+            let catch_all = FrontendKey::any_port(ipv4_be(ip.octets()));
+            c.frontends.insert(catch_all, Frontend::default());
+        }
+        for (service_id, slot, last) in [(WEB, 0, 2), (WEB, 1, 3), (DNS, 0, 4)] {
+            c.backends
+                .insert(BackendKey { service_id, slot }, backend(last));
+        }
+        c.source_ranges.insert(SourceRange {
+            service_id: WEB,
+            net: "203.0.113.0/24".parse().unwrap(),
+        });
+        c
+    }
+
+    /// What the agent records for `desired`, with `failures`.
+    fn records(
+        desired: &MapContents,
+        failures: &BTreeMap<u32, WriteFailure>,
+    ) -> BTreeMap<u32, ServiceStatus> {
+        let ports = [(WEB, port("web"), WEB_IP), (DNS, port("dns"), DNS_IP)];
+        let ip = |sid| {
+            ports
+                .iter()
+                .find(|p| p.0 == sid)
+                .map(|p| ipv4_be(p.2.octets()))
+        };
+        let tallies = tallies(desired, ip);
+        ports
+            .iter()
+            .map(|(sid, port, ip)| (*sid, record(port, *ip, tallies[sid], failures.get(sid))))
+            .collect()
+    }
+
+    /// The state of each port `compare` lists, by service id.
+    fn states(
+        records: &BTreeMap<u32, ServiceStatus>,
+        actual: &MapContents,
+    ) -> Vec<(u32, SyncState)> {
+        compare(records, actual)
+            .into_iter()
+            .map(|p| (p.service_id, p.state))
+            .collect()
+    }
+
+    #[test]
+    fn the_maps_holding_what_was_recorded_are_in_sync() {
+        let desired = desired();
+        let records = records(&desired, &BTreeMap::new());
+        let web = &records[&WEB];
+        assert_eq!(
+            (web.frontends, web.backends, web.source_ranges, web.origins),
+            (3, 2, 1, 2),
+            "the catch-all counts as web's"
+        );
+        assert_eq!(field_text(&web.name), "web");
+        let ports = compare(&records, &desired);
+        assert_eq!(ports.len(), 2);
+        for port in &ports {
+            assert_eq!(port.state, SyncState::InSync, "{port:?}");
+            assert_eq!(port.desired, port.actual);
+        }
+    }
+
+    #[test]
+    fn lost_changed_and_stray_entries_name_their_port_missing_or_extra() {
+        use SyncState::{Extra, InSync, Missing};
+        let desired = desired();
+        let records = records(&desired, &BTreeMap::new());
+        let with = |change: &dyn Fn(&mut MapContents)| {
+            let mut actual = desired.clone();
+            change(&mut actual);
+            states(&records, &actual)
+        };
+        let web_key = fk(WEB_IP, 80);
+        // Lost: a frontend (with or without its origin), the catch-all, a slot, a range.
+        assert_eq!(
+            with(&|c| {
+                c.frontends.remove(&web_key);
+            }),
+            [(WEB, Missing), (DNS, InSync)]
+        );
+        assert_eq!(
+            with(&|c| {
+                c.frontends
+                    .remove(&FrontendKey::any_port(ipv4_be(DNS_IP.octets())));
+            }),
+            [(WEB, InSync), (DNS, Missing)]
+        );
+        assert_eq!(
+            with(&|c| {
+                c.origins.remove(&web_key);
+            }),
+            [(WEB, Missing), (DNS, InSync)]
+        );
+        assert_eq!(
+            with(&|c| {
+                c.backends.clear();
+                c.source_ranges.clear();
+            }),
+            [(WEB, Missing), (DNS, Missing)]
+        );
+        // Changed: as many entries, not as desired.
+        assert_eq!(
+            with(&|c| {
+                c.backends.insert(
+                    BackendKey {
+                        service_id: DNS,
+                        slot: 0,
+                    },
+                    backend(9),
+                );
+            }),
+            [(WEB, InSync), (DNS, Missing)]
+        );
+        assert_eq!(
+            with(&|c| {
+                c.frontends.insert(web_key, frontend(WEB, 1));
+            }),
+            [(WEB, Missing), (DNS, InSync)]
+        );
+        // Stray: a slot more, a range more, a port no record covers.
+        assert_eq!(
+            with(&|c| {
+                let slot = BackendKey {
+                    service_id: DNS,
+                    slot: 1,
+                };
+                c.backends.insert(slot, backend(5));
+            }),
+            [(WEB, InSync), (DNS, Extra)]
+        );
+        assert_eq!(
+            with(&|c| {
+                c.source_ranges.insert(SourceRange {
+                    service_id: WEB,
+                    net: "198.51.100.0/24".parse().unwrap(),
+                });
+            }),
+            [(WEB, Extra), (DNS, InSync)]
+        );
+        let stray = with(&|c| {
+            c.frontends
+                .insert(fk(Ipv4Addr::new(10, 96, 0, 12), 80), frontend(9, 0));
+        });
+        assert_eq!(stray, [(WEB, InSync), (DNS, InSync), (9, Extra)]);
+        // Lost and stray at once: missing first.
+        assert_eq!(
+            with(&|c| {
+                c.frontends.remove(&web_key);
+                let slot = BackendKey {
+                    service_id: WEB,
+                    slot: 2,
+                };
+                c.backends.insert(slot, backend(5));
+            }),
+            [(WEB, Missing), (DNS, InSync)]
+        );
+        // A port without entries at all.
+        assert_eq!(
+            with(&|c| *c = MapContents::default()),
+            [(WEB, Missing), (DNS, Missing)]
+        );
+    }
+
+    #[test]
+    fn failed_writes_are_reported_with_their_error() {
+        let desired = desired();
+        let failure = WriteFailure {
+            writes: 2,
+            error: "backend insert: No space left on device (os error 28)".into(),
+        };
+        let records = records(&desired, &BTreeMap::from([(DNS, failure.clone())]));
+        assert_eq!(records[&DNS].failed_writes, 2);
+        let mut actual = desired.clone();
+        actual.backends.retain(|k, _| k.service_id != DNS);
+        assert_eq!(
+            states(&records, &actual),
+            [
+                (WEB, SyncState::InSync),
+                (DNS, SyncState::Failed(failure.error))
+            ]
+        );
+    }
+}
