@@ -190,3 +190,31 @@ fn status_names_the_services_whose_entries_differ_with_or_without_the_agent() ->
     )?;
     Ok(())
 }
+
+/// A backend map too small for the Service: its writes fail and `lb status` says so, with the
+/// error.
+#[test]
+fn status_reports_failed_writes_with_their_error() -> Result<()> {
+    let topology = Topology::new(3)?;
+    let bpffs = Bpffs::mount()?;
+    let bpffs_arg = bpffs.arg();
+    let ips = ["pod-b", "pod-c"].map(|p| topology.pod(p).ip);
+    let manifests = yaml(&[
+        ServiceManifest::new("web", CLUSTER_IP, Proto::Tcp, PORT, TARGET_PORT).endpoints(ips),
+    ]);
+    let args = ["--bpffs", &bpffs_arg, "--backends-max", "1"];
+    let _agent = Agent::start(&topology, &manifests, &args)?;
+    let (ok, json) = status(&topology.node, &bpffs_arg)?;
+    ensure!(!ok && json["in_sync"] == false, "{json:#}");
+    expect(&json, &[("default/web", "failed")])?;
+    let error = json["services"][0]["error"].as_str().unwrap_or_default();
+    ensure!(error.starts_with("backend insert: "), "{json:#}");
+    ensure!(
+        json["last_sync"]["failed_writes"].as_u64() > Some(0)
+            && json["last_sync"]["result"]
+                .as_str()
+                .is_some_and(|r| r.ends_with("map writes failed")),
+        "{json:#}"
+    );
+    Ok(())
+}
