@@ -988,19 +988,23 @@ impl Reconciler {
             None => self.ids.iter().map(|(port, &sid)| (sid, port)).collect(),
             Some(scope) => scope.ports.iter().map(|(&sid, port)| (sid, port)).collect(),
         };
-        let cluster_ip = |sid: u32| -> Option<Ipv4Addr> {
-            let port = ports.get(&sid)?;
-            Some(model.services.get(&port.service)?.cluster_ip)
-        };
+        // Looked up once per port: the model is keyed by name.
+        let ports: BTreeMap<u32, (&ServicePortId, Ipv4Addr)> = ports
+            .into_iter()
+            .filter_map(|(sid, port)| {
+                let service = model.services.get(&port.service)?;
+                Some((sid, (port, service.cluster_ip)))
+            })
+            .collect();
         let tallies = sync_status::tallies(desired, |sid| {
-            cluster_ip(sid).map(|ip| ipv4_be(ip.octets()))
+            ports.get(&sid).map(|(_, ip)| ipv4_be(ip.octets()))
         });
         ports
             .iter()
-            .filter_map(|(&sid, port)| {
+            .map(|(&sid, &(port, cluster_ip))| {
                 let tally = tallies.get(&sid).copied().unwrap_or_default();
-                let record = sync_status::record(port, cluster_ip(sid)?, tally, failures.get(&sid));
-                Some((sid, record))
+                let record = sync_status::record(port, cluster_ip, tally, failures.get(&sid));
+                (sid, record)
             })
             .collect()
     }

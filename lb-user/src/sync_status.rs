@@ -3,17 +3,14 @@
 //! entries in the pinned `SERVICE_STATUS` map (with the writes that failed), and `lb status`
 //! computes the same of what the maps hold and compares. Both go through [`tallies`], so the
 //! two sides cannot count differently.
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::Ipv4Addr;
 
 use bytemuck::bytes_of as bytes;
-use lb_common::{
-    Backend, BackendKey, Frontend, FrontendKey, FrontendOrigin, ServiceStatus, field_text, ipv4_be,
-    text_field,
-};
+use lb_common::{FrontendKey, ServiceStatus, field_text, ipv4_be, text_field};
 
 use crate::model::ServicePortId;
-use crate::reconcile::{MapContents, SourceRange, WriteFailure};
+use crate::reconcile::{MapContents, WriteFailure};
 
 /// A service port's entries in a [`MapContents`], summed up: a checksum and how many of each.
 /// A port's entries are its frontends, the catch-all of its ClusterIP, its backend slots, its
@@ -27,81 +24,81 @@ pub struct Tally {
     pub origins: u32,
 }
 
-/// One port's entries, in key order.
+/// One port's entries being summed up: a checksum of each map's entries, in key order, and
+/// their counts.
 #[derive(Default)]
-struct PortEntries<'a> {
-    frontends: Vec<(&'a FrontendKey, &'a Frontend)>,
-    backends: Vec<(&'a BackendKey, &'a Backend)>,
-    source_ranges: Vec<&'a SourceRange>,
-    origins: Vec<(&'a FrontendKey, &'a FrontendOrigin)>,
+struct PortSum {
+    frontends: (crc32fast::Hasher, u32),
+    backends: (crc32fast::Hasher, u32),
+    source_ranges: (crc32fast::Hasher, u32),
+    origins: (crc32fast::Hasher, u32),
+}
+
+fn add(sum: &mut (crc32fast::Hasher, u32), parts: &[&[u8]]) {
+    for part in parts {
+        sum.0.update(part);
+    }
+    sum.1 += 1;
 }
 
 /// The tally of every service port in `contents`, by service id. `cluster_ip` gives a port's
 /// ClusterIP (network byte order), whose catch-all is counted with it; None: no catch-all.
+/// One pass over the maps, without copies: it runs on every full sync.
 pub fn tallies(
     contents: &MapContents,
     cluster_ip: impl Fn(u32) -> Option<u32>,
 ) -> BTreeMap<u32, Tally> {
-    let mut ports: BTreeMap<u32, PortEntries> = BTreeMap::new();
+    let mut ports: HashMap<u32, PortSum> = HashMap::new();
     // Service id 0: the catch-alls, which belong to every port of their ClusterIP.
     for (key, frontend) in contents.frontends.iter().filter(|(_, f)| f.service_id != 0) {
         let port = ports.entry(frontend.service_id).or_default();
-        port.frontends.push((key, frontend));
+        add(&mut port.frontends, &[bytes(key), bytes(frontend)]);
         if let Some(origin) = contents.origins.get(key) {
-            port.origins.push((key, origin));
+            add(&mut port.origins, &[bytes(key), bytes(origin)]);
         }
     }
     for (key, backend) in &contents.backends {
-        ports
-            .entry(key.service_id)
-            .or_default()
-            .backends
-            .push((key, backend));
+        let port = ports.entry(key.service_id).or_default();
+        add(&mut port.backends, &[bytes(key), bytes(backend)]);
     }
     for range in &contents.source_ranges {
-        ports
-            .entry(range.service_id)
-            .or_default()
-            .source_ranges
-            .push(range);
+        let port = ports.entry(range.service_id).or_default();
+        let net = range.net;
+        add(
+            &mut port.source_ranges,
+            &[&net.addr().octets(), &[net.prefix_len()]],
+        );
     }
     ports
         .into_iter()
-        .map(|(service_id, entries)| {
+        .map(|(service_id, mut sum)| {
             let catch_all = cluster_ip(service_id)
                 .map(FrontendKey::any_port)
                 .and_then(|key| contents.frontends.get_key_value(&key));
-            (service_id, tally(&entries, catch_all))
+            if let Some((key, frontend)) = catch_all {
+                add(&mut sum.frontends, &[bytes(key), bytes(frontend)]);
+            }
+            (service_id, tally(sum))
         })
         .collect()
 }
 
-fn tally(entries: &PortEntries, catch_all: Option<(&FrontendKey, &Frontend)>) -> Tally {
+fn tally(sum: PortSum) -> Tally {
     let mut digest = crc32fast::Hasher::new();
-    for (key, frontend) in entries.frontends.iter().chain(&catch_all) {
-        digest.update(bytes(*key));
-        digest.update(bytes(*frontend));
+    for (part, _) in [
+        &sum.frontends,
+        &sum.backends,
+        &sum.source_ranges,
+        &sum.origins,
+    ] {
+        digest.update(&part.clone().finalize().to_ne_bytes());
     }
-    for (key, backend) in &entries.backends {
-        digest.update(bytes(*key));
-        digest.update(bytes(*backend));
-    }
-    for range in &entries.source_ranges {
-        digest.update(&range.service_id.to_ne_bytes());
-        digest.update(&range.net.addr().octets());
-        digest.update(&[range.net.prefix_len()]);
-    }
-    for (key, origin) in &entries.origins {
-        digest.update(bytes(*key));
-        digest.update(bytes(*origin));
-    }
-    let count = |n: usize| n as u32;
     Tally {
         digest: digest.finalize(),
-        frontends: count(entries.frontends.len() + usize::from(catch_all.is_some())),
-        backends: count(entries.backends.len()),
-        source_ranges: count(entries.source_ranges.len()),
-        origins: count(entries.origins.len()),
+        frontends: sum.frontends.1,
+        backends: sum.backends.1,
+        source_ranges: sum.source_ranges.1,
+        origins: sum.origins.1,
     }
 }
 
@@ -225,10 +222,13 @@ fn state(desired: Tally, actual: Tally) -> SyncState {
 
 #[cfg(test)]
 mod tests {
-    use lb_common::{KIND_CLUSTER_IP, KIND_NODE_PORT, port_be};
+    use lb_common::{
+        Backend, BackendKey, Frontend, FrontendOrigin, KIND_CLUSTER_IP, KIND_NODE_PORT, port_be,
+    };
 
     use super::*;
     use crate::model::{Protocol, ServiceName};
+    use crate::reconcile::SourceRange;
 
     const WEB: u32 = 7;
     const DNS: u32 = 8;
