@@ -25,9 +25,11 @@ pub mod map_name {
     pub const FRAGMENTS: &str = "LB_FRAGMENT_V2";
     pub const BACKEND_STATS: &str = "LB_BACKEND_STATS_V2";
     pub const FRONTEND_ORIGINS: &str = "LB_FRONTEND_ORIGIN_V1";
+    pub const SERVICE_STATUS: &str = "LB_SERVICE_STATUS_V1";
+    pub const AGENT: &str = "LB_AGENT_V1";
     /// Not pinned (not in `ALL`): the interface indexes are the running agent's.
     pub const XDP_EGRESS: &str = "LB_XDP_EGRESS_V1";
-    pub const ALL: [&str; 13] = [
+    pub const ALL: [&str; 15] = [
         FRONTENDS,
         BACKENDS,
         CONNTRACK,
@@ -41,6 +43,8 @@ pub mod map_name {
         FRAGMENTS,
         BACKEND_STATS,
         FRONTEND_ORIGINS,
+        SERVICE_STATUS,
+        AGENT,
     ];
 }
 
@@ -312,24 +316,17 @@ pub struct FrontendOrigin {
 impl FrontendOrigin {
     /// Names longer than their field (not valid in Kubernetes) are cut.
     pub fn new(namespace: &str, name: &str, port_name: &str, kind: u32) -> Self {
-        fn field<const N: usize>(text: &str) -> [u8; N] {
-            let mut bytes = [0; N];
-            let len = text.len().min(N);
-            bytes[..len].copy_from_slice(&text.as_bytes()[..len]);
-            bytes
-        }
         FrontendOrigin {
-            namespace: field(namespace),
-            name: field(name),
-            port_name: field(port_name),
+            namespace: text_field(namespace),
+            name: text_field(name),
+            port_name: text_field(port_name),
             kind,
         }
     }
 
     /// A name field as text, without its NUL padding.
     pub fn text(field: &[u8]) -> &str {
-        let len = field.iter().position(|&b| b == 0).unwrap_or(field.len());
-        core::str::from_utf8(&field[..len]).unwrap_or("?")
+        field_text(field)
     }
 
     pub const fn kind_name(&self) -> &'static str {
@@ -341,6 +338,71 @@ impl FrontendOrigin {
             _ => "unknown",
         }
     }
+}
+
+/// `text` as a NUL-padded field of `N` bytes, cut (at a character boundary) if longer.
+pub fn text_field<const N: usize>(text: &str) -> [u8; N] {
+    let mut len = text.len().min(N);
+    while !text.is_char_boundary(len) {
+        len -= 1;
+    }
+    let mut bytes = [0; N];
+    bytes[..len].copy_from_slice(&text.as_bytes()[..len]);
+    bytes
+}
+
+/// A NUL-padded text field as text.
+pub fn field_text(field: &[u8]) -> &str {
+    let len = field.iter().position(|&b| b == 0).unwrap_or(field.len());
+    core::str::from_utf8(&field[..len]).unwrap_or("?")
+}
+
+/// Value of `SERVICE_STATUS`, keyed by service id: what the agent wants the service maps to
+/// hold for one Service port, recorded at each sync next to the maps, so that `lb status` can
+/// compare it with what they hold, with or without an agent running. Only the agent writes it
+/// and `lb status` reads it; the datapath never touches it. Texts are NUL-padded UTF-8.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct ServiceStatus {
+    pub namespace: [u8; 64],
+    pub name: [u8; 64],
+    pub port_name: [u8; 16],
+    /// Network byte order: its catch-all frontend is counted with the port's entries.
+    pub cluster_ip: u32,
+    /// `IPPROTO_*`.
+    pub proto: u32,
+    /// A checksum of the port's desired entries (computed by the agent, `lb_user::sync_status`).
+    pub digest: u32,
+    /// How many entries of each map the port's desired entries are.
+    pub frontends: u32,
+    pub backends: u32,
+    pub source_ranges: u32,
+    pub origins: u32,
+    /// Map writes of the port that failed in the sync that recorded it; 0: none.
+    pub failed_writes: u32,
+    /// The first failed write: the operation and the error.
+    pub error: [u8; 128],
+}
+
+/// The single value of `AGENT` (index 0): which agent writes the maps and how its syncs go, for
+/// `lb status`. Times are wall-clock Unix seconds (the datapath has no wall clock); only the
+/// agent writes it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct AgentInfo {
+    /// NUL-padded.
+    pub version: [u8; 32],
+    pub started_at_s: u64,
+    /// When the last sync ended; 0: none yet.
+    pub last_sync_at_s: u64,
+    /// Map writes that failed in the last sync; 0: it wrote everything.
+    pub last_sync_failed_writes: u32,
+    /// Services and ready endpoints as of the last sync.
+    pub services: u32,
+    pub endpoints: u32,
+    pub _pad: u32,
 }
 
 pub const KIND_CLUSTER_IP: u32 = 0;
@@ -953,6 +1015,8 @@ const _: () = {
     assert!(core::mem::size_of::<Backend>() == 8);
     assert!(core::mem::size_of::<BackendStats>() == 32);
     assert!(core::mem::size_of::<FrontendOrigin>() == 148);
+    assert!(core::mem::size_of::<ServiceStatus>() == 304);
+    assert!(core::mem::size_of::<AgentInfo>() == 64);
     assert!(core::mem::size_of::<ConntrackKey>() == 16);
     assert!(core::mem::size_of::<ConntrackEntry>() == 56);
     assert!(core::mem::size_of::<SourceRangeKey>() * 8 == SourceRangeKey::FULL_PREFIX as usize);
@@ -977,6 +1041,8 @@ mod user {
     unsafe impl aya::Pod for Backend {}
     unsafe impl aya::Pod for BackendStats {}
     unsafe impl aya::Pod for FrontendOrigin {}
+    unsafe impl aya::Pod for ServiceStatus {}
+    unsafe impl aya::Pod for AgentInfo {}
     unsafe impl aya::Pod for ConntrackKey {}
     unsafe impl aya::Pod for ConntrackEntry {}
     unsafe impl aya::Pod for legacy::ConntrackEntryV1 {}
@@ -1008,6 +1074,14 @@ mod tests {
         assert_eq!(clock.jiffies_at_zero, (1 << 32) - 300 * 300);
         assert_eq!(clock.ns(clock.jiffies_at_zero + 3), 9_999_999);
         assert_eq!(Clock::with_tick(0).ns(12_345), 0);
+    }
+
+    #[test]
+    fn long_texts_are_cut_at_a_character_boundary() {
+        let field: [u8; 4] = text_field("abcé");
+        assert_eq!(field_text(&field), "abc");
+        let field: [u8; 8] = text_field("ns");
+        assert_eq!(field_text(&field), "ns");
     }
 
     #[test]

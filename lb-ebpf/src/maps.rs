@@ -14,6 +14,7 @@ use lb_common::{
     FirstFragment, FragmentKey, Frontend, FrontendKey, FrontendOrigin, SockBackendKey, SockRevNat,
     SockRevNatKey, SourceRangeKey, StickyBackend, default_size,
 };
+use lb_common::{AgentInfo, ServiceStatus};
 
 #[map(name = "LB_FRONTEND_V4")]
 static FRONTENDS: HashMap<FrontendKey, Frontend> =
@@ -65,6 +66,16 @@ static BACKEND_STATS: PerCpuArray<BackendStats> =
 #[map(name = "LB_FRONTEND_ORIGIN_V1")]
 static FRONTEND_ORIGINS: HashMap<FrontendKey, FrontendOrigin> =
     HashMap::with_max_entries(default_size::FRONTENDS, BPF_F_NO_PREALLOC);
+
+/// Written by the agent, read by `lb status` only; declared here, as `FRONTEND_ORIGINS`, to be
+/// created and pinned with the others. One entry per service port, allocated as used.
+#[map(name = "LB_SERVICE_STATUS_V1")]
+static SERVICE_STATUS: HashMap<u32, ServiceStatus> =
+    HashMap::with_max_entries(default_size::FRONTENDS, BPF_F_NO_PREALLOC);
+
+/// Written by the agent, read by `lb status` only.
+#[map(name = "LB_AGENT_V1")]
+static AGENT: Array<AgentInfo> = Array::with_max_entries(1, 0);
 
 /// The value is unused: a key's presence allows its prefix.
 #[map(name = "LB_SOURCE_RANGE_V1")]

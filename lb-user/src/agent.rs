@@ -10,6 +10,7 @@ use anyhow::{Context as _, Result};
 use aya::programs::{SchedClassifier, Xdp};
 use ipnet::Ipv4Net;
 use jiff::Timestamp;
+use lb_common::{AgentInfo, text_field};
 use lb_common::{
     CONFIG_F_MASQUERADE_ALL, CONFIG_F_READY, Config, SNAT_PORT_MAX, SNAT_PORT_MIN, ipv4_be,
 };
@@ -118,6 +119,13 @@ pub async fn run(args: AgentArgs) -> Result<()> {
         clock: datapath::kernel_clock()?,
     })?;
 
+    let agent_info = AgentInfo {
+        version: text_field(env!("CARGO_PKG_VERSION")),
+        started_at_s: Timestamp::now().as_second().max(0) as u64,
+        ..AgentInfo::default()
+    };
+    datapath.write_agent_info(&agent_info)?;
+
     let existing = datapath.service_maps.read()?;
     info!(
         bpffs = %args.bpffs.display(),
@@ -154,6 +162,7 @@ pub async fn run(args: AgentArgs) -> Result<()> {
             .is_some()
             .then(|| NodePortAllocator::new(args.nodeport_range.clone())),
         datapath,
+        agent_info,
         metrics,
         health,
         service_health,
@@ -643,6 +652,8 @@ struct State {
     zone_flag: String,
     node_ports: Option<NodePortAllocator>,
     datapath: Datapath,
+    /// What `lb status` reads about this agent, rewritten after each sync.
+    agent_info: AgentInfo,
     metrics: Arc<Metrics>,
     health: Arc<Mutex<Health>>,
     service_health: ServiceHealth,
@@ -823,6 +834,7 @@ impl State {
             .expect("health lock")
             .synced(now, report.failed);
         coalescer.ran(start, report.failed > 0);
+        self.record_sync(now, &report, model.services.len(), endpoints);
         log_sync(&Sync {
             report,
             services: model.services.len(),
@@ -833,6 +845,27 @@ impl State {
             took,
         });
         self.model = model;
+    }
+
+    /// Records the sync that ended at `now` for `lb status`.
+    fn record_sync(
+        &mut self,
+        now: Timestamp,
+        report: &SyncReport,
+        services: usize,
+        endpoints: usize,
+    ) {
+        let count = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+        self.agent_info = AgentInfo {
+            last_sync_at_s: now.as_second().max(0) as u64,
+            last_sync_failed_writes: count(report.failed),
+            services: count(services),
+            endpoints: count(endpoints),
+            ..self.agent_info
+        };
+        if let Err(err) = self.datapath.write_agent_info(&self.agent_info) {
+            warn!(error = %error_chain(&err), "recording the sync for lb status");
+        }
     }
 
     /// kube-proxy's UDP conntrack flush: the connections to UDP endpoints that the sync

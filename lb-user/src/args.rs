@@ -117,6 +117,11 @@ pub enum Command {
     /// remove every pin under --bpffs. The datapath stays in the kernel when the agent stops;
     /// this is the only way it goes away (uninstall).
     Cleanup(CleanupArgs),
+    /// Per Service, whether the datapath holds exactly what the agent wants (in sync, missing,
+    /// extra, or failed with the error), from the records the agent pins next to the maps; how
+    /// full every map is; the last sync's time and result; the agent's version and uptime.
+    /// Exits non-zero when a Service is not in sync.
+    Status(StatsArgs),
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, ValueEnum)]

@@ -14,6 +14,7 @@ use aya::maps::{
 use aya::programs::{CgroupSockAddr, ProgramError, SchedClassifier, Xdp};
 use aya::{Ebpf, EbpfError, EbpfLoader};
 use bytemuck::Pod;
+use lb_common::{AgentInfo, ServiceStatus};
 use lb_common::{
     Backend, BackendKey, BackendStats, Clock, Config, ConntrackEntry, ConntrackKey, Counter,
     Frontend, FrontendKey, FrontendOrigin, SourceRangeKey, ipv4_be, map_name, program_name,
@@ -108,6 +109,7 @@ pub struct Datapath {
     config: Array<MapData, Config>,
     conntrack: HashMap<MapData, ConntrackKey, ConntrackEntry>,
     xdp_egress: HashMap<MapData, u32, u8>,
+    agent: Array<MapData, AgentInfo>,
 }
 
 impl Datapath {
@@ -140,17 +142,20 @@ impl Datapath {
             backends: take_map(&mut ebpf, map_name::BACKENDS)?,
             source_ranges: take_map(&mut ebpf, map_name::SOURCE_RANGES)?,
             origins: take_map(&mut ebpf, map_name::FRONTEND_ORIGINS)?,
+            statuses: take_map(&mut ebpf, map_name::SERVICE_STATUS)?,
             stats: take_map(&mut ebpf, map_name::BACKEND_STATS)?,
         };
         let config = take_map(&mut ebpf, map_name::CONFIG)?;
         let conntrack = take_map(&mut ebpf, map_name::CONNTRACK)?;
         let xdp_egress = take_map(&mut ebpf, map_name::XDP_EGRESS)?;
+        let agent = take_map(&mut ebpf, map_name::AGENT)?;
         let mut datapath = Datapath {
             ebpf,
             service_maps,
             config,
             conntrack,
             xdp_egress,
+            agent,
         };
         let ingress = datapath.ingress()?;
         load_program(|| ingress.load()).map_err(|source| DatapathError::Program {
@@ -244,6 +249,16 @@ impl Datapath {
         )?)
     }
 
+    /// Records which agent writes the maps and how its last sync went, for `lb status`.
+    pub fn write_agent_info(&mut self, info: &AgentInfo) -> Result<(), DatapathError> {
+        self.agent
+            .set(0, info, 0)
+            .map_err(|source| DatapathError::Map {
+                name: map_name::AGENT,
+                source,
+            })
+    }
+
     pub fn write_config(&mut self, config: &Config) -> Result<(), DatapathError> {
         self.config
             .set(0, config, 0)
@@ -262,14 +277,15 @@ where
     T::try_from(map).map_err(|source| DatapathError::Map { name, source })
 }
 
-/// FRONTENDS, BACKENDS, SOURCE_RANGES, FRONTEND_ORIGINS and BACKEND_STATS, written by the
-/// reconciler.
+/// FRONTENDS, BACKENDS, SOURCE_RANGES, FRONTEND_ORIGINS, SERVICE_STATUS and BACKEND_STATS,
+/// written by the reconciler.
 pub struct ServiceMaps {
     frontends: HashMap<MapData, FrontendKey, Frontend>,
     backends: HashMap<MapData, BackendKey, Backend>,
     /// The value is unused: a key's presence allows its prefix.
     source_ranges: LpmTrie<MapData, SourceRangeKey, u8>,
     origins: HashMap<MapData, FrontendKey, FrontendOrigin>,
+    statuses: HashMap<MapData, u32, ServiceStatus>,
     stats: PerCpuArray<MapData, BackendStats>,
 }
 
@@ -300,7 +316,30 @@ fn source_range(key: &Key<SourceRangeKey>) -> Option<SourceRange> {
     })
 }
 
+/// The map pinned as `name` in `pin_dir`, opened by another process than the agent.
+fn pinned<T>(pin_dir: &Path, name: &'static str) -> Result<T, DatapathError>
+where
+    T: TryFrom<Map, Error = MapError>,
+{
+    MapData::from_pin(pin_dir.join(name))
+        .and_then(Map::from_map_data)
+        .and_then(T::try_from)
+        .map_err(|source| DatapathError::Map { name, source })
+}
+
 impl ServiceMaps {
+    /// The service maps pinned in `pin_dir`, for a process that reads them (`lb status`).
+    pub fn pinned(pin_dir: &Path) -> Result<Self, DatapathError> {
+        Ok(ServiceMaps {
+            frontends: pinned(pin_dir, map_name::FRONTENDS)?,
+            backends: pinned(pin_dir, map_name::BACKENDS)?,
+            source_ranges: pinned(pin_dir, map_name::SOURCE_RANGES)?,
+            origins: pinned(pin_dir, map_name::FRONTEND_ORIGINS)?,
+            statuses: pinned(pin_dir, map_name::SERVICE_STATUS)?,
+            stats: pinned(pin_dir, map_name::BACKEND_STATS)?,
+        })
+    }
+
     /// The size of BACKEND_STATS as it is (a pinned map keeps its size).
     pub fn stats_capacity(&self) -> u32 {
         self.stats.len()
@@ -340,11 +379,20 @@ impl ServiceMaps {
                 name: map_name::FRONTEND_ORIGINS,
                 source,
             })?;
+        let statuses = self
+            .statuses
+            .iter()
+            .collect::<Result<_, _>>()
+            .map_err(|source| DatapathError::Map {
+                name: map_name::SERVICE_STATUS,
+                source,
+            })?;
         Ok(MapContents {
             frontends,
             backends,
             source_ranges: keys.iter().filter_map(source_range).collect(),
             origins,
+            statuses,
         })
     }
 }
@@ -442,6 +490,14 @@ impl MapWriter for ServiceMaps {
         delete(self.origins.map(), keys)
     }
 
+    fn insert_statuses(&mut self, entries: &[(u32, ServiceStatus)]) -> Vec<(usize, io::Error)> {
+        update(self.statuses.map(), entries)
+    }
+
+    fn remove_statuses(&mut self, service_ids: &[u32]) -> Vec<(usize, io::Error)> {
+        delete(self.statuses.map(), service_ids)
+    }
+
     fn insert_source_range(&mut self, range: SourceRange) -> Result<(), io::Error> {
         self.source_ranges
             .insert(&source_range_key(range), 1, 0)
@@ -468,6 +524,14 @@ pub fn read_counters(pin_dir: &Path) -> Result<Vec<(Counter, u64)>, DatapathErro
             Ok((c, values.iter().sum()))
         })
         .collect()
+}
+
+/// The agent's record in the pinned AGENT map in `pin_dir`.
+pub fn read_agent_info(pin_dir: &Path) -> Result<AgentInfo, DatapathError> {
+    let name = map_name::AGENT;
+    pinned::<Array<MapData, AgentInfo>>(pin_dir, name)?
+        .get(&0, 0)
+        .map_err(|source| DatapathError::Map { name, source })
 }
 
 /// How full one pinned map is.
@@ -576,6 +640,7 @@ mod tests {
             backends: take_map(&mut ebpf, map_name::BACKENDS).unwrap(),
             source_ranges: take_map(&mut ebpf, map_name::SOURCE_RANGES).unwrap(),
             origins: take_map(&mut ebpf, map_name::FRONTEND_ORIGINS).unwrap(),
+            statuses: take_map(&mut ebpf, map_name::SERVICE_STATUS).unwrap(),
             stats: take_map(&mut ebpf, map_name::BACKEND_STATS).unwrap(),
         };
         let entries: Vec<(BackendKey, Backend)> = (0..6)

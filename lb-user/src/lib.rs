@@ -25,6 +25,7 @@ pub mod pins;
 pub mod reconcile;
 pub mod service_health;
 pub mod stats_slots;
+pub mod sync_status;
 pub mod udp_flush;
 pub mod xdp_targets;
 

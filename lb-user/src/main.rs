@@ -6,6 +6,7 @@ mod conntrack;
 mod kube_proxy_config;
 mod services;
 mod stats;
+mod status;
 mod trace;
 
 use std::io::IsTerminal as _;
@@ -45,5 +46,6 @@ fn main() -> anyhow::Result<()> {
         Command::Conntrack(args) => conntrack::run(args),
         Command::Trace(args) => trace::run(args),
         Command::Cleanup(args) => cleanup::run(args),
+        Command::Status(args) => status::run(args),
     }
 }

@@ -15,10 +15,27 @@ pub fn locate(dir: &Path, pin: &str) -> Option<PathBuf> {
     if dir.join(pin).exists() {
         return Some(dir.to_owned());
     }
-    let own_netns = fs::read_link("/proc/self/ns/net").ok()?;
     let relative = dir.strip_prefix("/").unwrap_or(dir);
-    fs::read_dir("/proc")
-        .ok()?
+    agents()
+        .into_iter()
+        .map(|proc| proc.join("root").join(relative))
+        .find(|candidate| candidate.join(pin).exists())
+}
+
+/// Whether an `lb agent` process runs in this network namespace.
+pub fn agent_running() -> bool {
+    !agents().is_empty()
+}
+
+/// The /proc/PID directories of the `lb agent` processes in this network namespace.
+fn agents() -> Vec<PathBuf> {
+    let Ok(own_netns) = fs::read_link("/proc/self/ns/net") else {
+        return Vec::new();
+    };
+    let Ok(procs) = fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    procs
         .filter_map(Result::ok)
         .filter(|e| {
             e.file_name()
@@ -28,8 +45,7 @@ pub fn locate(dir: &Path, pin: &str) -> Option<PathBuf> {
         .map(|e| e.path())
         .filter(|proc| fs::read_link(proc.join("ns/net")).ok().as_ref() == Some(&own_netns))
         .filter(|proc| fs::read(proc.join("cmdline")).is_ok_and(|c| is_agent(&c)))
-        .map(|proc| proc.join("root").join(relative))
-        .find(|candidate| candidate.join(pin).exists())
+        .collect()
 }
 
 /// The map pinned as `name` in `dir`, as the aya map type `T` (`HashMap<MapData, K, V>`, ...).

@@ -7,7 +7,8 @@ use ipnet::Ipv4Net;
 use lb_common::{
     Backend, BackendKey, FRONTEND_F_LOCAL, FRONTEND_F_MASQUERADE, FRONTEND_F_PRESERVE_SOURCE,
     FRONTEND_F_SOURCE_RANGES, Frontend, FrontendKey, FrontendOrigin, KIND_CLUSTER_IP,
-    KIND_EXTERNAL_IP, KIND_LOAD_BALANCER, KIND_NODE_PORT, LOCAL_SLOT, ipv4_be, port_be,
+    KIND_EXTERNAL_IP, KIND_LOAD_BALANCER, KIND_NODE_PORT, LOCAL_SLOT, ServiceStatus, ipv4_be,
+    port_be,
 };
 use tracing::{error, warn};
 
@@ -15,6 +16,7 @@ use crate::error_chain;
 use crate::maglev;
 use crate::model::{Endpoint, Model, Protocol, Scheduler, Service, ServiceName, ServicePortId};
 use crate::stats_slots::{PortEndpoint, StatsReset, StatsSlots};
+use crate::sync_status;
 use crate::udp_flush::{self, UdpEndpoint};
 
 /// The service maps, as the reconciler writes them: the aya maps, or a fake in tests. Each
@@ -37,6 +39,8 @@ pub trait MapWriter {
         entries: &[(FrontendKey, FrontendOrigin)],
     ) -> Vec<(usize, Self::Error)>;
     fn remove_origins(&mut self, keys: &[FrontendKey]) -> Vec<(usize, Self::Error)>;
+    fn insert_statuses(&mut self, entries: &[(u32, ServiceStatus)]) -> Vec<(usize, Self::Error)>;
+    fn remove_statuses(&mut self, service_ids: &[u32]) -> Vec<(usize, Self::Error)>;
     fn insert_source_range(&mut self, range: SourceRange) -> Result<(), Self::Error>;
     fn remove_source_range(&mut self, range: SourceRange) -> Result<(), Self::Error>;
 }
@@ -57,6 +61,9 @@ pub struct MapContents {
     pub source_ranges: BTreeSet<SourceRange>,
     /// The Service port and kind of each frontend but the catch-alls (for `lb services`).
     pub origins: BTreeMap<FrontendKey, FrontendOrigin>,
+    /// What each service port wants the other maps to hold, by service id (for `lb status`);
+    /// written after them at each sync.
+    pub statuses: BTreeMap<u32, ServiceStatus>,
 }
 
 impl MapContents {
@@ -69,6 +76,7 @@ impl MapContents {
         differing(&self.frontends, &other.frontends)
             + differing(&self.backends, &other.backends)
             + differing(&self.origins, &other.origins)
+            + differing(&self.statuses, &other.statuses)
             + self
                 .source_ranges
                 .symmetric_difference(&other.source_ranges)
@@ -185,6 +193,10 @@ struct Scope {
     frontends: BTreeSet<FrontendKey>,
     backends: BTreeSet<BackendKey>,
     source_ranges: BTreeSet<SourceRange>,
+    /// The ports of the services that changed, by service id, and the ids they had before:
+    /// their status records.
+    ports: BTreeMap<u32, ServicePortId>,
+    old_ids: BTreeSet<u32>,
 }
 
 impl Scope {
@@ -310,9 +322,12 @@ impl Reconciler {
         differences
     }
 
-    /// The map contents for `model`; gives new service ports their ids.
+    /// The map contents for `model`, with status records of a sync without failures; gives new
+    /// service ports their ids.
     pub fn desired(&mut self, model: &Model) -> MapContents {
-        self.full(model).0
+        let mut desired = self.full(model).0;
+        desired.statuses = self.statuses(model, &desired, None, &BTreeMap::new());
+        desired
     }
 
     /// The map contents for `model` computed whole, and what each service put there.
@@ -513,6 +528,7 @@ impl Reconciler {
                         protocol: *protocol,
                     };
                     if let Some(sid) = self.ids.remove(&id) {
+                        scope.old_ids.insert(sid);
                         old_ids.insert(id, sid);
                     }
                 }
@@ -531,6 +547,7 @@ impl Reconciler {
                     self.next_id += 1;
                     self.next_id - 1
                 });
+                scope.ports.insert(sid, id.clone());
                 self.ids.insert(id, sid);
             }
             let (contribution, conflicted) = self.put_service(name, service, &mut desired);
@@ -687,6 +704,7 @@ impl Reconciler {
             |_, reset| reset.service_id,
         );
         report.uncounted = self.stats.take_uncounted();
+        self.record_statuses(model, &desired, scope.as_ref(), &mut report, maps);
         self.name_failures(&mut report);
         if report.failed == 0 {
             self.last = Some(last);
@@ -957,6 +975,73 @@ impl Reconciler {
         report
     }
 
+    /// The status record of every port in `scope` (None: every port), from its entries in
+    /// `desired` and its failed writes in `failures`.
+    fn statuses(
+        &self,
+        model: &Model,
+        desired: &MapContents,
+        scope: Option<&Scope>,
+        failures: &BTreeMap<u32, WriteFailure>,
+    ) -> BTreeMap<u32, ServiceStatus> {
+        let ports: BTreeMap<u32, &ServicePortId> = match scope {
+            None => self.ids.iter().map(|(port, &sid)| (sid, port)).collect(),
+            Some(scope) => scope.ports.iter().map(|(&sid, port)| (sid, port)).collect(),
+        };
+        // Looked up once per port: the model is keyed by name.
+        let ports: BTreeMap<u32, (&ServicePortId, Ipv4Addr)> = ports
+            .into_iter()
+            .filter_map(|(sid, port)| {
+                let service = model.services.get(&port.service)?;
+                Some((sid, (port, service.cluster_ip)))
+            })
+            .collect();
+        let tallies = sync_status::tallies(desired, |sid| {
+            ports.get(&sid).map(|(_, ip)| ipv4_be(ip.octets()))
+        });
+        ports
+            .iter()
+            .map(|(&sid, &(port, cluster_ip))| {
+                let tally = tallies.get(&sid).copied().unwrap_or_default();
+                let record = sync_status::record(port, cluster_ip, tally, failures.get(&sid));
+                (sid, record)
+            })
+            .collect()
+    }
+
+    /// Writes the status records of the ports in `scope` (None: every port) that changed, with
+    /// the failures of this sync so far, and removes those of ports gone. Last, so that a record
+    /// never says a port is in sync before its entries are written.
+    fn record_statuses<W: MapWriter>(
+        &mut self,
+        model: &Model,
+        desired: &MapContents,
+        scope: Option<&Scope>,
+        report: &mut SyncReport,
+        maps: &mut W,
+    ) {
+        let wanted = self.statuses(model, desired, scope, &report.failed_ids);
+        let records = changed(&wanted, &self.written.statuses);
+        let failures = maps.insert_statuses(&records);
+        let failed = self.failures(report, "status insert", &records, failures, |_, r| r.0);
+        for (sid, record) in skip_indices(&records, &failed) {
+            self.written.statuses.insert(*sid, *record);
+        }
+        let candidates: Box<dyn Iterator<Item = &u32>> = match scope {
+            None => Box::new(self.written.statuses.keys()),
+            Some(scope) => Box::new(scope.old_ids.iter()),
+        };
+        let gone: Vec<u32> = candidates
+            .filter(|sid| !wanted.contains_key(sid) && self.written.statuses.contains_key(sid))
+            .copied()
+            .collect();
+        let failures = maps.remove_statuses(&gone);
+        let failed = self.failures(report, "status remove", &gone, failures, |_, _| 0);
+        for sid in skip_indices(&gone, &failed) {
+            self.written.statuses.remove(sid);
+        }
+    }
+
     /// Logs and counts the entries of `entries` that failed, each for the service id
     /// `service_id` gives it (from the entry, or what the maps hold for it); returns their
     /// indices.
@@ -1194,6 +1279,16 @@ mod tests {
             entries: &[(FrontendKey, FrontendOrigin)],
         ) -> Vec<(usize, Full)> {
             self.contents.origins.extend(entries.iter().copied());
+            Vec::new()
+        }
+        fn insert_statuses(&mut self, entries: &[(u32, ServiceStatus)]) -> Vec<(usize, Full)> {
+            self.contents.statuses.extend(entries.iter().copied());
+            Vec::new()
+        }
+        fn remove_statuses(&mut self, service_ids: &[u32]) -> Vec<(usize, Full)> {
+            for service_id in service_ids {
+                self.contents.statuses.remove(service_id);
+            }
             Vec::new()
         }
         fn remove_origins(&mut self, keys: &[FrontendKey]) -> Vec<(usize, Full)> {
@@ -2068,5 +2163,82 @@ mod tests {
         ]));
         assert_eq!(desired.frontends.len(), 2, "one port and one catch-all");
         assert_eq!(port_frontend(&desired).map(|f| f.service_id), Some(1));
+    }
+
+    /// What `lb status` says of the fake maps, by service name and port state.
+    fn status_of(maps: &FakeMaps) -> Vec<(String, sync_status::SyncState)> {
+        sync_status::compare(&maps.contents.statuses, &maps.contents)
+            .into_iter()
+            .map(|p| {
+                let record = p.record.expect("a record");
+                (lb_common::field_text(&record.name).to_owned(), p.state)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn status_records_follow_every_sync_and_name_failed_writes() {
+        use sync_status::SyncState::{Failed, InSync};
+        let mut r = Reconciler::new(NODE, MapContents::default());
+        let mut maps = FakeMaps::default();
+        let mut m = model(&[
+            ("a", 10, None, vec![endpoint(2, true)]),
+            ("b", 11, Some(30080), vec![endpoint(3, true)]),
+        ]);
+        r.sync(&m, &mut maps);
+        let in_sync = |names: &[&str]| -> Vec<(String, sync_status::SyncState)> {
+            names.iter().map(|n| (n.to_string(), InSync)).collect()
+        };
+        assert_eq!(status_of(&maps), in_sync(&["a", "b"]));
+        let whole = r.desired(&m);
+        assert_eq!(r.written(), &whole);
+
+        // A partial sync rewrites a's record only; c comes, b goes with its record.
+        let a = name("a");
+        let b_record = maps.contents.statuses.values().nth(1).copied();
+        m.services.get_mut(&a).unwrap().ports[0]
+            .endpoints
+            .push(endpoint(5, true));
+        let mut c = m.services[&name("b")].clone();
+        c.cluster_ip = Ipv4Addr::new(10, 96, 0, 12);
+        c.ports[0].node_port = None;
+        m.services.insert(name("c"), c);
+        let changed = BTreeSet::from([a.clone(), name("c")]);
+        r.sync_changed(&m, Some(&changed), &mut maps);
+        assert_eq!(status_of(&maps), in_sync(&["a", "b", "c"]));
+        assert_eq!(maps.contents.statuses.values().nth(1).copied(), b_record);
+        m.services.remove(&name("b"));
+        r.sync_changed(&m, Some(&BTreeSet::from([name("b")])), &mut maps);
+        assert_eq!(status_of(&maps), in_sync(&["a", "c"]));
+        assert_eq!(maps.contents.statuses.len(), 2);
+        let whole = r.desired(&m);
+        assert_eq!(r.written(), &whole);
+
+        // a's new slot cannot be written: failed, with the error; in sync once retried.
+        let a_id = r
+            .ids
+            .iter()
+            .find(|(id, _)| id.service == a)
+            .map(|(_, sid)| *sid);
+        maps.fail_backends_of = a_id;
+        m.services.get_mut(&a).unwrap().ports[0]
+            .endpoints
+            .push(endpoint(6, true));
+        r.sync_changed(&m, Some(&BTreeSet::from([a.clone()])), &mut maps);
+        let status = status_of(&maps);
+        assert_eq!(
+            status[0],
+            ("a".to_owned(), Failed("backend insert: map full".into()))
+        );
+        assert_eq!(status[1], ("c".to_owned(), InSync));
+        maps.fail_backends_of = None;
+        r.sync_changed(&m, Some(&BTreeSet::new()), &mut maps);
+        assert_eq!(status_of(&maps), in_sync(&["a", "c"]));
+
+        // Changed behind the writer's back: the audit repairs the record too.
+        maps.contents.statuses.clear();
+        assert_eq!(r.audit(maps.contents.clone()), 2);
+        r.sync(&m, &mut maps);
+        assert_eq!(status_of(&maps), in_sync(&["a", "c"]));
     }
 }
