@@ -123,8 +123,9 @@ impl Datapath {
         }
         let wanted = [
             (map_name::FRONTENDS, sizes.frontends),
-            // One origin per frontend.
+            // One origin per frontend, one status per service port (which has a frontend).
             (map_name::FRONTEND_ORIGINS, sizes.frontends),
+            (map_name::SERVICE_STATUS, sizes.frontends),
             (map_name::BACKENDS, sizes.backends),
             (map_name::CONNTRACK, sizes.conntrack),
             (map_name::AFFINITY, sizes.affinity),
@@ -491,7 +492,7 @@ impl MapWriter for ServiceMaps {
     }
 
     fn insert_statuses(&mut self, entries: &[(u32, ServiceStatus)]) -> Vec<(usize, io::Error)> {
-        update(self.statuses.map(), entries)
+        update(self.statuses.map(), entries, "--frontends-max")
     }
 
     fn remove_statuses(&mut self, service_ids: &[u32]) -> Vec<(usize, io::Error)> {
