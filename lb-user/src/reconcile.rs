@@ -10,7 +10,7 @@ use lb_common::{
     KIND_EXTERNAL_IP, KIND_LOAD_BALANCER, KIND_NODE_PORT, LOCAL_SLOT, ServiceStatus, ipv4_be,
     port_be,
 };
-use tracing::{error, warn};
+use tracing::{debug, error, warn};
 
 use crate::error_chain;
 use crate::maglev;
@@ -23,6 +23,9 @@ use crate::udp_flush::{self, UdpEndpoint};
 /// call writes one phase of a sync, in order (one batch syscall on the aya maps), and returns
 /// the entries that failed, by index; the others are written. Removing a key that is not there
 /// is no failure. Source ranges, few, are written one by one.
+/// Failed map writes of one sync logged as errors; the rest at debug level.
+const LOGGED_FAILURES_PER_SYNC: usize = 10;
+
 pub trait MapWriter {
     type Error: std::error::Error;
     /// Writes each slot of `BACKEND_STATS` zeroed with its owner, on every CPU.
@@ -1076,7 +1079,13 @@ impl Reconciler {
         report.failed += 1;
         self.failed_total += 1;
         let error = error_chain(err);
-        error!(op, key, service_id, %error, failed_total = self.failed_total, "map write failed");
+        // A full map fails every write after the first (500k lines for a large cluster): the
+        // first few of a sync say why, its `sync done` line counts them all.
+        if report.failed <= LOGGED_FAILURES_PER_SYNC {
+            error!(op, key, service_id, %error, failed_total = self.failed_total, "map write failed");
+        } else {
+            debug!(op, key, service_id, %error, "map write failed");
+        }
         if service_id != 0 {
             report
                 .failed_ids
