@@ -652,27 +652,27 @@ pub const fn udp_step(state: u8, reply: bool) -> u8 {
     }
 }
 
-/// The name of a connection's `state`, as `conntrack -L` shows Linux's.
+/// The name of a connection's `state`: Linux's (`conntrack -L`), in lower case.
 pub const fn conntrack_state_name(proto: u8, state: u8) -> &'static str {
     if proto == IPPROTO_TCP {
         return match state {
-            tcp::SYN_SENT => "SYN_SENT",
-            tcp::SYN_RECV => "SYN_RECV",
-            tcp::ESTABLISHED => "ESTABLISHED",
-            tcp::FIN_WAIT => "FIN_WAIT",
-            tcp::CLOSE_WAIT => "CLOSE_WAIT",
-            tcp::LAST_ACK => "LAST_ACK",
-            tcp::TIME_WAIT => "TIME_WAIT",
-            tcp::CLOSE => "CLOSE",
-            tcp::SYN_SENT2 => "SYN_SENT2",
-            _ => "NONE",
+            tcp::SYN_SENT => "syn_sent",
+            tcp::SYN_RECV => "syn_recv",
+            tcp::ESTABLISHED => "established",
+            tcp::FIN_WAIT => "fin_wait",
+            tcp::CLOSE_WAIT => "close_wait",
+            tcp::LAST_ACK => "last_ack",
+            tcp::TIME_WAIT => "time_wait",
+            tcp::CLOSE => "close",
+            tcp::SYN_SENT2 => "syn_sent2",
+            _ => "none",
         };
     }
     match state {
-        CT_UDP_UNREPLIED => "UNREPLIED",
-        CT_UDP_REPLIED => "REPLIED",
-        CT_UDP_STREAM => "STREAM",
-        _ => "UNKNOWN",
+        CT_UDP_UNREPLIED => "unreplied",
+        CT_UDP_REPLIED => "replied",
+        CT_UDP_STREAM => "stream",
+        _ => "unknown",
     }
 }
 
@@ -697,6 +697,16 @@ impl ConntrackTimeouts {
     pub const KUBE_PROXY: ConntrackTimeouts = ConntrackTimeouts {
         tcp_established_s: 24 * 3600,
         tcp_close_wait_s: 3600,
+        udp_s: 30,
+        udp_stream_s: 120,
+    };
+}
+
+impl ConntrackTimeouts {
+    /// Linux's defaults, which a flag of "0" keeps (kube-proxy then leaves the sysctl alone).
+    pub const LINUX: ConntrackTimeouts = ConntrackTimeouts {
+        tcp_established_s: 5 * 24 * 3600,
+        tcp_close_wait_s: 60,
         udp_s: 30,
         udp_stream_s: 120,
     };
@@ -1230,7 +1240,7 @@ mod tests {
         assert_eq!(udp_step(CT_UDP_REPLIED, true), CT_UDP_REPLIED);
         assert_eq!(udp_step(CT_UDP_REPLIED, false), CT_UDP_STREAM);
         assert_eq!(udp_step(CT_UDP_STREAM, true), CT_UDP_STREAM);
-        assert_eq!(conntrack_state_name(IPPROTO_UDP, CT_UDP_STREAM), "STREAM");
+        assert_eq!(conntrack_state_name(IPPROTO_UDP, CT_UDP_STREAM), "stream");
         assert_eq!(
             conntrack_state_name(IPPROTO_TCP, tcp::CLOSE_WAIT),
             "CLOSE_WAIT"

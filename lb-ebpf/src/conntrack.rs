@@ -5,14 +5,17 @@ use core::mem::MaybeUninit;
 
 use aya_ebpf::bindings::BPF_NOEXIST;
 use lb_common::{
-    Backend, CT_F_MASQUERADE, CT_F_REPLY, CT_STATE_CLOSING, CT_STATE_ESTABLISHED, CT_STATE_NEW,
-    ConntrackEntry, ConntrackKey, Counter, IPPROTO_TCP, conntrack_timeout_ns,
+    Backend, CT_F_MASQUERADE, CT_F_REPLY, CT_UDP_UNREPLIED, ConntrackEntry, ConntrackKey,
+    ConntrackTimeouts, Counter, IPPROTO_TCP, conntrack_timeout_ns,
+    tcp::{self, Step, TcpWindow},
+    udp_step,
 };
 
 use crate::{
     maps,
-    parse::{Packet, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
-    zero,
+    packet::PacketAccess,
+    parse::{Fragment, Packet, TCP_ACK, TCP_SYN},
+    tcp as tcp_header, zero,
 };
 
 /// `last_seen_ns` is refreshed at most this often, so that busy flows do not write the shared
@@ -31,17 +34,36 @@ pub struct Tracked {
     pub to: ConntrackKey,
 }
 
-/// The live connection of a packet; `None` when it has no live entry (or opens a new connection
-/// on the tuple of a closing one). Keeps both entries of the connection fresh and in the same
-/// state.
-pub fn lookup(packet: &Packet, now: u64) -> Option<Tracked> {
-    let entry = maps::conntrack(&packet.tuple)?;
+/// The live connection of a packet; `Ok(None)` when it has no live entry (or opens a new
+/// connection on the tuple of a closed one). Keeps both entries of the connection fresh and in
+/// the same state. `Err(DropTcpOutOfWindow)`: a RST or FIN outside the connection's window,
+/// which changes nothing.
+pub fn lookup<P: PacketAccess>(
+    ctx: &P,
+    packet: &Packet,
+    timeouts: &ConntrackTimeouts,
+    now: u64,
+) -> Result<Option<Tracked>, Counter> {
+    let Some(entry) = maps::conntrack(&packet.tuple) else {
+        return Ok(None);
+    };
     let proto = packet.tuple.proto;
-    if expired(entry, proto, now) || reopens(entry, packet) {
-        return None;
+    if expired(entry, proto, timeouts, now) {
+        return Ok(None);
     }
+    let reply = entry.flags & CT_F_REPLY != 0;
     let to = rewrite_of(entry, proto);
-    let state = next_state(entry, packet);
+    let state = if proto != IPPROTO_TCP {
+        udp_step(entry.state, reply)
+    } else if packet.fragment == Fragment::Later {
+        // No TCP header: the first fragment told what there was to tell.
+        entry.state
+    } else {
+        if tcp::reopens(entry.state, reply, packet.tcp_flags) {
+            return Ok(None);
+        }
+        track_segment(ctx, packet, entry, &to)?.unwrap_or(entry.state)
+    };
     let refresh = now.saturating_sub(entry.last_seen_ns) > REFRESH_NS;
     if state != entry.state || refresh {
         update(entry, state, refresh, now);
@@ -51,7 +73,47 @@ pub fn lookup(packet: &Packet, now: u64) -> Option<Tracked> {
             update(peer, state, refresh, now);
         }
     }
-    Some(Tracked { entry, to })
+    Ok(Some(Tracked { entry, to }))
+}
+
+/// Linux's TCP tracking of `packet`, a segment of `entry`'s direction, whose rewrite is `to`:
+/// the state it moves the connection to (`None`: no change), with this direction's window
+/// learned. The state machine runs first and the window check guards what may close a
+/// connection, RST and FIN, against the other direction's window.
+// A frame of its own, shared by the callers of `lookup`.
+#[inline(never)]
+fn track_segment<P: PacketAccess>(
+    ctx: &P,
+    packet: &Packet,
+    entry: &mut ConntrackEntry,
+    to: &ConntrackKey,
+) -> Result<Option<u8>, Counter> {
+    let segment = &tcp_header::segment(ctx, packet)?;
+    let reply = entry.flags & CT_F_REPLY != 0;
+    let next = match tcp::step(entry.state, reply, segment.flags) {
+        Step::To(state) => Some(state),
+        Step::Ignore | Step::Invalid => None,
+    };
+    if segment.flags & TCP_SYN != 0 {
+        // A SYN (again), a SYN-ACK, or a simultaneous open's SYN opens this direction's window.
+        if next.is_some() {
+            entry.window = TcpWindow::opened(segment, tcp_header::window_scale(ctx, packet));
+            if segment.flags & TCP_ACK != 0
+                && let Some(peer) = maps::conntrack(&reversed(to))
+            {
+                TcpWindow::agree_scaling(&mut peer.window, &mut entry.window);
+            }
+        }
+        return Ok(next);
+    }
+    if tcp::checks_window(segment.flags)
+        && let Some(peer) = maps::conntrack(&reversed(to))
+        && !entry.window.in_window(&peer.window, segment)
+    {
+        return Err(Counter::DropTcpOutOfWindow);
+    }
+    entry.window.learn(segment);
+    Ok(next)
 }
 
 /// What the packet quoted by an ICMP error (`quoted`, as it was when it failed) becomes,
@@ -59,37 +121,29 @@ pub fn lookup(packet: &Packet, now: u64) -> Option<Tracked> {
 /// quoted packet's reply would, so it is looked up as that reply arrives: by the quote turned
 /// around. Neither entry is refreshed, as Linux's conntrack leaves a connection alone for the
 /// errors related to it.
-pub fn related(quoted: &ConntrackKey, now: u64) -> Option<ConntrackKey> {
+pub fn related(
+    quoted: &ConntrackKey,
+    timeouts: &ConntrackTimeouts,
+    now: u64,
+) -> Option<ConntrackKey> {
     let entry = maps::conntrack(&reversed(quoted))?;
-    if expired(entry, quoted.proto, now) {
+    if expired(entry, quoted.proto, timeouts, now) {
         return None;
     }
     Some(reversed(&rewrite_of(entry, quoted.proto)))
 }
 
-fn expired(entry: &ConntrackEntry, proto: u8, now: u64) -> bool {
+fn expired(entry: &ConntrackEntry, proto: u8, timeouts: &ConntrackTimeouts, now: u64) -> bool {
     // Saturating: another CPU may have stored a later timestamp than our `now`.
-    now.saturating_sub(entry.last_seen_ns) > conntrack_timeout_ns(proto, entry.state)
+    now.saturating_sub(entry.last_seen_ns) > conntrack_timeout_ns(proto, entry.state, timeouts)
 }
 
-/// A client's SYN on the tuple of a closing connection is a new connection, as Linux's conntrack
-/// treats it: it gets a new endpoint, not the old one, which may have been removed since. Clients
-/// reuse a port that soon when they close with RST, or with tcp_tw_reuse.
-fn reopens(entry: &ConntrackEntry, packet: &Packet) -> bool {
-    packet.tuple.proto == IPPROTO_TCP
-        && packet.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN
-        && entry.state == CT_STATE_CLOSING
-        && entry.flags & CT_F_REPLY == 0
-}
-
-fn next_state(entry: &ConntrackEntry, packet: &Packet) -> u8 {
-    if packet.tuple.proto == IPPROTO_TCP && packet.tcp_flags & (TCP_FIN | TCP_RST) != 0 {
-        CT_STATE_CLOSING
-    } else if entry.state == CT_STATE_NEW && entry.flags & CT_F_REPLY != 0 {
-        CT_STATE_ESTABLISHED
-    } else {
-        entry.state
-    }
+/// A client's SYN on the tuple of a closed connection (TIME_WAIT, CLOSE) is a new connection, as
+/// Linux's conntrack treats it: it gets a new endpoint, not the old one, which may have been
+/// removed since. Clients reuse a port that soon when they close with RST, or with
+/// tcp_tw_reuse.
+fn closed(entry: &ConntrackEntry, proto: u8) -> bool {
+    proto == IPPROTO_TCP && tcp::reopens(entry.state, false, TCP_SYN)
 }
 
 /// A refresh also drops the cached route: the next packet asks the FIB, so a route or neighbour
@@ -136,6 +190,50 @@ fn reversed(tuple: &ConntrackKey) -> ConntrackKey {
     }
 }
 
+/// How a new connection opens: its first state, and the client's window from its first segment
+/// (TCP; `TcpWindow::default()` for UDP).
+#[derive(Clone, Copy)]
+pub struct Opening {
+    pub state: u8,
+    pub window: TcpWindow,
+}
+
+impl Opening {
+    /// The opening of the connection whose first packet is `packet`. `Err(PassedTcpNoConnection)`
+    /// for a TCP segment that opens none (RST, FIN, SYN-ACK).
+    pub fn of<P: PacketAccess>(ctx: &P, packet: &Packet) -> Result<Opening, Counter> {
+        if packet.tuple.proto != IPPROTO_TCP {
+            return Ok(Opening {
+                state: CT_UDP_UNREPLIED,
+                window: TcpWindow::default(),
+            });
+        }
+        let state = tcp::opening_state(packet.tcp_flags).ok_or(Counter::PassedTcpNoConnection)?;
+        let segment = tcp_header::segment(ctx, packet)?;
+        let window = if segment.flags & TCP_SYN != 0 {
+            TcpWindow::opened(&segment, tcp_header::window_scale(ctx, packet))
+        } else {
+            // Picked up mid-stream: the window scale was in a SYN we did not see.
+            let mut window = unknown_window();
+            window.learn(&segment);
+            window
+        };
+        Ok(Opening { state, window })
+    }
+}
+
+/// A direction's window before anything is known of it, not even its scale.
+const fn unknown_window() -> TcpWindow {
+    TcpWindow {
+        end: 0,
+        limit: 0,
+        max_window: 0,
+        wscale: tcp::WSCALE_UNKNOWN,
+        _pad0: 0,
+        _pad1: 0,
+    }
+}
+
 /// A new connection from `tuple` (client → frontend) to `backend`, before it is tracked.
 pub struct Connection {
     tuple: ConntrackKey,
@@ -146,6 +244,8 @@ pub struct Connection {
     stats_owner: u32,
     /// `CT_F_MASQUERADE` or 0, for both entries.
     flags: u8,
+    opening: Opening,
+    timeouts: &'static ConntrackTimeouts,
 }
 
 impl Connection {
@@ -154,6 +254,8 @@ impl Connection {
         service_id: u32,
         backend: &Backend,
         masquerade: bool,
+        opening: &Opening,
+        timeouts: &'static ConntrackTimeouts,
         now: u64,
     ) -> Self {
         Self {
@@ -163,6 +265,8 @@ impl Connection {
             now,
             stats_owner: maps::backend_stats_owner(u32::from(backend.stats_slot)),
             flags: if masquerade { CT_F_MASQUERADE } else { 0 },
+            opening: *opening,
+            timeouts,
         }
     }
 
@@ -179,12 +283,13 @@ impl Connection {
         }
     }
 
-    /// The entry that rewrites to `to`, with no route cached yet, built in `slot`: a zeroed
-    /// entry returned by value becomes a memset call.
+    /// The entry that rewrites to `to`, with no route cached yet and `window`, built in `slot`:
+    /// a zeroed entry returned by value becomes a memset call.
     fn entry<'a>(
         &self,
         to: &ConntrackKey,
         flags: u8,
+        window: &TcpWindow,
         slot: &'a mut MaybeUninit<ConntrackEntry>,
     ) -> &'a ConntrackEntry {
         // SAFETY: ConntrackEntry is plain old data; all-zero has no route cached.
@@ -195,10 +300,11 @@ impl Connection {
         entry.src_port = to.src_port;
         entry.dst_port = to.dst_port;
         entry.service_id = self.service_id;
-        entry.state = CT_STATE_NEW;
+        entry.state = self.opening.state;
         entry.flags = flags;
         entry.stats_slot = u32::from(self.backend.stats_slot);
         entry.stats_owner = self.stats_owner;
+        entry.window = *window;
         entry
     }
 
@@ -215,13 +321,19 @@ impl Connection {
         let key = reversed(&to);
         let mut slot = MaybeUninit::uninit();
         // Replies come back as if from the frontend.
-        let entry = self.entry(&reversed(&self.tuple), self.flags | CT_F_REPLY, &mut slot);
+        let entry = self.entry(
+            &reversed(&self.tuple),
+            self.flags | CT_F_REPLY,
+            &unknown_window(),
+            &mut slot,
+        );
         if maps::conntrack_insert(&key, entry, BPF_NOEXIST) {
             return Ok(Some(to));
         }
         match maps::conntrack(&key) {
             Some(held)
-                if !expired(held, self.tuple.proto, self.now) && !same_rewrite(held, entry) =>
+                if !expired(held, self.tuple.proto, self.timeouts, self.now)
+                    && !same_rewrite(held, entry) =>
             {
                 Ok(None)
             }
@@ -242,16 +354,16 @@ impl Connection {
     #[inline(never)]
     pub fn track_original(&self, to: &ConntrackKey) -> Result<Option<ConntrackKey>, Counter> {
         let mut slot = MaybeUninit::uninit();
-        let entry = self.entry(to, self.flags, &mut slot);
+        let entry = self.entry(to, self.flags, &self.opening.window, &mut slot);
         if maps::conntrack_insert(&self.tuple, entry, BPF_NOEXIST) {
             return Ok(None);
         }
         let proto = self.tuple.proto;
         match maps::conntrack(&self.tuple) {
-            // A closing entry is here only when this packet reopens it (`lookup`): a racing
-            // CPU's connection would be new.
+            // A closed entry is here only when this packet reopens it (`lookup`): a racing CPU's
+            // connection would be new.
             Some(winner)
-                if !expired(winner, proto, self.now) && winner.state != CT_STATE_CLOSING =>
+                if !expired(winner, proto, self.timeouts, self.now) && !closed(winner, proto) =>
             {
                 let theirs = rewrite_of(winner, proto);
                 // Unless both chose the same backend and source, and so wrote the same reply

@@ -20,6 +20,7 @@ mod parse;
 mod reject;
 mod service;
 mod sock;
+mod tcp;
 mod translate;
 mod zero;
 

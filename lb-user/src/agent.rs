@@ -116,6 +116,7 @@ pub async fn run(args: AgentArgs) -> Result<()> {
         _pad: 0,
         netns_cookie: cgroup_hooks::netns_cookie()?,
         clock: datapath::kernel_clock()?,
+        timeouts: args.conntrack_timeouts(),
     })?;
 
     let existing = datapath.service_maps.read()?;
