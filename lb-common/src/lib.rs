@@ -1140,7 +1140,7 @@ const _: () = {
     assert!(core::mem::size_of::<BackendStats>() == 32);
     assert!(core::mem::size_of::<FrontendOrigin>() == 148);
     assert!(core::mem::size_of::<ConntrackKey>() == 16);
-    assert!(core::mem::size_of::<ConntrackEntry>() == 72);
+    assert!(core::mem::size_of::<ConntrackEntry>() == 64);
     assert!(core::mem::size_of::<SourceRangeKey>() * 8 == SourceRangeKey::FULL_PREFIX as usize);
     assert!(core::mem::size_of::<Config>() == 64);
     assert!(core::mem::size_of::<SockRevNatKey>() == 16);
@@ -1243,7 +1243,7 @@ mod tests {
         assert_eq!(conntrack_state_name(IPPROTO_UDP, CT_UDP_STREAM), "stream");
         assert_eq!(
             conntrack_state_name(IPPROTO_TCP, tcp::CLOSE_WAIT),
-            "CLOSE_WAIT"
+            "close_wait"
         );
     }
 

@@ -183,46 +183,33 @@ const fn after(a: u32, b: u32) -> bool {
 const MIN_ACK_WINDOW: u32 = 66_000;
 
 /// One direction's sequence space, kept in that direction's conntrack entry (Linux's
-/// `ip_ct_tcp_state`, but for `limit`, which Linux keeps as the other direction's `td_maxend`).
+/// `ip_ct_tcp_state`, cut to what the check of RST and FIN needs, in 8 bytes: the conntrack entry
+/// must stay small for the programs' stack).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct TcpWindow {
     /// The sequence number after the last byte this direction sent (`td_end`).
     pub end: u32,
-    /// The highest ACK plus window this direction announced: how far the other direction may
-    /// send (the other's `td_maxend`).
-    pub limit: u32,
-    /// The largest window this direction announced, scaled (`td_maxwin`); 0: nothing learned
-    /// yet, and the window check passes every segment.
-    pub max_window: u32,
+    /// The largest window this direction announced after its SYN, as it sits in the header
+    /// (`td_maxwin` before scaling); 0: nothing learned yet, and the window check passes every
+    /// segment.
+    pub max_window: u16,
     /// The shift of this direction's windows (its SYN's option), or `WSCALE_*`.
     pub wscale: u8,
-    pub _pad0: u8,
-    pub _pad1: u16,
+    pub _pad: u8,
 }
 
 impl TcpWindow {
     /// The window of the SYN (or SYN-ACK) that opens this direction, with the window scale
-    /// option it carried (`WSCALE_NONE` without).
+    /// option it carried. Its window size is learned from the next segments: a SYN's is not
+    /// scaled, theirs are.
     pub const fn opened(syn: &Segment, wscale: u8) -> Self {
-        let end = syn.end();
         TcpWindow {
-            end,
-            // A SYN-ACK's ACK bounds what the client may send; a SYN bounds nothing yet.
-            limit: if syn.flags & TCP_ACK != 0 {
-                syn.ack.wrapping_add(syn.window as u32)
-            } else {
-                end
-            },
-            max_window: if syn.window == 0 {
-                1
-            } else {
-                syn.window as u32
-            },
+            end: syn.end(),
+            max_window: 0,
             wscale,
-            _pad0: 0,
-            _pad1: 0,
+            _pad: 0,
         }
     }
 
@@ -237,6 +224,11 @@ impl TcpWindow {
         }
     }
 
+    /// The largest window this direction announced, in bytes.
+    const fn scaled_window(&self) -> u32 {
+        (self.max_window as u32) << self.shift()
+    }
+
     /// RFC 7323: windows are scaled only when both SYNs carried the option. Called on both
     /// directions' windows once the SYN-ACK is seen.
     pub fn agree_scaling(original: &mut TcpWindow, reply: &mut TcpWindow) {
@@ -246,63 +238,47 @@ impl TcpWindow {
         }
     }
 
-    /// Learns from a segment this direction sent (not a SYN: `opened` takes those). Returns
-    /// whether anything changed, so that an unchanged entry is not written.
-    pub fn learn(&mut self, segment: &Segment) -> bool {
-        let window = (segment.window as u32) << self.shift();
+    /// Learns from a segment this direction sent (not a SYN: `opened` takes those).
+    pub fn learn(&mut self, segment: &Segment) {
         let end = segment.end();
-        if self.max_window == 0 {
-            // A connection whose start we did not see: begin from this segment.
+        if self.max_window == 0 || after(end, self.end) {
             self.end = end;
-            self.max_window = if window == 0 { 1 } else { window };
-            self.limit = segment.ack.wrapping_add(window);
-            return true;
         }
-        let mut changed = false;
-        if after(end, self.end) {
-            self.end = end;
-            changed = true;
-        }
+        let window = if segment.window == 0 {
+            1
+        } else {
+            segment.window
+        };
         if window > self.max_window {
             self.max_window = window;
-            changed = true;
         }
-        if segment.flags & TCP_ACK != 0 {
-            let limit = segment
-                .ack
-                .wrapping_add(if window == 0 { 1 } else { window });
-            if after(limit, self.limit) {
-                self.limit = limit;
-                changed = true;
-            }
-        }
-        changed
     }
 
     /// Linux's `tcp_in_window` for a segment this direction (`self`) sends to `receiver`: its
-    /// sequence numbers overlap what the receiver accepts, and its ACK what the receiver sent.
-    /// Passes when either side's window is not known yet.
+    /// sequence numbers overlap what the receiver can have announced, and its ACK what the
+    /// receiver sent. The upper bound is the receiver's largest window past what this direction
+    /// sent (Linux keeps the receiver's highest ACK plus window, which lies below it). Passes
+    /// when either side's window is not known yet.
     pub fn in_window(&self, receiver: &TcpWindow, segment: &Segment) -> bool {
         if self.max_window == 0 || receiver.max_window == 0 {
             return true;
         }
+        let receiver_window = receiver.scaled_window();
         let (mut seq, mut end) = (segment.seq, segment.end());
         // A segment without data is checked by its ACK only; a RST always by its sequence.
         if seq == end && segment.flags & TCP_RST == 0 {
             seq = self.end;
             end = self.end;
         }
-        let seq_ok = !after(seq, receiver.limit)
-            && after(
-                end,
-                self.end.wrapping_sub(receiver.max_window).wrapping_sub(1),
-            );
+        let seq_ok = !after(seq, self.end.wrapping_add(receiver_window))
+            && after(end, self.end.wrapping_sub(receiver_window).wrapping_sub(1));
         // Without ACK (or a RST+ACK of 0, from stacks that set the flag without a value) there
         // is no ACK to check.
         let has_ack =
             segment.flags & TCP_ACK != 0 && !(segment.flags & TCP_RST != 0 && segment.ack == 0);
-        let ack_window = if self.max_window > MIN_ACK_WINDOW {
-            self.max_window
+        let own_window = self.scaled_window();
+        let ack_window = if own_window > MIN_ACK_WINDOW {
+            own_window
         } else {
             MIN_ACK_WINDOW
         };
@@ -316,46 +292,35 @@ impl TcpWindow {
     }
 }
 
-/// The window scale option of a SYN's TCP options `options` (the bytes after the fixed header,
-/// `len` of them): its shift, or `WSCALE_NONE`. Linux's `tcp_options`.
-pub fn window_scale(options: &[u8; 40], len: usize) -> u8 {
-    const EOL: u8 = 0;
+/// The window scale option of a SYN whose `len` bytes of TCP options `word(i)` reads, four at
+/// a time from byte `4 * i` (the datapath reads them from the packet): its shift, or
+/// `WSCALE_UNKNOWN`. The option is looked for where stacks put it, behind a NOP that aligns it
+/// to a word (Linux, the BSDs and Windows all do): a walk of the options' kinds and lengths, as
+/// Linux's `tcp_options` does, is more than the verifier accepts. Not found there, the
+/// window's scale is unknown, and read as the largest: the window check errs towards passing.
+pub fn window_scale(len: usize, word: impl Fn(usize) -> Option<[u8; 4]>) -> u8 {
     const NOP: u8 = 1;
     const WINDOW: u8 = 3;
     const WINDOW_LEN: u8 = 3;
-    let len = if len > options.len() {
-        options.len()
-    } else {
-        len
-    };
-    let mut at = 0;
-    // Each pass consumes at least one byte.
-    for _ in 0..40 {
-        if at >= len {
+    /// The most option words a TCP header holds.
+    const MAX_WORDS: usize = 10;
+    for i in 0..MAX_WORDS {
+        if (i + 1) * 4 > len {
             break;
         }
-        match options[at] {
-            EOL => break,
-            NOP => at += 1,
-            kind => {
-                let Some(&size) = options.get(at + 1) else {
-                    break;
+        match word(i) {
+            Some([NOP, WINDOW, WINDOW_LEN, shift]) => {
+                return if shift > WSCALE_MAX {
+                    WSCALE_MAX
+                } else {
+                    shift
                 };
-                if size < 2 || at + size as usize > len {
-                    break;
-                }
-                if kind == WINDOW && size == WINDOW_LEN {
-                    return match options.get(at + 2) {
-                        Some(&shift) if shift > WSCALE_MAX => WSCALE_MAX,
-                        Some(&shift) => shift,
-                        None => WSCALE_NONE,
-                    };
-                }
-                at += size as usize;
             }
+            Some(_) => {}
+            None => break,
         }
     }
-    WSCALE_NONE
+    WSCALE_UNKNOWN
 }
 
 #[cfg(test)]
@@ -458,8 +423,8 @@ mod tests {
         assert_eq!(step(200, ORIGINAL, TCP_ACK), Step::Invalid);
     }
 
-    /// A connection whose client sent SYN seq 1000 (window 64240, scale 7) and whose server
-    /// answered SYN-ACK seq 5000 (window 65160, scale 7), then 100 bytes each way.
+    /// A connection whose client sent SYN seq 1000 (scale 7) and whose server answered SYN-ACK
+    /// seq 5000 (scale 7), then 100 bytes each way.
     fn windows() -> (TcpWindow, TcpWindow) {
         let syn = Segment {
             seq: 1000,
@@ -497,21 +462,24 @@ mod tests {
 
     #[test]
     fn windows_follow_what_each_side_sent_and_announced() {
-        let (client, server) = windows();
-        assert_eq!(client.end, 1101);
-        assert_eq!(client.max_window, 502 << 7);
-        assert_eq!(client.limit, 5001 + (502 << 7));
-        assert_eq!(server.end, 5101);
-        assert_eq!(server.max_window, 65160);
-        assert_eq!(server.limit, 1101 + (509 << 7));
-        let mut unchanged = client;
-        assert!(!unchanged.learn(&Segment {
+        let (mut client, server) = windows();
+        assert_eq!(
+            (client.end, client.max_window, client.scaled_window()),
+            (1101, 502, 502 << 7)
+        );
+        assert_eq!((server.end, server.max_window), (5101, 509));
+        client.learn(&Segment {
             seq: 1001,
-            ack: 5001,
-            window: 502,
+            ack: 5101,
+            window: 400,
             flags: TCP_ACK,
-            len: 0
-        }));
+            len: 0,
+        });
+        assert_eq!(
+            (client.end, client.max_window),
+            (1101, 502),
+            "old data and a smaller window"
+        );
     }
 
     #[test]
@@ -524,13 +492,13 @@ mod tests {
             flags: TCP_RST,
             len: 0,
         };
-        // At the next byte, or anywhere the receiver accepts.
+        // At the next byte, or anywhere the receiver may accept.
         assert!(client.in_window(&server, &rst(1101)));
         assert!(client.in_window(&server, &rst(1101 + 50_000)));
         assert!(server.in_window(&client, &rst(5101)));
-        // Beyond what the receiver announced, far behind, or anywhere else.
-        assert!(!client.in_window(&server, &rst(server.limit + 1)));
-        assert!(!client.in_window(&server, &rst(1101u32.wrapping_sub(server.max_window + 10))));
+        // Beyond the receiver's window, far behind, or anywhere else.
+        assert!(!client.in_window(&server, &rst(1101 + (509 << 7) + 1)));
+        assert!(!client.in_window(&server, &rst(1101u32.wrapping_sub((509 << 7) + 10))));
         assert!(!client.in_window(&server, &rst(0x8000_0000)));
         assert!(!server.in_window(&client, &rst(12_345_678)));
         // A RST+ACK must also acknowledge something the receiver sent.
@@ -576,16 +544,25 @@ mod tests {
         };
         assert!(client.in_window(&unknown, &rst));
         assert!(unknown.in_window(&client, &rst));
+        // The handshake alone teaches no window size: a SYN's is not scaled.
+        let syn = Segment {
+            seq: 1,
+            ack: 0,
+            window: 1000,
+            flags: TCP_SYN,
+            len: 0,
+        };
+        assert!(TcpWindow::opened(&syn, 7).in_window(&client, &rst));
         // Learned from the first segment, with the largest scale: the bound errs wide.
         let mut picked_up = unknown;
-        assert!(picked_up.learn(&Segment {
+        picked_up.learn(&Segment {
             seq: 7000,
             ack: 1101,
             window: 10,
             flags: TCP_ACK,
-            len: 0
-        }));
-        assert_eq!(picked_up.max_window, 10 << WSCALE_MAX);
+            len: 0,
+        });
+        assert_eq!(picked_up.scaled_window(), 10 << WSCALE_MAX);
         assert_eq!(picked_up.end, 7000);
     }
 
@@ -615,7 +592,7 @@ mod tests {
             flags: TCP_ACK,
             len: 0,
         });
-        assert_eq!(client.max_window, 2000);
+        assert_eq!(client.scaled_window(), 2000);
     }
 
     #[test]
@@ -639,24 +616,24 @@ mod tests {
     }
 
     #[test]
-    fn the_window_scale_option_is_found_among_others() {
+    fn the_window_scale_option_is_found_where_stacks_put_it() {
+        let scale = |options: &[u8], len: usize| {
+            window_scale(len, |i| options.get(i * 4..i * 4 + 4)?.try_into().ok())
+        };
         // Linux's SYN: MSS, SACK permitted, timestamps, NOP, window scale 7.
-        let mut options = [0; 40];
-        let linux = [
+        let mut linux = [
             2, 4, 5, 180, 4, 2, 8, 10, 1, 2, 3, 4, 0, 0, 0, 0, 1, 3, 3, 7,
         ];
-        options[..linux.len()].copy_from_slice(&linux);
-        assert_eq!(window_scale(&options, linux.len()), 7);
-        // Cut before the option, or without it.
-        assert_eq!(window_scale(&options, 17), WSCALE_NONE);
-        assert_eq!(window_scale(&options, 8), WSCALE_NONE);
-        // A shift beyond RFC 7323's is capped; silly lengths end the walk.
-        options[19] = 30;
-        assert_eq!(window_scale(&options, 20), WSCALE_MAX);
-        let silly = [2, 0, 3, 3, 7];
-        let mut options = [0; 40];
-        options[..silly.len()].copy_from_slice(&silly);
-        assert_eq!(window_scale(&options, silly.len()), WSCALE_NONE);
-        assert_eq!(window_scale(&[1; 40], 40), WSCALE_NONE);
+        assert_eq!(scale(&linux, linux.len()), 7);
+        // Windows': MSS, NOP, window scale 8, NOP, NOP, SACK permitted.
+        assert_eq!(scale(&[2, 4, 5, 180, 1, 3, 3, 8, 1, 1, 4, 2], 12), 8);
+        // Cut before the option, or without it: unknown, read as the largest.
+        assert_eq!(scale(&linux, 16), WSCALE_UNKNOWN);
+        assert_eq!(scale(&linux[..18], 20), WSCALE_UNKNOWN);
+        assert_eq!(scale(&[2, 4, 5, 180], 4), WSCALE_UNKNOWN);
+        assert_eq!(scale(&[], 0), WSCALE_UNKNOWN);
+        // A shift beyond RFC 7323's is capped.
+        linux[19] = 30;
+        assert_eq!(scale(&linux, 20), WSCALE_MAX);
     }
 }

@@ -5,7 +5,7 @@ use core::mem::MaybeUninit;
 
 use aya_ebpf::bindings::BPF_NOEXIST;
 use lb_common::{
-    Backend, CT_F_MASQUERADE, CT_F_REPLY, CT_UDP_UNREPLIED, ConntrackEntry, ConntrackKey,
+    Backend, CT_F_MASQUERADE, CT_F_REPLY, CT_UDP_UNREPLIED, Config, ConntrackEntry, ConntrackKey,
     ConntrackTimeouts, Counter, IPPROTO_TCP, conntrack_timeout_ns,
     tcp::{self, Step, TcpWindow},
     udp_step,
@@ -34,22 +34,19 @@ pub struct Tracked {
     pub to: ConntrackKey,
 }
 
-/// The live connection of a packet; `Ok(None)` when it has no live entry (or opens a new
-/// connection on the tuple of a closed one). Keeps both entries of the connection fresh and in
-/// the same state. `Err(DropTcpOutOfWindow)`: a RST or FIN outside the connection's window,
-/// which changes nothing.
+/// The live connection of a packet; `None` when it has no live entry (or opens a new connection
+/// on the tuple of a closed one). Keeps both entries of the connection fresh and in the same
+/// state. A TCP RST or FIN must have passed `in_window` first.
 pub fn lookup<P: PacketAccess>(
     ctx: &P,
     packet: &Packet,
-    timeouts: &ConntrackTimeouts,
+    config: &Config,
     now: u64,
-) -> Result<Option<Tracked>, Counter> {
-    let Some(entry) = maps::conntrack(&packet.tuple) else {
-        return Ok(None);
-    };
+) -> Option<Tracked> {
+    let entry = maps::conntrack(&packet.tuple)?;
     let proto = packet.tuple.proto;
-    if expired(entry, proto, timeouts, now) {
-        return Ok(None);
+    if expired(entry, proto, &config.timeouts, now) {
+        return None;
     }
     let reply = entry.flags & CT_F_REPLY != 0;
     let to = rewrite_of(entry, proto);
@@ -60,9 +57,9 @@ pub fn lookup<P: PacketAccess>(
         entry.state
     } else {
         if tcp::reopens(entry.state, reply, packet.tcp_flags) {
-            return Ok(None);
+            return None;
         }
-        track_segment(ctx, packet, entry, &to)?.unwrap_or(entry.state)
+        track_segment(ctx, packet, entry)
     };
     let refresh = now.saturating_sub(entry.last_seen_ns) > REFRESH_NS;
     if state != entry.state || refresh {
@@ -73,47 +70,67 @@ pub fn lookup<P: PacketAccess>(
             update(peer, state, refresh, now);
         }
     }
-    Ok(Some(Tracked { entry, to }))
+    Some(Tracked { entry, to })
 }
 
-/// Linux's TCP tracking of `packet`, a segment of `entry`'s direction, whose rewrite is `to`:
-/// the state it moves the connection to (`None`: no change), with this direction's window
-/// learned. The state machine runs first and the window check guards what may close a
-/// connection, RST and FIN, against the other direction's window.
-// A frame of its own, shared by the callers of `lookup`.
+/// `Err(DropTcpOutOfWindow)` for a TCP RST or FIN of a tracked connection that lies outside
+/// its window (Linux's `tcp_in_window`): it must not close the connection. Any other packet
+/// passes without a look: the established path pays nothing for the check.
+pub fn in_window<P: PacketAccess>(ctx: &P, packet: &Packet) -> Result<(), Counter> {
+    if packet.tuple.proto != IPPROTO_TCP || !tcp::checks_window(packet.tcp_flags) {
+        return Ok(());
+    }
+    if window_refuses(ctx, packet) {
+        return Err(Counter::DropTcpOutOfWindow);
+    }
+    Ok(())
+}
+
+/// The window check of `in_window`, on the packet's entry and its peer's.
 #[inline(never)]
-fn track_segment<P: PacketAccess>(
-    ctx: &P,
-    packet: &Packet,
-    entry: &mut ConntrackEntry,
-    to: &ConntrackKey,
-) -> Result<Option<u8>, Counter> {
-    let segment = &tcp_header::segment(ctx, packet)?;
+fn window_refuses<P: PacketAccess>(ctx: &P, packet: &Packet) -> bool {
+    let Some(entry) = maps::conntrack(&packet.tuple) else {
+        return false;
+    };
+    let to = rewrite_of(entry, IPPROTO_TCP);
+    let (Some(peer), Ok(segment)) = (
+        maps::conntrack(&reversed(&to)),
+        tcp_header::segment(ctx, packet),
+    ) else {
+        return false;
+    };
+    !entry.window.in_window(&peer.window, &segment)
+}
+
+/// Linux's TCP tracking of `packet`, a segment of `entry`'s direction: the state it moves the connection to (its own when none), with this direction's window
+/// learned.
+// A frame of its own, so that its segment and the peer lookup do not deepen the programs' own
+// (the new connection path runs deepest).
+#[inline(never)]
+fn track_segment<P: PacketAccess>(ctx: &P, packet: &Packet, entry: &mut ConntrackEntry) -> u8 {
+    // The parser checked that the header is in the packet.
+    let Ok(segment) = &tcp_header::segment(ctx, packet) else {
+        return entry.state;
+    };
     let reply = entry.flags & CT_F_REPLY != 0;
-    let next = match tcp::step(entry.state, reply, segment.flags) {
-        Step::To(state) => Some(state),
-        Step::Ignore | Step::Invalid => None,
+    let (next, moves) = match tcp::step(entry.state, reply, segment.flags) {
+        Step::To(state) => (state, true),
+        Step::Ignore | Step::Invalid => (entry.state, false),
     };
     if segment.flags & TCP_SYN != 0 {
         // A SYN (again), a SYN-ACK, or a simultaneous open's SYN opens this direction's window.
-        if next.is_some() {
+        if moves {
             entry.window = TcpWindow::opened(segment, tcp_header::window_scale(ctx, packet));
             if segment.flags & TCP_ACK != 0
-                && let Some(peer) = maps::conntrack(&reversed(to))
+                && let Some(peer) = maps::conntrack(&reversed(&rewrite_of(entry, IPPROTO_TCP)))
             {
                 TcpWindow::agree_scaling(&mut peer.window, &mut entry.window);
             }
         }
-        return Ok(next);
+    } else {
+        entry.window.learn(segment);
     }
-    if tcp::checks_window(segment.flags)
-        && let Some(peer) = maps::conntrack(&reversed(to))
-        && !entry.window.in_window(&peer.window, segment)
-    {
-        return Err(Counter::DropTcpOutOfWindow);
-    }
-    entry.window.learn(segment);
-    Ok(next)
+    next
 }
 
 /// What the packet quoted by an ICMP error (`quoted`, as it was when it failed) becomes,
@@ -190,48 +207,32 @@ fn reversed(tuple: &ConntrackKey) -> ConntrackKey {
     }
 }
 
-/// How a new connection opens: its first state, and the client's window from its first segment
-/// (TCP; `TcpWindow::default()` for UDP).
-#[derive(Clone, Copy)]
-pub struct Opening {
-    pub state: u8,
-    pub window: TcpWindow,
+/// The state a connection opened by `packet` starts in. `Err(PassedTcpNoConnection)` for a TCP
+/// segment that opens none (RST, FIN, SYN-ACK).
+pub fn opening_state(packet: &Packet) -> Result<u8, Counter> {
+    if packet.tuple.proto != IPPROTO_TCP {
+        return Ok(CT_UDP_UNREPLIED);
+    }
+    tcp::opening_state(packet.tcp_flags).ok_or(Counter::PassedTcpNoConnection)
 }
 
-impl Opening {
-    /// The opening of the connection whose first packet is `packet`. `Err(PassedTcpNoConnection)`
-    /// for a TCP segment that opens none (RST, FIN, SYN-ACK).
-    pub fn of<P: PacketAccess>(ctx: &P, packet: &Packet) -> Result<Opening, Counter> {
-        if packet.tuple.proto != IPPROTO_TCP {
-            return Ok(Opening {
-                state: CT_UDP_UNREPLIED,
-                window: TcpWindow::default(),
-            });
-        }
-        let state = tcp::opening_state(packet.tcp_flags).ok_or(Counter::PassedTcpNoConnection)?;
-        let segment = tcp_header::segment(ctx, packet)?;
-        let window = if segment.flags & TCP_SYN != 0 {
-            TcpWindow::opened(&segment, tcp_header::window_scale(ctx, packet))
+/// The original entry of the connection `packet` has just opened (keyed by its tuple), with the
+/// client's window learned from that first segment. Learned once the entries are in, rather
+/// than carried into them: the new connection path is the programs' deepest on the stack.
+#[inline(never)]
+pub fn opened<P: PacketAccess>(ctx: &P, packet: &Packet) -> Option<&'static ConntrackEntry> {
+    let entry = maps::conntrack(&packet.tuple)?;
+    if packet.tuple.proto == IPPROTO_TCP
+        && let Ok(segment) = tcp_header::segment(ctx, packet)
+    {
+        if segment.flags & TCP_SYN != 0 {
+            entry.window = TcpWindow::opened(&segment, tcp_header::window_scale(ctx, packet));
         } else {
             // Picked up mid-stream: the window scale was in a SYN we did not see.
-            let mut window = unknown_window();
-            window.learn(&segment);
-            window
-        };
-        Ok(Opening { state, window })
+            entry.window.learn(&segment);
+        }
     }
-}
-
-/// A direction's window before anything is known of it, not even its scale.
-const fn unknown_window() -> TcpWindow {
-    TcpWindow {
-        end: 0,
-        limit: 0,
-        max_window: 0,
-        wscale: tcp::WSCALE_UNKNOWN,
-        _pad0: 0,
-        _pad1: 0,
-    }
+    Some(entry)
 }
 
 /// A new connection from `tuple` (client → frontend) to `backend`, before it is tracked.
@@ -244,8 +245,8 @@ pub struct Connection {
     stats_owner: u32,
     /// `CT_F_MASQUERADE` or 0, for both entries.
     flags: u8,
-    opening: Opening,
-    timeouts: &'static ConntrackTimeouts,
+    /// Both entries' first state.
+    state: u8,
 }
 
 impl Connection {
@@ -254,8 +255,7 @@ impl Connection {
         service_id: u32,
         backend: &Backend,
         masquerade: bool,
-        opening: &Opening,
-        timeouts: &'static ConntrackTimeouts,
+        state: u8,
         now: u64,
     ) -> Self {
         Self {
@@ -265,9 +265,15 @@ impl Connection {
             now,
             stats_owner: maps::backend_stats_owner(u32::from(backend.stats_slot)),
             flags: if masquerade { CT_F_MASQUERADE } else { 0 },
-            opening: *opening,
-            timeouts,
+            state,
         }
+    }
+
+    /// Whether `entry`, found where this connection's would go, is of a connection no longer
+    /// live. The timeouts are read here rather than kept: the programs' stack is tight.
+    fn outlived(&self, entry: &ConntrackEntry) -> bool {
+        maps::config()
+            .is_none_or(|config| expired(entry, self.tuple.proto, &config.timeouts, self.now))
     }
 
     /// The tuple the client's packets get when the backend sees them from `src_addr:src_port`.
@@ -283,13 +289,12 @@ impl Connection {
         }
     }
 
-    /// The entry that rewrites to `to`, with no route cached yet and `window`, built in `slot`:
-    /// a zeroed entry returned by value becomes a memset call.
+    /// The entry that rewrites to `to`, with no route cached yet and its window unknown, built
+    /// in `slot`: a zeroed entry returned by value becomes a memset call.
     fn entry<'a>(
         &self,
         to: &ConntrackKey,
         flags: u8,
-        window: &TcpWindow,
         slot: &'a mut MaybeUninit<ConntrackEntry>,
     ) -> &'a ConntrackEntry {
         // SAFETY: ConntrackEntry is plain old data; all-zero has no route cached.
@@ -300,11 +305,11 @@ impl Connection {
         entry.src_port = to.src_port;
         entry.dst_port = to.dst_port;
         entry.service_id = self.service_id;
-        entry.state = self.opening.state;
+        entry.state = self.state;
         entry.flags = flags;
         entry.stats_slot = u32::from(self.backend.stats_slot);
         entry.stats_owner = self.stats_owner;
-        entry.window = *window;
+        entry.window.wscale = tcp::WSCALE_UNKNOWN;
         entry
     }
 
@@ -321,22 +326,12 @@ impl Connection {
         let key = reversed(&to);
         let mut slot = MaybeUninit::uninit();
         // Replies come back as if from the frontend.
-        let entry = self.entry(
-            &reversed(&self.tuple),
-            self.flags | CT_F_REPLY,
-            &unknown_window(),
-            &mut slot,
-        );
+        let entry = self.entry(&reversed(&self.tuple), self.flags | CT_F_REPLY, &mut slot);
         if maps::conntrack_insert(&key, entry, BPF_NOEXIST) {
             return Ok(Some(to));
         }
         match maps::conntrack(&key) {
-            Some(held)
-                if !expired(held, self.tuple.proto, self.timeouts, self.now)
-                    && !same_rewrite(held, entry) =>
-            {
-                Ok(None)
-            }
+            Some(held) if !self.outlived(held) && !same_rewrite(held, entry) => Ok(None),
             Some(ours) => {
                 *ours = *entry;
                 Ok(Some(to))
@@ -354,7 +349,7 @@ impl Connection {
     #[inline(never)]
     pub fn track_original(&self, to: &ConntrackKey) -> Result<Option<ConntrackKey>, Counter> {
         let mut slot = MaybeUninit::uninit();
-        let entry = self.entry(to, self.flags, &self.opening.window, &mut slot);
+        let entry = self.entry(to, self.flags, &mut slot);
         if maps::conntrack_insert(&self.tuple, entry, BPF_NOEXIST) {
             return Ok(None);
         }
@@ -362,9 +357,7 @@ impl Connection {
         match maps::conntrack(&self.tuple) {
             // A closed entry is here only when this packet reopens it (`lookup`): a racing CPU's
             // connection would be new.
-            Some(winner)
-                if !expired(winner, proto, self.timeouts, self.now) && !closed(winner, proto) =>
-            {
+            Some(winner) if !self.outlived(winner) && !closed(winner, proto) => {
                 let theirs = rewrite_of(winner, proto);
                 // Unless both chose the same backend and source, and so wrote the same reply
                 // entry.

@@ -21,7 +21,8 @@ struct SequenceFields {
 
 const SEQUENCE_FIELDS_OFFSET: usize = 4;
 const TCP_FIXED_HLEN: usize = 20;
-const MAX_OPTION_WORDS: usize = 10;
+/// The data offset's byte.
+const DATA_OFFSET: usize = 12;
 
 /// The segment of `packet`, a TCP packet that carries its header (not a later fragment).
 pub fn segment<P: PacketAccess>(ctx: &P, packet: &Packet) -> Result<Segment, Counter> {
@@ -38,22 +39,12 @@ pub fn segment<P: PacketAccess>(ctx: &P, packet: &Packet) -> Result<Segment, Cou
     })
 }
 
-/// The window scale option of `packet`, a SYN or SYN-ACK (`tcp::WSCALE_NONE` without one).
-// A frame of its own: its 40-byte buffer is needed only for the few SYNs.
+/// The window scale option of `packet`, a SYN or SYN-ACK (see `lb_common::tcp::window_scale`).
+// A frame of its own: only the few SYNs look at their options.
 #[inline(never)]
 pub fn window_scale<P: PacketAccess>(ctx: &P, packet: &Packet) -> u8 {
-    let mut options = [0u8; MAX_OPTION_WORDS * 4];
-    let data_offset: u8 = ctx.load(packet.l4 + 12).unwrap_or(0);
+    let data_offset: u8 = ctx.load(packet.l4 + DATA_OFFSET).unwrap_or(0);
     let len = (usize::from(data_offset >> 4) * 4).saturating_sub(TCP_FIXED_HLEN);
-    for word in 0..MAX_OPTION_WORDS {
-        if word * 4 >= len {
-            break;
-        }
-        // Options are whole words (the data offset counts words).
-        let Ok(value) = ctx.load::<[u8; 4]>(packet.l4 + TCP_FIXED_HLEN + word * 4) else {
-            break;
-        };
-        options[word * 4..word * 4 + 4].copy_from_slice(&value);
-    }
-    lb_common::tcp::window_scale(&options, len)
+    let options = packet.l4 + TCP_FIXED_HLEN;
+    lb_common::tcp::window_scale(len, |i| ctx.load::<[u8; 4]>(options + i * 4).ok())
 }
