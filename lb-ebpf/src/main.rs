@@ -146,6 +146,7 @@ fn passes(reason: Counter) -> bool {
             | Counter::PassedUnparsed
             | Counter::PassedFragment
             | Counter::PassedBadIpChecksum
+            | Counter::PassedTcpNoConnection
             | Counter::XdpPassed
     )
 }

@@ -707,12 +707,14 @@ impl TcpFlow {
         }
     }
 
-    /// Runs the handshake through `datapath`; returns the flow and its backend.
+    /// Runs the handshake, and the server's first ACK, through `datapath`: both windows are
+    /// known. Returns the flow and its backend.
     fn open(datapath: &Datapath) -> (Self, SocketAddrV4) {
         let backend = datapath.translate(&Self::syn()).dst;
         datapath.translate(&Self::syn_ack(backend));
         let flow = Self::after_handshake(backend);
         datapath.translate(&flow.client);
+        datapath.translate(&flow.server);
         (flow, backend)
     }
 }
@@ -803,7 +805,9 @@ fn tcp_rst_closes_only_inside_the_window() {
     let datapath = Datapath::with_cluster_ip(&ENDPOINTS);
     let (flow, backend) = TcpFlow::open(&datapath);
     for (name, sender) in [("client", flow.client), ("server", flow.server)] {
-        for offset in [0x4000_0000, 0x8000_0000, 0u32.wrapping_sub(200_000)] {
+        // The packets carry no window scale option: their windows are read with the largest
+        // shift (65535 << 14, just under 1 GiB), so these lie beyond it either way.
+        for offset in [0x6000_0000, 0x8000_0000, 0xa000_0000] {
             let rst = Packet {
                 tcp_rst: true,
                 seq: sender.seq.wrapping_add(offset),
@@ -2647,7 +2651,8 @@ fn unrouted_packets_fall_back_to_the_stack() {
 
 /// Far below the kernel's 1M limit, so that added features have room; a jump in this number means
 /// a loop or branch structure that multiplies verifier states. The port search's 16 tries are
-/// walked twice in tc (about 160k): for a masqueraded connection and for a clash remap.
+/// walked twice in tc (about 160k): for a masqueraded connection and for a clash remap. TCP
+/// state tracking brings lb_ingress to about 220k.
 #[test]
 fn verifier_cost_is_bounded() {
     let datapath = Datapath::new(config()).with_xdp();
@@ -2659,7 +2664,7 @@ fn verifier_cost_is_bounded() {
             .verified_instruction_count()
             .unwrap();
         assert!(
-            processed < 200_000,
+            processed < 250_000,
             "{name}: {processed} instructions processed"
         );
     }
