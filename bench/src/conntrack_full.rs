@@ -14,8 +14,8 @@ use std::{
 use anyhow::{Context as _, Result, bail};
 use aya::maps::{HashMap, IterableMap as _, Map, MapData};
 use lb_common::{
-    CT_F_MASQUERADE, CT_F_REPLY, CT_STATE_ESTABLISHED, ConntrackEntry, ConntrackKey, Counter,
-    IPPROTO_TCP, IPPROTO_UDP, SNAT_PORT_MAX, SNAT_PORT_MIN, ipv4_be, map_name, port_be,
+    CT_F_MASQUERADE, CT_F_REPLY, ConntrackEntry, ConntrackKey, Counter, IPPROTO_TCP, IPPROTO_UDP,
+    SNAT_PORT_MAX, SNAT_PORT_MIN, ipv4_be, map_name, port_be,
 };
 use lb_tests::topology::NODE_IP;
 use lb_user::{datapath::read_counters, map_batch};
@@ -228,7 +228,7 @@ fn write_live(map: BorrowedFd<'_>, keys: &[ConntrackKey], proto: u8) -> Result<(
             dst_addr: key.src_addr,
             src_port: key.dst_port,
             dst_port: key.src_port,
-            state: CT_STATE_ESTABLISHED,
+            state: lb_common::tcp::ESTABLISHED,
             flags,
             ..Default::default()
         })

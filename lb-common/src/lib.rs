@@ -7,6 +7,7 @@
 //! datapath compares and copies them without swapping. [`ipv4_be`] and [`port_be`] convert.
 #![no_std]
 
+pub mod tcp;
 pub mod valid;
 
 /// Names of the maps in the eBPF object. Pinned maps carry the ABI version in their name, so an agent
@@ -14,9 +15,9 @@ pub mod valid;
 pub mod map_name {
     pub const FRONTENDS: &str = "LB_FRONTEND_V4";
     pub const BACKENDS: &str = "LB_BACKEND_V1";
-    pub const CONNTRACK: &str = "LB_CT_V3";
-    pub const CONFIG: &str = "LB_CONFIG_V3";
-    pub const COUNTERS: &str = "LB_COUNTER_V7";
+    pub const CONNTRACK: &str = "LB_CT_V4";
+    pub const CONFIG: &str = "LB_CONFIG_V4";
+    pub const COUNTERS: &str = "LB_COUNTER_V8";
     pub const AFFINITY: &str = "LB_AFFINITY_V1";
     pub const ROUND_ROBIN: &str = "LB_RR_V1";
     pub const SOURCE_RANGES: &str = "LB_SOURCE_RANGE_V1";
@@ -494,7 +495,7 @@ pub struct ConntrackEntry {
     /// New destination port, network byte order.
     pub dst_port: u16,
     pub service_id: u32,
-    /// `CT_STATE_*`.
+    /// The connection's state, the same in both entries: `tcp::*` for TCP, `CT_UDP_*` for UDP.
     pub state: u8,
     /// `CT_F_*`.
     pub flags: u8,
@@ -507,6 +508,8 @@ pub struct ConntrackEntry {
     /// finds its counters by index, with no hash lookup.
     pub stats_slot: u32,
     pub stats_owner: u32,
+    /// TCP: this direction's sequence space, for the window check (zero for UDP).
+    pub window: tcp::TcpWindow,
 }
 
 /// The route the FIB gave an entry's rewritten packets, kept by the datapath until the entry is
@@ -528,7 +531,79 @@ pub struct CachedHop {
 /// Map layouts of earlier releases, which an upgrading agent converts into today's (the pinned
 /// maps of a running datapath are never reused under another layout).
 pub mod legacy {
-    use super::{CachedHop, ConntrackEntry};
+    use super::{
+        CT_UDP_STREAM, CachedHop, ConntrackEntry, IPPROTO_TCP,
+        tcp::{self, TcpWindow},
+    };
+
+    /// The conntrack map before TCP states and windows were tracked (`ConntrackEntryV3`
+    /// values, the same `ConntrackKey`).
+    pub const CONNTRACK_V3: &str = "LB_CT_V3";
+
+    /// `LB_CT_V3`'s `state`: only the first direction seen (TCP: SYN sent).
+    pub const V3_STATE_NEW: u8 = 0;
+    /// Both directions seen.
+    pub const V3_STATE_ESTABLISHED: u8 = 1;
+    /// A TCP FIN or RST seen, in either direction, in or out of the window.
+    pub const V3_STATE_CLOSING: u8 = 2;
+
+    /// `LB_CT_V3`'s value: today's [`ConntrackEntry`] without its TCP window.
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+    #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+    pub struct ConntrackEntryV3 {
+        pub last_seen_ns: u64,
+        pub src_addr: u32,
+        pub dst_addr: u32,
+        pub src_port: u16,
+        pub dst_port: u16,
+        pub service_id: u32,
+        pub state: u8,
+        pub flags: u8,
+        pub hop_len: u16,
+        pub hop: CachedHop,
+        pub stats_slot: u32,
+        pub stats_owner: u32,
+    }
+
+    impl ConntrackEntryV3 {
+        /// The connection carried over from V3's three states, erring towards keeping it: a
+        /// connection that saw a SYN only stays in the handshake; an established one is
+        /// established (a UDP one a stream); a closing one, which may be half-closed and still
+        /// sending, waits as after a first FIN.
+        pub const fn converted_state(proto: u8, state: u8) -> u8 {
+            match (proto == IPPROTO_TCP, state) {
+                (true, V3_STATE_NEW) => tcp::SYN_SENT,
+                (true, V3_STATE_CLOSING) => tcp::FIN_WAIT,
+                (true, _) => tcp::ESTABLISHED,
+                (false, V3_STATE_NEW) => super::CT_UDP_UNREPLIED,
+                (false, _) => CT_UDP_STREAM,
+            }
+        }
+
+        /// The same connection, in `proto`'s state (see `converted_state`), its windows not
+        /// known: the window check passes its segments until it has learned them.
+        pub fn converted(&self, proto: u8) -> ConntrackEntry {
+            ConntrackEntry {
+                last_seen_ns: self.last_seen_ns,
+                src_addr: self.src_addr,
+                dst_addr: self.dst_addr,
+                src_port: self.src_port,
+                dst_port: self.dst_port,
+                service_id: self.service_id,
+                state: Self::converted_state(proto, self.state),
+                flags: self.flags,
+                hop_len: self.hop_len,
+                hop: self.hop,
+                stats_slot: self.stats_slot,
+                stats_owner: self.stats_owner,
+                window: TcpWindow {
+                    wscale: tcp::WSCALE_UNKNOWN,
+                    ..TcpWindow::default()
+                },
+            }
+        }
+    }
 
     /// The conntrack map before connections held their endpoint's counter slot
     /// (`ConntrackEntryV2` values, the same `ConntrackKey`).
@@ -551,11 +626,11 @@ pub mod legacy {
         pub hop: CachedHop,
     }
 
-    impl From<ConntrackEntryV2> for ConntrackEntry {
+    impl From<ConntrackEntryV2> for ConntrackEntryV3 {
         /// The same connection and cached route, not counted (slot 0): which counters it would
         /// have had is not known.
         fn from(old: ConntrackEntryV2) -> Self {
-            ConntrackEntry {
+            ConntrackEntryV3 {
                 last_seen_ns: old.last_seen_ns,
                 src_addr: old.src_addr,
                 dst_addr: old.dst_addr,
@@ -593,11 +668,11 @@ pub mod legacy {
         pub _pad1: u32,
     }
 
-    impl From<ConntrackEntryV1> for ConntrackEntry {
+    impl From<ConntrackEntryV1> for ConntrackEntryV3 {
         /// The same connection, with no route cached (its next packet asks the FIB), not
         /// counted.
         fn from(old: ConntrackEntryV1) -> Self {
-            ConntrackEntry::from(ConntrackEntryV2 {
+            ConntrackEntryV3::from(ConntrackEntryV2 {
                 last_seen_ns: old.last_seen_ns,
                 src_addr: old.src_addr,
                 dst_addr: old.dst_addr,
@@ -614,6 +689,7 @@ pub mod legacy {
 
     const _: () = assert!(core::mem::size_of::<ConntrackEntryV1>() == 32);
     const _: () = assert!(core::mem::size_of::<ConntrackEntryV2>() == 48);
+    const _: () = assert!(core::mem::size_of::<ConntrackEntryV3>() == 56);
 }
 
 /// The entry translates replies (backend → client).
@@ -621,29 +697,119 @@ pub const CT_F_REPLY: u8 = 1 << 0;
 /// The connection is masqueraded (source rewritten to the node address).
 pub const CT_F_MASQUERADE: u8 = 1 << 1;
 
-/// Only the first direction has been seen (TCP: SYN sent).
-pub const CT_STATE_NEW: u8 = 0;
-/// Both directions have been seen.
-pub const CT_STATE_ESTABLISHED: u8 = 1;
-/// TCP FIN or RST seen.
-pub const CT_STATE_CLOSING: u8 = 2;
+/// UDP: only the first direction has been seen.
+pub const CT_UDP_UNREPLIED: u8 = 0;
+/// UDP: a reply has been seen.
+pub const CT_UDP_REPLIED: u8 = 1;
+/// UDP: the client sent again after a reply: a stream (Linux's ASSURED UDP flow), which gets
+/// `udp_stream_s`.
+pub const CT_UDP_STREAM: u8 = 2;
 
-const SECOND_NS: u64 = 1_000_000_000;
-pub const CT_TIMEOUT_TCP_SYN_NS: u64 = 60 * SECOND_NS;
-pub const CT_TIMEOUT_TCP_ESTABLISHED_NS: u64 = 6 * 3600 * SECOND_NS;
-pub const CT_TIMEOUT_TCP_CLOSING_NS: u64 = 10 * SECOND_NS;
-pub const CT_TIMEOUT_UDP_NS: u64 = 60 * SECOND_NS;
+/// The UDP state after a datagram (`reply`: from the server) of a flow in `state`.
+pub const fn udp_step(state: u8, reply: bool) -> u8 {
+    match state {
+        CT_UDP_UNREPLIED if reply => CT_UDP_REPLIED,
+        CT_UDP_REPLIED if !reply => CT_UDP_STREAM,
+        other => other,
+    }
+}
 
-/// How long an idle entry in `state` stays valid.
-pub const fn conntrack_timeout_ns(proto: u8, state: u8) -> u64 {
-    if proto != IPPROTO_TCP {
-        return CT_TIMEOUT_UDP_NS;
+/// The name of a connection's `state`: Linux's (`conntrack -L`), in lower case.
+pub const fn conntrack_state_name(proto: u8, state: u8) -> &'static str {
+    if proto == IPPROTO_TCP {
+        return match state {
+            tcp::SYN_SENT => "syn_sent",
+            tcp::SYN_RECV => "syn_recv",
+            tcp::ESTABLISHED => "established",
+            tcp::FIN_WAIT => "fin_wait",
+            tcp::CLOSE_WAIT => "close_wait",
+            tcp::LAST_ACK => "last_ack",
+            tcp::TIME_WAIT => "time_wait",
+            tcp::CLOSE => "close",
+            tcp::SYN_SENT2 => "syn_sent2",
+            _ => "none",
+        };
     }
     match state {
-        CT_STATE_ESTABLISHED => CT_TIMEOUT_TCP_ESTABLISHED_NS,
-        CT_STATE_CLOSING => CT_TIMEOUT_TCP_CLOSING_NS,
-        _ => CT_TIMEOUT_TCP_SYN_NS,
+        CT_UDP_UNREPLIED => "unreplied",
+        CT_UDP_REPLIED => "replied",
+        CT_UDP_STREAM => "stream",
+        _ => "unknown",
     }
+}
+
+const SECOND_NS: u64 = 1_000_000_000;
+
+/// The timeouts the agent's flags set (kube-proxy's `--conntrack-*` names), in seconds.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct ConntrackTimeouts {
+    pub tcp_established_s: u32,
+    pub tcp_close_wait_s: u32,
+    /// UDP flows not (yet) a stream.
+    pub udp_s: u32,
+    pub udp_stream_s: u32,
+}
+
+impl ConntrackTimeouts {
+    /// kube-proxy's defaults (established 24 h, close-wait 1 h) and Linux's for UDP (its
+    /// `nf_conntrack_udp_timeout` and `_stream`, which kube-proxy leaves as they are unless
+    /// told).
+    pub const KUBE_PROXY: ConntrackTimeouts = ConntrackTimeouts {
+        tcp_established_s: 24 * 3600,
+        tcp_close_wait_s: 3600,
+        udp_s: 30,
+        udp_stream_s: 120,
+    };
+}
+
+impl ConntrackTimeouts {
+    /// Linux's defaults, which a flag of "0" keeps (kube-proxy then leaves the sysctl alone).
+    pub const LINUX: ConntrackTimeouts = ConntrackTimeouts {
+        tcp_established_s: 5 * 24 * 3600,
+        tcp_close_wait_s: 60,
+        udp_s: 30,
+        udp_stream_s: 120,
+    };
+}
+
+impl Default for ConntrackTimeouts {
+    fn default() -> Self {
+        Self::KUBE_PROXY
+    }
+}
+
+/// Linux's fixed TCP timeouts (`nf_conntrack_tcp_timeout_*`), in seconds, for the states
+/// kube-proxy leaves alone.
+pub mod tcp_timeout_s {
+    pub const SYN_SENT: u32 = 120;
+    pub const SYN_RECV: u32 = 60;
+    pub const FIN_WAIT: u32 = 120;
+    pub const LAST_ACK: u32 = 30;
+    pub const TIME_WAIT: u32 = 120;
+    pub const CLOSE: u32 = 10;
+}
+
+/// How long an idle connection in `state` stays valid.
+pub const fn conntrack_timeout_ns(proto: u8, state: u8, timeouts: &ConntrackTimeouts) -> u64 {
+    let seconds = if proto == IPPROTO_TCP {
+        match state {
+            tcp::SYN_SENT | tcp::SYN_SENT2 => tcp_timeout_s::SYN_SENT,
+            tcp::SYN_RECV => tcp_timeout_s::SYN_RECV,
+            tcp::ESTABLISHED => timeouts.tcp_established_s,
+            tcp::FIN_WAIT => tcp_timeout_s::FIN_WAIT,
+            tcp::CLOSE_WAIT => timeouts.tcp_close_wait_s,
+            tcp::LAST_ACK => tcp_timeout_s::LAST_ACK,
+            tcp::TIME_WAIT => tcp_timeout_s::TIME_WAIT,
+            _ => tcp_timeout_s::CLOSE,
+        }
+    } else if state == CT_UDP_STREAM {
+        timeouts.udp_stream_s
+    } else {
+        timeouts.udp_s
+    };
+    seconds as u64 * SECOND_NS
 }
 
 /// The single value of `CONFIG` (index 0): the agent's flags the datapath needs.
@@ -667,6 +833,7 @@ pub struct Config {
     /// in it, as a cgroup holds processes of every namespace.
     pub netns_cookie: u64,
     pub clock: Clock,
+    pub timeouts: ConntrackTimeouts,
 }
 
 /// The datapath's clock, in which every timestamp of the maps (`last_seen_ns`) is: the kernel's
@@ -856,10 +1023,17 @@ pub enum Counter {
     /// two frontends of one backend from one port), and no free source port of the range was
     /// found to remap it to.
     DropTupleClash,
+    /// Dropped: a TCP RST or FIN outside its connection's window (Linux's `tcp_in_window`),
+    /// which leaves the connection's state as it was. Linux's conntrack marks such a segment
+    /// INVALID and kube-proxy's KUBE-FORWARD drops INVALID packets.
+    DropTcpOutOfWindow,
+    /// A TCP RST, FIN or SYN-ACK of no tracked connection, which cannot open one (Linux's
+    /// conntrack holds it INVALID): passed untouched, untracked.
+    PassedTcpNoConnection,
 }
 
 impl Counter {
-    pub const COUNT: u32 = 23;
+    pub const COUNT: u32 = 25;
     pub const ALL: [Counter; Self::COUNT as usize] = [
         Counter::NewConnection,
         Counter::Masqueraded,
@@ -884,6 +1058,8 @@ impl Counter {
         Counter::DropBadTcpFlags,
         Counter::DropFragmentOverlap,
         Counter::DropTupleClash,
+        Counter::DropTcpOutOfWindow,
+        Counter::PassedTcpNoConnection,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -911,6 +1087,8 @@ impl Counter {
             Counter::DropBadTcpFlags => "drop_bad_tcp_flags",
             Counter::DropFragmentOverlap => "drop_fragment_overlap",
             Counter::DropTupleClash => "drop_tuple_clash",
+            Counter::DropTcpOutOfWindow => "drop_tcp_out_of_window",
+            Counter::PassedTcpNoConnection => "passed_tcp_no_connection",
         }
     }
 
@@ -972,6 +1150,12 @@ impl Counter {
             Counter::DropFragmentOverlap => {
                 "dropped: an IPv4 fragment overlapping its datagram's first fragment"
             }
+            Counter::DropTcpOutOfWindow => {
+                "dropped: a TCP RST or FIN outside its connection's window (its state unchanged)"
+            }
+            Counter::PassedTcpNoConnection => {
+                "TCP RST, FIN or SYN-ACK packets of no tracked connection, passed untouched and untracked"
+            }
         }
     }
 
@@ -990,6 +1174,7 @@ impl Counter {
             Counter::DropBadUdpLength => Some("Invalid UDP length"),
             Counter::DropBadTcpFlags => Some("Invalid TCP flags"),
             Counter::DropFragmentOverlap => Some("Overlapping IPv4 fragment"),
+            Counter::DropTcpOutOfWindow => Some("TCP RST or FIN outside the window"),
             Counter::NewConnection
             | Counter::Masqueraded
             | Counter::Translated
@@ -1001,7 +1186,8 @@ impl Counter {
             | Counter::XdpPassed
             | Counter::IcmpErrorTranslated
             | Counter::PassedFragment
-            | Counter::PassedBadIpChecksum => None,
+            | Counter::PassedBadIpChecksum
+            | Counter::PassedTcpNoConnection => None,
         }
     }
 }
@@ -1018,9 +1204,9 @@ const _: () = {
     assert!(core::mem::size_of::<ServiceStatus>() == 304);
     assert!(core::mem::size_of::<AgentInfo>() == 64);
     assert!(core::mem::size_of::<ConntrackKey>() == 16);
-    assert!(core::mem::size_of::<ConntrackEntry>() == 56);
+    assert!(core::mem::size_of::<ConntrackEntry>() == 64);
     assert!(core::mem::size_of::<SourceRangeKey>() * 8 == SourceRangeKey::FULL_PREFIX as usize);
-    assert!(core::mem::size_of::<Config>() == 48);
+    assert!(core::mem::size_of::<Config>() == 64);
     assert!(core::mem::size_of::<SockRevNatKey>() == 16);
     assert!(core::mem::size_of::<SockRevNat>() == 8);
     assert!(core::mem::size_of::<SockBackendKey>() == 16);
@@ -1047,6 +1233,8 @@ mod user {
     unsafe impl aya::Pod for ConntrackEntry {}
     unsafe impl aya::Pod for legacy::ConntrackEntryV1 {}
     unsafe impl aya::Pod for legacy::ConntrackEntryV2 {}
+    unsafe impl aya::Pod for legacy::ConntrackEntryV3 {}
+    unsafe impl aya::Pod for ConntrackTimeouts {}
     unsafe impl aya::Pod for Config {}
     unsafe impl aya::Pod for Clock {}
     unsafe impl aya::Pod for AffinityKey {}
@@ -1092,22 +1280,44 @@ mod tests {
     }
 
     #[test]
-    fn timeouts_depend_on_protocol_and_state() {
+    fn timeouts_are_linuxs_and_kube_proxys() {
+        let flags = ConntrackTimeouts {
+            tcp_established_s: 1000,
+            tcp_close_wait_s: 200,
+            udp_s: 3,
+            udp_stream_s: 4,
+        };
+        let s = |proto, state| conntrack_timeout_ns(proto, state, &flags) / SECOND_NS;
+        assert_eq!(s(IPPROTO_TCP, tcp::SYN_SENT), 120);
+        assert_eq!(s(IPPROTO_TCP, tcp::SYN_RECV), 60);
+        assert_eq!(s(IPPROTO_TCP, tcp::ESTABLISHED), 1000);
+        assert_eq!(s(IPPROTO_TCP, tcp::FIN_WAIT), 120);
+        assert_eq!(s(IPPROTO_TCP, tcp::CLOSE_WAIT), 200);
+        assert_eq!(s(IPPROTO_TCP, tcp::LAST_ACK), 30);
+        assert_eq!(s(IPPROTO_TCP, tcp::TIME_WAIT), 120);
+        assert_eq!(s(IPPROTO_TCP, tcp::CLOSE), 10);
+        assert_eq!(s(IPPROTO_TCP, 200), 10);
+        assert_eq!(s(IPPROTO_UDP, CT_UDP_UNREPLIED), 3);
+        assert_eq!(s(IPPROTO_UDP, CT_UDP_REPLIED), 3);
+        assert_eq!(s(IPPROTO_UDP, CT_UDP_STREAM), 4);
+        let defaults = ConntrackTimeouts::default();
+        assert_eq!(defaults.tcp_established_s, 86_400);
+        assert_eq!(defaults.tcp_close_wait_s, 3600);
+        assert_eq!((defaults.udp_s, defaults.udp_stream_s), (30, 120));
+    }
+
+    #[test]
+    fn a_udp_flow_is_a_stream_once_the_client_sends_after_a_reply() {
+        assert_eq!(udp_step(CT_UDP_UNREPLIED, false), CT_UDP_UNREPLIED);
+        assert_eq!(udp_step(CT_UDP_UNREPLIED, true), CT_UDP_REPLIED);
+        // A reply of several datagrams is not yet a conversation.
+        assert_eq!(udp_step(CT_UDP_REPLIED, true), CT_UDP_REPLIED);
+        assert_eq!(udp_step(CT_UDP_REPLIED, false), CT_UDP_STREAM);
+        assert_eq!(udp_step(CT_UDP_STREAM, true), CT_UDP_STREAM);
+        assert_eq!(conntrack_state_name(IPPROTO_UDP, CT_UDP_STREAM), "stream");
         assert_eq!(
-            conntrack_timeout_ns(IPPROTO_UDP, CT_STATE_ESTABLISHED),
-            CT_TIMEOUT_UDP_NS
-        );
-        assert_eq!(
-            conntrack_timeout_ns(IPPROTO_TCP, CT_STATE_NEW),
-            CT_TIMEOUT_TCP_SYN_NS
-        );
-        assert_eq!(
-            conntrack_timeout_ns(IPPROTO_TCP, CT_STATE_ESTABLISHED),
-            CT_TIMEOUT_TCP_ESTABLISHED_NS
-        );
-        assert_eq!(
-            conntrack_timeout_ns(IPPROTO_TCP, CT_STATE_CLOSING),
-            CT_TIMEOUT_TCP_CLOSING_NS
+            conntrack_state_name(IPPROTO_TCP, tcp::CLOSE_WAIT),
+            "close_wait"
         );
     }
 
@@ -1127,26 +1337,26 @@ mod tests {
             src_port: port_be(80),
             dst_port: port_be(40000),
             service_id: 9,
-            state: CT_STATE_ESTABLISHED,
+            state: legacy::V3_STATE_ESTABLISHED,
             flags: CT_F_REPLY | CT_F_MASQUERADE,
             hop_len: 1500,
             hop,
         };
-        let current = ConntrackEntry {
+        let current = legacy::ConntrackEntryV3 {
             last_seen_ns: 42,
             src_addr: v2.src_addr,
             dst_addr: v2.dst_addr,
             src_port: v2.src_port,
             dst_port: v2.dst_port,
             service_id: 9,
-            state: CT_STATE_ESTABLISHED,
+            state: legacy::V3_STATE_ESTABLISHED,
             flags: CT_F_REPLY | CT_F_MASQUERADE,
             hop_len: 1500,
             hop,
             stats_slot: 0,
             stats_owner: 0,
         };
-        assert_eq!(ConntrackEntry::from(v2), current);
+        assert_eq!(legacy::ConntrackEntryV3::from(v2), current);
         let v1 = legacy::ConntrackEntryV1 {
             last_seen_ns: 42,
             src_addr: v2.src_addr,
@@ -1154,17 +1364,58 @@ mod tests {
             src_port: v2.src_port,
             dst_port: v2.dst_port,
             service_id: 9,
-            state: CT_STATE_ESTABLISHED,
+            state: legacy::V3_STATE_ESTABLISHED,
             flags: CT_F_REPLY | CT_F_MASQUERADE,
             _pad0: 0,
             _pad1: 0,
         };
-        let no_route = ConntrackEntry {
+        let no_route = legacy::ConntrackEntryV3 {
             hop_len: 0,
             hop: CachedHop::default(),
             ..current
         };
-        assert_eq!(ConntrackEntry::from(v1), no_route);
+        assert_eq!(legacy::ConntrackEntryV3::from(v1), no_route);
+    }
+
+    #[test]
+    fn v3_connections_carry_over_conservatively_with_windows_unknown() {
+        let v3 = legacy::ConntrackEntryV3 {
+            last_seen_ns: 42,
+            src_addr: ipv4_be([10, 96, 0, 1]),
+            stats_slot: 5,
+            stats_owner: 6,
+            flags: CT_F_REPLY,
+            ..Default::default()
+        };
+        let state = |proto, state| {
+            legacy::ConntrackEntryV3 { state, ..v3 }
+                .converted(proto)
+                .state
+        };
+        assert_eq!(state(IPPROTO_TCP, legacy::V3_STATE_NEW), tcp::SYN_SENT);
+        assert_eq!(
+            state(IPPROTO_TCP, legacy::V3_STATE_ESTABLISHED),
+            tcp::ESTABLISHED
+        );
+        assert_eq!(state(IPPROTO_TCP, legacy::V3_STATE_CLOSING), tcp::FIN_WAIT);
+        assert_eq!(state(IPPROTO_UDP, legacy::V3_STATE_NEW), CT_UDP_UNREPLIED);
+        assert_eq!(
+            state(IPPROTO_UDP, legacy::V3_STATE_ESTABLISHED),
+            CT_UDP_STREAM
+        );
+        let entry = v3.converted(IPPROTO_TCP);
+        assert_eq!(
+            (
+                entry.last_seen_ns,
+                entry.src_addr,
+                entry.flags,
+                entry.stats_slot,
+                entry.stats_owner
+            ),
+            (42, v3.src_addr, CT_F_REPLY, 5, 6)
+        );
+        assert_eq!(entry.window.max_window, 0);
+        assert_eq!(entry.window.wscale, tcp::WSCALE_UNKNOWN);
     }
 
     #[test]

@@ -5,14 +5,17 @@ use core::mem::MaybeUninit;
 
 use aya_ebpf::bindings::BPF_NOEXIST;
 use lb_common::{
-    Backend, CT_F_MASQUERADE, CT_F_REPLY, CT_STATE_CLOSING, CT_STATE_ESTABLISHED, CT_STATE_NEW,
-    ConntrackEntry, ConntrackKey, Counter, IPPROTO_TCP, conntrack_timeout_ns,
+    Backend, CT_F_MASQUERADE, CT_F_REPLY, CT_UDP_UNREPLIED, Config, ConntrackEntry, ConntrackKey,
+    ConntrackTimeouts, Counter, IPPROTO_TCP, conntrack_timeout_ns,
+    tcp::{self, Step, TcpWindow},
+    udp_step,
 };
 
 use crate::{
     maps,
-    parse::{Packet, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
-    zero,
+    packet::PacketAccess,
+    parse::{Fragment, Packet, TCP_ACK, TCP_SYN},
+    tcp as tcp_header, zero,
 };
 
 /// `last_seen_ns` is refreshed at most this often, so that busy flows do not write the shared
@@ -32,16 +35,32 @@ pub struct Tracked {
 }
 
 /// The live connection of a packet; `None` when it has no live entry (or opens a new connection
-/// on the tuple of a closing one). Keeps both entries of the connection fresh and in the same
-/// state.
-pub fn lookup(packet: &Packet, now: u64) -> Option<Tracked> {
+/// on the tuple of a closed one). Keeps both entries of the connection fresh and in the same
+/// state. A TCP RST or FIN must have passed `in_window` first.
+pub fn lookup<P: PacketAccess>(
+    ctx: &P,
+    packet: &Packet,
+    config: &Config,
+    now: u64,
+) -> Option<Tracked> {
     let entry = maps::conntrack(&packet.tuple)?;
     let proto = packet.tuple.proto;
-    if expired(entry, proto, now) || reopens(entry, packet) {
+    if expired(entry, proto, &config.timeouts, now) {
         return None;
     }
+    let reply = entry.flags & CT_F_REPLY != 0;
     let to = rewrite_of(entry, proto);
-    let state = next_state(entry, packet);
+    let state = if proto != IPPROTO_TCP {
+        udp_step(entry.state, reply)
+    } else if packet.fragment == Fragment::Later {
+        // No TCP header: the first fragment told what there was to tell.
+        entry.state
+    } else {
+        if tcp::reopens(entry.state, reply, packet.tcp_flags) {
+            return None;
+        }
+        track_segment(ctx, packet, entry)
+    };
     let refresh = now.saturating_sub(entry.last_seen_ns) > REFRESH_NS;
     if state != entry.state || refresh {
         update(entry, state, refresh, now);
@@ -54,42 +73,94 @@ pub fn lookup(packet: &Packet, now: u64) -> Option<Tracked> {
     Some(Tracked { entry, to })
 }
 
+/// `Err(DropTcpOutOfWindow)` for a TCP RST or FIN of a tracked connection that lies outside
+/// its window (Linux's `tcp_in_window`): it must not close the connection. Any other packet
+/// passes without a look: the established path pays nothing for the check.
+pub fn in_window<P: PacketAccess>(ctx: &P, packet: &Packet) -> Result<(), Counter> {
+    if packet.tuple.proto != IPPROTO_TCP || !tcp::checks_window(packet.tcp_flags) {
+        return Ok(());
+    }
+    if window_refuses(ctx, packet) {
+        return Err(Counter::DropTcpOutOfWindow);
+    }
+    Ok(())
+}
+
+/// The window check of `in_window`, on the packet's entry and its peer's.
+#[inline(never)]
+fn window_refuses<P: PacketAccess>(ctx: &P, packet: &Packet) -> bool {
+    let Some(entry) = maps::conntrack(&packet.tuple) else {
+        return false;
+    };
+    let to = rewrite_of(entry, IPPROTO_TCP);
+    let (Some(peer), Ok(segment)) = (
+        maps::conntrack(&reversed(&to)),
+        tcp_header::segment(ctx, packet),
+    ) else {
+        return false;
+    };
+    !entry.window.in_window(&peer.window, &segment)
+}
+
+/// Linux's TCP tracking of `packet`, a segment of `entry`'s direction: the state it moves the connection to (its own when none), with this direction's window
+/// learned.
+// A frame of its own, so that its segment and the peer lookup do not deepen the programs' own
+// (the new connection path runs deepest).
+#[inline(never)]
+fn track_segment<P: PacketAccess>(ctx: &P, packet: &Packet, entry: &mut ConntrackEntry) -> u8 {
+    // The parser checked that the header is in the packet.
+    let Ok(segment) = &tcp_header::segment(ctx, packet) else {
+        return entry.state;
+    };
+    let reply = entry.flags & CT_F_REPLY != 0;
+    let (next, moves) = match tcp::step(entry.state, reply, segment.flags) {
+        Step::To(state) => (state, true),
+        Step::Ignore | Step::Invalid => (entry.state, false),
+    };
+    if segment.flags & TCP_SYN != 0 {
+        // A SYN (again), a SYN-ACK, or a simultaneous open's SYN opens this direction's window.
+        if moves {
+            entry.window = TcpWindow::opened(segment, tcp_header::window_scale(ctx, packet));
+            if segment.flags & TCP_ACK != 0
+                && let Some(peer) = maps::conntrack(&reversed(&rewrite_of(entry, IPPROTO_TCP)))
+            {
+                TcpWindow::agree_scaling(&mut peer.window, &mut entry.window);
+            }
+        }
+    } else {
+        entry.window.learn(segment);
+    }
+    next
+}
+
 /// What the packet quoted by an ICMP error (`quoted`, as it was when it failed) becomes,
 /// reverse-translated; `None` when it is not of a live connection. The error travels as the
 /// quoted packet's reply would, so it is looked up as that reply arrives: by the quote turned
 /// around. Neither entry is refreshed, as Linux's conntrack leaves a connection alone for the
 /// errors related to it.
-pub fn related(quoted: &ConntrackKey, now: u64) -> Option<ConntrackKey> {
+pub fn related(
+    quoted: &ConntrackKey,
+    timeouts: &ConntrackTimeouts,
+    now: u64,
+) -> Option<ConntrackKey> {
     let entry = maps::conntrack(&reversed(quoted))?;
-    if expired(entry, quoted.proto, now) {
+    if expired(entry, quoted.proto, timeouts, now) {
         return None;
     }
     Some(reversed(&rewrite_of(entry, quoted.proto)))
 }
 
-fn expired(entry: &ConntrackEntry, proto: u8, now: u64) -> bool {
+fn expired(entry: &ConntrackEntry, proto: u8, timeouts: &ConntrackTimeouts, now: u64) -> bool {
     // Saturating: another CPU may have stored a later timestamp than our `now`.
-    now.saturating_sub(entry.last_seen_ns) > conntrack_timeout_ns(proto, entry.state)
+    now.saturating_sub(entry.last_seen_ns) > conntrack_timeout_ns(proto, entry.state, timeouts)
 }
 
-/// A client's SYN on the tuple of a closing connection is a new connection, as Linux's conntrack
-/// treats it: it gets a new endpoint, not the old one, which may have been removed since. Clients
-/// reuse a port that soon when they close with RST, or with tcp_tw_reuse.
-fn reopens(entry: &ConntrackEntry, packet: &Packet) -> bool {
-    packet.tuple.proto == IPPROTO_TCP
-        && packet.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN
-        && entry.state == CT_STATE_CLOSING
-        && entry.flags & CT_F_REPLY == 0
-}
-
-fn next_state(entry: &ConntrackEntry, packet: &Packet) -> u8 {
-    if packet.tuple.proto == IPPROTO_TCP && packet.tcp_flags & (TCP_FIN | TCP_RST) != 0 {
-        CT_STATE_CLOSING
-    } else if entry.state == CT_STATE_NEW && entry.flags & CT_F_REPLY != 0 {
-        CT_STATE_ESTABLISHED
-    } else {
-        entry.state
-    }
+/// A client's SYN on the tuple of a closed connection (TIME_WAIT, CLOSE) is a new connection, as
+/// Linux's conntrack treats it: it gets a new endpoint, not the old one, which may have been
+/// removed since. Clients reuse a port that soon when they close with RST, or with
+/// tcp_tw_reuse.
+fn closed(entry: &ConntrackEntry, proto: u8) -> bool {
+    proto == IPPROTO_TCP && tcp::reopens(entry.state, false, TCP_SYN)
 }
 
 /// A refresh also drops the cached route: the next packet asks the FIB, so a route or neighbour
@@ -136,6 +207,34 @@ fn reversed(tuple: &ConntrackKey) -> ConntrackKey {
     }
 }
 
+/// The state a connection opened by `packet` starts in. `Err(PassedTcpNoConnection)` for a TCP
+/// segment that opens none (RST, FIN, SYN-ACK).
+pub fn opening_state(packet: &Packet) -> Result<u8, Counter> {
+    if packet.tuple.proto != IPPROTO_TCP {
+        return Ok(CT_UDP_UNREPLIED);
+    }
+    tcp::opening_state(packet.tcp_flags).ok_or(Counter::PassedTcpNoConnection)
+}
+
+/// The original entry of the connection `packet` has just opened (keyed by its tuple), with the
+/// client's window learned from that first segment. Learned once the entries are in, rather
+/// than carried into them: the new connection path is the programs' deepest on the stack.
+#[inline(never)]
+pub fn opened<P: PacketAccess>(ctx: &P, packet: &Packet) -> Option<&'static ConntrackEntry> {
+    let entry = maps::conntrack(&packet.tuple)?;
+    if packet.tuple.proto == IPPROTO_TCP
+        && let Ok(segment) = tcp_header::segment(ctx, packet)
+    {
+        if segment.flags & TCP_SYN != 0 {
+            entry.window = TcpWindow::opened(&segment, tcp_header::window_scale(ctx, packet));
+        } else {
+            // Picked up mid-stream: the window scale was in a SYN we did not see.
+            entry.window.learn(&segment);
+        }
+    }
+    Some(entry)
+}
+
 /// A new connection from `tuple` (client → frontend) to `backend`, before it is tracked.
 pub struct Connection {
     tuple: ConntrackKey,
@@ -146,6 +245,8 @@ pub struct Connection {
     stats_owner: u32,
     /// `CT_F_MASQUERADE` or 0, for both entries.
     flags: u8,
+    /// Both entries' first state.
+    state: u8,
 }
 
 impl Connection {
@@ -154,6 +255,7 @@ impl Connection {
         service_id: u32,
         backend: &Backend,
         masquerade: bool,
+        state: u8,
         now: u64,
     ) -> Self {
         Self {
@@ -163,7 +265,15 @@ impl Connection {
             now,
             stats_owner: maps::backend_stats_owner(u32::from(backend.stats_slot)),
             flags: if masquerade { CT_F_MASQUERADE } else { 0 },
+            state,
         }
+    }
+
+    /// Whether `entry`, found where this connection's would go, is of a connection no longer
+    /// live. The timeouts are read here rather than kept: the programs' stack is tight.
+    fn outlived(&self, entry: &ConntrackEntry) -> bool {
+        maps::config()
+            .is_none_or(|config| expired(entry, self.tuple.proto, &config.timeouts, self.now))
     }
 
     /// The tuple the client's packets get when the backend sees them from `src_addr:src_port`.
@@ -179,8 +289,8 @@ impl Connection {
         }
     }
 
-    /// The entry that rewrites to `to`, with no route cached yet, built in `slot`: a zeroed
-    /// entry returned by value becomes a memset call.
+    /// The entry that rewrites to `to`, with no route cached yet and its window unknown, built
+    /// in `slot`: a zeroed entry returned by value becomes a memset call.
     fn entry<'a>(
         &self,
         to: &ConntrackKey,
@@ -195,10 +305,11 @@ impl Connection {
         entry.src_port = to.src_port;
         entry.dst_port = to.dst_port;
         entry.service_id = self.service_id;
-        entry.state = CT_STATE_NEW;
+        entry.state = self.state;
         entry.flags = flags;
         entry.stats_slot = u32::from(self.backend.stats_slot);
         entry.stats_owner = self.stats_owner;
+        entry.window.wscale = tcp::WSCALE_UNKNOWN;
         entry
     }
 
@@ -220,11 +331,7 @@ impl Connection {
             return Ok(Some(to));
         }
         match maps::conntrack(&key) {
-            Some(held)
-                if !expired(held, self.tuple.proto, self.now) && !same_rewrite(held, entry) =>
-            {
-                Ok(None)
-            }
+            Some(held) if !self.outlived(held) && !same_rewrite(held, entry) => Ok(None),
             Some(ours) => {
                 *ours = *entry;
                 Ok(Some(to))
@@ -248,11 +355,9 @@ impl Connection {
         }
         let proto = self.tuple.proto;
         match maps::conntrack(&self.tuple) {
-            // A closing entry is here only when this packet reopens it (`lookup`): a racing
-            // CPU's connection would be new.
-            Some(winner)
-                if !expired(winner, proto, self.now) && winner.state != CT_STATE_CLOSING =>
-            {
+            // A closed entry is here only when this packet reopens it (`lookup`): a racing CPU's
+            // connection would be new.
+            Some(winner) if !self.outlived(winner) && !closed(winner, proto) => {
                 let theirs = rewrite_of(winner, proto);
                 // Unless both chose the same backend and source, and so wrote the same reply
                 // entry.

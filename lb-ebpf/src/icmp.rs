@@ -70,7 +70,9 @@ pub fn reverse_error<P: PacketAccess>(ctx: &P, outer: &Packet) -> Result<Conntra
     if outer.tuple.dst_addr != quoted.src_addr {
         return Err(Counter::Passed);
     }
-    let original = conntrack::related(&quoted, maps::now()).ok_or(Counter::Passed)?;
+    let config = maps::config().ok_or(Counter::Passed)?;
+    let original = conntrack::related(&quoted, &config.timeouts, maps::now_ns(config))
+        .ok_or(Counter::Passed)?;
 
     let l4_check = if quoted.proto == IPPROTO_UDP {
         l4 + UDP_CHECK

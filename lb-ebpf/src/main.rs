@@ -20,6 +20,7 @@ mod parse;
 mod reject;
 mod service;
 mod sock;
+mod tcp;
 mod translate;
 mod zero;
 
@@ -145,6 +146,7 @@ fn passes(reason: Counter) -> bool {
             | Counter::PassedUnparsed
             | Counter::PassedFragment
             | Counter::PassedBadIpChecksum
+            | Counter::PassedTcpNoConnection
             | Counter::XdpPassed
     )
 }

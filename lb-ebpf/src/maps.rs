@@ -24,7 +24,7 @@ static FRONTENDS: HashMap<FrontendKey, Frontend> =
 static BACKENDS: HashMap<BackendKey, Backend> =
     HashMap::with_max_entries(default_size::BACKENDS, 0);
 
-#[map(name = "LB_CT_V3")]
+#[map(name = "LB_CT_V4")]
 static CONNTRACK: LruHashMap<ConntrackKey, ConntrackEntry> =
     LruHashMap::with_max_entries(default_size::CONNTRACK, 0);
 
@@ -48,10 +48,10 @@ static SOCK_BACKEND: LruHashMap<SockBackendKey, StickyBackend> =
 static FRAGMENTS: LruHashMap<FragmentKey, FirstFragment> =
     LruHashMap::with_max_entries(default_size::FRAGMENTS, 0);
 
-#[map(name = "LB_CONFIG_V3")]
+#[map(name = "LB_CONFIG_V4")]
 static CONFIG: Array<Config> = Array::with_max_entries(1, 0);
 
-#[map(name = "LB_COUNTER_V7")]
+#[map(name = "LB_COUNTER_V8")]
 static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(Counter::COUNT, 0);
 
 /// An array, not a hash by endpoint: the verifier inlines its lookup into a few instructions, where
@@ -241,11 +241,6 @@ pub fn xdp_egress(ifindex: u32) -> bool {
 pub fn now_ns(config: &Config) -> u64 {
     // SAFETY: the helper takes no arguments and cannot fail.
     config.clock.ns(unsafe { bpf_jiffies64() })
-}
-
-/// `now_ns` where the config is not at hand: 0 (nothing ages) without one.
-pub fn now() -> u64 {
-    config().map_or(0, now_ns)
 }
 
 pub fn random() -> u32 {

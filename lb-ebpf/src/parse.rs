@@ -27,7 +27,7 @@ const ICMP_HLEN: usize = 8;
 const TCP_OFFSET_AND_FLAGS: usize = 12;
 const UDP_LEN_OFFSET: usize = 4;
 
-pub use lb_common::valid::{TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN};
+pub use lb_common::valid::{TCP_ACK, TCP_SYN};
 
 /// The fixed part of an IPv4 header, fields in network order.
 #[repr(C)]

@@ -10,9 +10,9 @@ use aya_ebpf::{
     programs::SockAddrContext,
 };
 use lb_common::{
-    Backend, CT_TIMEOUT_UDP_NS, Config, ConntrackKey, Counter, FRONTEND_F_PRESERVE_SOURCE,
-    Frontend, FrontendKey, IPPROTO_TCP, IPPROTO_UDP, SockBackendKey, SockRevNat, SockRevNatKey,
-    ipv4_be,
+    Backend, CT_UDP_STREAM, Config, ConntrackKey, Counter, FRONTEND_F_PRESERVE_SOURCE, Frontend,
+    FrontendKey, IPPROTO_TCP, IPPROTO_UDP, SockBackendKey, SockRevNat, SockRevNatKey,
+    conntrack_timeout_ns, ipv4_be,
 };
 
 use crate::{
@@ -158,8 +158,12 @@ fn udp_flow_backend(
             _pad: 0,
         },
     };
-    let previous = maps::sock_backend(&key)
-        .and_then(|entry| affinity::reuse(entry, backends, CT_TIMEOUT_UDP_NS, now));
+    // As long as conntrack keeps a UDP stream: the socket's sends alone tell nothing of replies.
+    let timeout = maps::config().map_or(0, |config| {
+        conntrack_timeout_ns(IPPROTO_UDP, CT_UDP_STREAM, &config.timeouts)
+    });
+    let previous =
+        maps::sock_backend(&key).and_then(|entry| affinity::reuse(entry, backends, timeout, now));
     if let Some((_, backend)) = previous {
         return Ok(backend);
     }

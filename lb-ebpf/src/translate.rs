@@ -50,7 +50,8 @@ pub fn translation<P: PacketAccess>(ctx: &P) -> Result<Translation, Counter> {
     }
     let now = maps::now_ns(config);
     fragment::follow(ctx, &mut packet, now)?;
-    if let Some(conntrack::Tracked { entry, to }) = conntrack::lookup(&packet, now) {
+    conntrack::in_window(ctx, &packet)?;
+    if let Some(conntrack::Tracked { entry, to }) = conntrack::lookup(ctx, &packet, config, now) {
         maps::count(Counter::Translated);
         maps::count_backend(entry.stats_slot, entry.stats_owner, packet.tot_len);
         let route = CachedRoute::of(entry);
@@ -61,6 +62,7 @@ pub fn translation<P: PacketAccess>(ctx: &P) -> Result<Translation, Counter> {
         return Err(Counter::PassedFragment);
     }
     let frontend = service::frontend(&packet.tuple)?;
+    let state = conntrack::opening_state(&packet)?;
     let backends = service::backends(config, &frontend, packet.tuple.src_addr);
     if backends.count == 0 {
         // kube-proxy rejects when the service has no endpoints at all, and drops when traffic
@@ -70,7 +72,8 @@ pub fn translation<P: PacketAccess>(ctx: &P) -> Result<Translation, Counter> {
         }
         return Ok(Translation::Reject(packet));
     }
-    let to = connect(config, &frontend, &backends, &packet, now)?;
+    let to = connect(config, &frontend, &backends, &packet, state, now)?;
+    conntrack::opened(ctx, &packet);
     Ok(Translation::To {
         packet,
         to,
@@ -79,19 +82,21 @@ pub fn translation<P: PacketAccess>(ctx: &P) -> Result<Translation, Counter> {
 }
 
 /// A packet without a live connection to `frontend`: pick a backend of `backends` (not empty)
-/// and track the new connection. Returns the tuple to rewrite the packet to.
+/// and track the new connection, opening in `state`. Returns the tuple to rewrite the packet
+/// to.
 #[inline(always)]
 fn connect(
     config: &Config,
     frontend: &Frontend,
     backends: &Backends,
     packet: &Packet,
+    state: u8,
     now: u64,
 ) -> Result<ConntrackKey, Counter> {
     let tuple = &packet.tuple;
     let (_, backend) = service::select_backend(frontend, backends, tuple, now)?;
     let masquerade = masquerade::needed(config, frontend, tuple.src_addr, &backend);
-    let connection = Connection::new(tuple, frontend.service_id, &backend, masquerade, now);
+    let connection = Connection::new(tuple, frontend.service_id, &backend, masquerade, state, now);
     // Not masqueraded, the backend sees the client's own source unless another connection's
     // translated tuple is the same (a client reaching two frontends of one backend from one
     // port); then, as for masquerade, a port of the range.

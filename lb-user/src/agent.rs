@@ -117,6 +117,7 @@ pub async fn run(args: AgentArgs) -> Result<()> {
         _pad: 0,
         netns_cookie: cgroup_hooks::netns_cookie()?,
         clock: datapath::kernel_clock()?,
+        timeouts: args.conntrack_timeouts(),
     })?;
 
     let agent_info = AgentInfo {

@@ -9,7 +9,7 @@ use anyhow::Context as _;
 use clap::parser::ValueSource;
 use clap::{ArgAction, Args, CommandFactory as _, Parser, Subcommand, ValueEnum};
 use ipnet::Ipv4Net;
-use lb_common::default_size;
+use lb_common::{ConntrackTimeouts, default_size};
 use lb_user::model::Scheduler;
 
 use crate::kube_proxy_config::{self, FileFlags};
@@ -240,6 +240,21 @@ pub struct AgentArgs {
     /// Conntrack map size: two entries per connection.
     #[arg(long, value_name = "N", default_value_t = default_size::CONNTRACK)]
     pub conntrack_max: u32,
+    /// kube-proxy's: how long an idle established TCP connection is tracked ("0": Linux's 5
+    /// days).
+    #[arg(long, value_name = "DURATION", default_value = "24h", value_parser = parse_duration)]
+    pub conntrack_tcp_timeout_established: Duration,
+    /// kube-proxy's: how long an idle TCP connection stays tracked in CLOSE_WAIT, once one side
+    /// has closed and the other still sends ("0": Linux's 60s).
+    #[arg(long, value_name = "DURATION", default_value = "1h", value_parser = parse_duration)]
+    pub conntrack_tcp_timeout_close_wait: Duration,
+    /// kube-proxy's: how long an idle UDP flow is tracked until it is a stream (replied to, then
+    /// sent on); "0": Linux's 30s.
+    #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = parse_duration)]
+    pub conntrack_udp_timeout: Duration,
+    /// kube-proxy's: how long an idle UDP stream is tracked ("0": Linux's 120s).
+    #[arg(long, value_name = "DURATION", default_value = "2m", value_parser = parse_duration)]
+    pub conntrack_udp_timeout_stream: Duration,
     /// sessionAffinity map size: one entry per (service port with ClientIP affinity, client)
     /// within its timeout; when full, the least recently used client loses its affinity.
     #[arg(long, value_name = "N", default_value_t = default_size::AFFINITY)]
@@ -253,6 +268,30 @@ pub struct AgentArgs {
         value_parser = clap::value_parser!(u32).range(2..=i64::from(lb_common::MAX_BACKEND_STATS)),
     )]
     pub backend_stats_max: u32,
+}
+
+impl AgentArgs {
+    /// The `--conntrack-*-timeout*` flags, in whole seconds (rounded up), "0" as Linux's
+    /// default, as kube-proxy leaves the kernel's setting then.
+    pub fn conntrack_timeouts(&self) -> ConntrackTimeouts {
+        let seconds = |flag: Duration, linux: u32| match flag.as_secs_f64().ceil() {
+            0.0 => linux,
+            s => s.min(f64::from(u32::MAX)) as u32,
+        };
+        let linux = ConntrackTimeouts::LINUX;
+        ConntrackTimeouts {
+            tcp_established_s: seconds(
+                self.conntrack_tcp_timeout_established,
+                linux.tcp_established_s,
+            ),
+            tcp_close_wait_s: seconds(
+                self.conntrack_tcp_timeout_close_wait,
+                linux.tcp_close_wait_s,
+            ),
+            udp_s: seconds(self.conntrack_udp_timeout, linux.udp_s),
+            udp_stream_s: seconds(self.conntrack_udp_timeout_stream, linux.udp_stream_s),
+        }
+    }
 }
 
 #[derive(Debug, Args)]
@@ -436,6 +475,46 @@ mod tests {
         );
         assert_eq!(a.min_sync_period, Duration::from_secs(1));
         assert_eq!(a.manifests, Some(PathBuf::from("/m")));
+        assert_eq!(a.conntrack_timeouts(), ConntrackTimeouts::KUBE_PROXY);
+    }
+
+    #[test]
+    fn conntrack_timeouts_as_kube_proxy_takes_them() {
+        let cli = Cli::try_parse_from([
+            "lb",
+            "agent",
+            "--manifests",
+            "/m",
+            "--node-ip",
+            "198.51.100.1",
+            "--cluster-cidr",
+            "10.244.0.0/16",
+            "--external-interface",
+            "ext0",
+            "--pod-interfaces",
+            "lbp*",
+            "--conntrack-tcp-timeout-established",
+            "0",
+            "--conntrack-tcp-timeout-close-wait",
+            "1m30s",
+            "--conntrack-udp-timeout",
+            "1500ms",
+            "--conntrack-udp-timeout-stream",
+            "0",
+        ])
+        .unwrap();
+        let Command::Agent(a) = cli.command else {
+            panic!("not agent")
+        };
+        assert_eq!(
+            a.conntrack_timeouts(),
+            ConntrackTimeouts {
+                tcp_established_s: 5 * 86_400,
+                tcp_close_wait_s: 90,
+                udp_s: 2,
+                udp_stream_s: 120,
+            }
+        );
     }
 
     #[test]

@@ -5,10 +5,10 @@ use std::net::{Ipv4Addr, SocketAddrV4};
 use std::path::Path;
 use std::time::Duration;
 
-use aya::maps::{HashMap, Map, MapData, MapError};
+use aya::maps::{Array, HashMap, Map, MapData, MapError};
 use lb_common::{
-    CT_F_MASQUERADE, CT_F_REPLY, CT_STATE_CLOSING, CT_STATE_ESTABLISHED, CT_STATE_NEW,
-    ConntrackEntry, ConntrackKey, IPPROTO_TCP, IPPROTO_UDP, conntrack_timeout_ns, map_name,
+    CT_F_MASQUERADE, CT_F_REPLY, Config, ConntrackEntry, ConntrackKey, ConntrackTimeouts,
+    IPPROTO_TCP, IPPROTO_UDP, conntrack_state_name, conntrack_timeout_ns, map_name,
 };
 use nix::libc::ENOENT;
 use nix::time::{ClockId, clock_gettime};
@@ -23,7 +23,7 @@ pub struct Connection {
     pub backend: SocketAddrV4,
     /// The source the backend sees, when it is not the client (masquerade).
     pub masquerade: Option<SocketAddrV4>,
-    /// `CT_STATE_*`.
+    /// `tcp::*` or `CT_UDP_*` (`conntrack_state_name`).
     pub state: u8,
     /// When the connection expires unless a packet comes, in the datapath's clock (ns).
     pub expires_ns: u64,
@@ -63,18 +63,21 @@ fn identity(key: &ConntrackKey, entry: &ConntrackEntry) -> Identity {
     }
 }
 
-/// The connections of `entries` that have a live entry at `now` (the datapath's clock, ns):
-/// the datapath ignores expired entries, which stay in the LRU map until it needs the room.
-/// Sorted by protocol, client, service and backend.
+/// The connections of `entries` that have a live entry at `now` (the datapath's clock, ns) with
+/// the datapath's `timeouts`: the datapath ignores expired entries, which stay in the LRU map
+/// until it needs the room. Sorted by protocol, client, service and backend.
 pub fn join(
     entries: impl IntoIterator<Item = (ConntrackKey, ConntrackEntry)>,
     now: u64,
+    timeouts: &ConntrackTimeouts,
 ) -> Vec<Connection> {
     let mut connections: BTreeMap<Identity, Connection> = BTreeMap::new();
     for (key, entry) in entries {
-        let expires_ns = entry
-            .last_seen_ns
-            .saturating_add(conntrack_timeout_ns(key.proto, entry.state));
+        let expires_ns = entry.last_seen_ns.saturating_add(conntrack_timeout_ns(
+            key.proto,
+            entry.state,
+            timeouts,
+        ));
         if expires_ns < now {
             continue;
         }
@@ -129,13 +132,9 @@ pub fn protocol_name(proto: u8) -> String {
     }
 }
 
-pub fn state_name(state: u8) -> &'static str {
-    match state {
-        CT_STATE_NEW => "new",
-        CT_STATE_ESTABLISHED => "established",
-        CT_STATE_CLOSING => "closing",
-        _ => "unknown",
-    }
+/// Linux's name of the state (`conntrack -L`), in lower case.
+pub fn state_name(proto: u8, state: u8) -> &'static str {
+    conntrack_state_name(proto, state)
 }
 
 /// Whole seconds from `now` to `expires_ns` (the datapath's clock).
@@ -149,6 +148,14 @@ pub fn expires_in_s(expires_ns: u64, now: u64) -> u64 {
 pub fn datapath_now() -> Result<u64, nix::Error> {
     let now = Duration::from(clock_gettime(ClockId::CLOCK_MONOTONIC_COARSE)?);
     Ok(u64::try_from(now.as_nanos()).unwrap_or(u64::MAX))
+}
+
+/// The conntrack timeouts the running datapath applies: the agent's flags, from the pinned
+/// config in `pin_dir`.
+pub fn pinned_timeouts(pin_dir: &Path) -> Result<ConntrackTimeouts, MapError> {
+    let data = MapData::from_pin(pin_dir.join(map_name::CONFIG))?;
+    let config: Array<MapData, Config> = Array::try_from(Map::from_map_data(data)?)?;
+    Ok(config.get(&0, 0)?.timeouts)
 }
 
 /// The pinned conntrack map in `pin_dir`.
@@ -184,9 +191,19 @@ impl ConntrackMap {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use lb_common::{CT_TIMEOUT_TCP_ESTABLISHED_NS, CT_TIMEOUT_UDP_NS, ipv4_be, port_be};
+    use lb_common::{CT_UDP_STREAM, ipv4_be, port_be, tcp};
 
     const SECOND: u64 = 1_000_000_000;
+    const TIMEOUTS: ConntrackTimeouts = ConntrackTimeouts::KUBE_PROXY;
+    const TCP_ESTABLISHED_NS: u64 = TIMEOUTS.tcp_established_s as u64 * SECOND;
+    const UDP_STREAM_NS: u64 = TIMEOUTS.udp_stream_s as u64 * SECOND;
+
+    fn join(
+        entries: impl IntoIterator<Item = (ConntrackKey, ConntrackEntry)>,
+        now: u64,
+    ) -> Vec<Connection> {
+        super::join(entries, now, &TIMEOUTS)
+    }
 
     fn addr(s: &str) -> SocketAddrV4 {
         s.parse().unwrap()
@@ -234,7 +251,11 @@ mod tests {
         } else {
             0
         };
-        let state = CT_STATE_ESTABLISHED;
+        let state = if proto == IPPROTO_TCP {
+            tcp::ESTABLISHED
+        } else {
+            CT_UDP_STREAM
+        };
         [
             (
                 key(client, service, proto),
@@ -297,8 +318,8 @@ mod tests {
         assert_eq!(tcp.service, addr("198.51.100.1:30080"));
         assert_eq!(tcp.backend, addr("10.244.1.3:8080"));
         assert_eq!(tcp.masquerade, Some(addr("198.51.100.1:61000")));
-        assert_eq!(tcp.state, CT_STATE_ESTABLISHED);
-        assert_eq!(tcp.expires_ns, now - SECOND + CT_TIMEOUT_TCP_ESTABLISHED_NS);
+        assert_eq!(tcp.state, tcp::ESTABLISHED);
+        assert_eq!(tcp.expires_ns, now - SECOND + TCP_ESTABLISHED_NS);
         let tcp_keys: Vec<_> = all[..4]
             .iter()
             .filter(|(k, _)| k.proto == IPPROTO_TCP)
@@ -314,7 +335,7 @@ mod tests {
         assert!(udp.original.is_some() && udp.reply.is_some());
         assert_eq!(
             expires_in_s(udp.expires_ns, now),
-            (CT_TIMEOUT_UDP_NS - 2 * SECOND) / SECOND
+            (UDP_STREAM_NS - 2 * SECOND) / SECOND
         );
         let orphan = &connections[2];
         assert_eq!(orphan.client, addr("10.244.1.2:40002"));
@@ -332,8 +353,8 @@ mod tests {
             None,
             SECOND,
         );
-        assert_eq!(join(udp, SECOND + CT_TIMEOUT_UDP_NS).len(), 1);
-        assert!(join(udp, 2 * SECOND + CT_TIMEOUT_UDP_NS).is_empty());
+        assert_eq!(join(udp, SECOND + UDP_STREAM_NS).len(), 1);
+        assert!(join(udp, 2 * SECOND + UDP_STREAM_NS).is_empty());
     }
 
     #[test]
@@ -422,8 +443,9 @@ mod tests {
     fn names() {
         assert_eq!(protocol_name(IPPROTO_TCP), "tcp");
         assert_eq!(protocol_name(IPPROTO_UDP), "udp");
-        assert_eq!(state_name(CT_STATE_NEW), "new");
-        assert_eq!(state_name(CT_STATE_CLOSING), "closing");
+        assert_eq!(state_name(IPPROTO_TCP, tcp::SYN_RECV), "syn_recv");
+        assert_eq!(state_name(IPPROTO_TCP, tcp::TIME_WAIT), "time_wait");
+        assert_eq!(state_name(IPPROTO_UDP, CT_UDP_STREAM), "stream");
         assert_eq!(expires_in_s(10 * SECOND + 999_999_999, 0), 10);
         assert_eq!(expires_in_s(SECOND, 2 * SECOND), 0);
     }

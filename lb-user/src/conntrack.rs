@@ -5,7 +5,8 @@ use anyhow::{Context as _, Result};
 use comfy_table::{Table, presets};
 use lb_common::map_name;
 use lb_user::connections::{
-    self, Connection, ConntrackMap, Filter, datapath_now, expires_in_s, protocol_name, state_name,
+    self, Connection, ConntrackMap, Filter, datapath_now, expires_in_s, pinned_timeouts,
+    protocol_name, state_name,
 };
 use lb_user::{error_chain, pins};
 use serde::Serialize;
@@ -24,6 +25,8 @@ fn list(query: &ConntrackQuery, delete: bool) -> Result<()> {
     let dir = pins::find(&query.bpffs, map_name::CONNTRACK)?;
     let mut map = ConntrackMap::open(&dir)
         .map_err(|e| anyhow::anyhow!("opening {}: {}", map_name::CONNTRACK, error_chain(&e)))?;
+    let timeouts = pinned_timeouts(&dir)
+        .map_err(|e| anyhow::anyhow!("reading {}: {}", map_name::CONFIG, error_chain(&e)))?;
     let now = datapath_now().context("reading CLOCK_MONOTONIC_COARSE")?;
     let entries = map
         .entries()
@@ -33,7 +36,7 @@ fn list(query: &ConntrackQuery, delete: bool) -> Result<()> {
         backend: query.backend,
         client: query.client,
     };
-    let selected: Vec<Connection> = connections::join(entries, now)
+    let selected: Vec<Connection> = connections::join(entries, now, &timeouts)
         .into_iter()
         .filter(|c| filter.matches(c))
         .collect();
@@ -79,7 +82,7 @@ impl Row {
             service: connection.service,
             backend: connection.backend,
             masquerade: connection.masquerade,
-            state: state_name(connection.state),
+            state: state_name(connection.proto, connection.state),
             expires_in_s: expires_in_s(connection.expires_ns, now),
         }
     }
@@ -113,7 +116,7 @@ fn table(rows: &[Row]) -> Table {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use lb_common::{CT_STATE_ESTABLISHED, IPPROTO_TCP};
+    use lb_common::{IPPROTO_TCP, tcp};
 
     #[test]
     fn json_and_table_have_the_contracts_fields() {
@@ -123,7 +126,7 @@ mod tests {
             service: "198.51.100.1:30080".parse().unwrap(),
             backend: "10.244.1.3:8080".parse().unwrap(),
             masquerade: Some("198.51.100.1:61000".parse().unwrap()),
-            state: CT_STATE_ESTABLISHED,
+            state: tcp::ESTABLISHED,
             expires_ns: 30_500_000_000,
             original: None,
             reply: None,

@@ -6,7 +6,7 @@ use std::fmt;
 use std::path::Path;
 
 use aya::maps::{HashMap, Map, MapData, MapError};
-use lb_common::legacy::{self, ConntrackEntryV1, ConntrackEntryV2};
+use lb_common::legacy::{self, ConntrackEntryV1, ConntrackEntryV2, ConntrackEntryV3};
 use lb_common::{ConntrackEntry, ConntrackKey, map_name};
 use tracing::{info, warn};
 
@@ -165,8 +165,8 @@ pub fn check(pin_dir: &Path, declared: &BTreeMap<String, Declared>) -> Result<()
     Ok(())
 }
 
-/// Copies the connections of an earlier agent's conntrack map in `pin_dir` (`LB_CT_V1` or
-/// `LB_CT_V2`, oldest first, so that the newer wins should both be there) into `conntrack`.
+/// Copies the connections of an earlier agent's conntrack map in `pin_dir` (`LB_CT_V1` to
+/// `LB_CT_V3`, oldest first, so that the newest wins should several be there) into `conntrack`.
 /// `only_new`: keep entries `conntrack` already has (a second pass after the new programs are
 /// in, for connections the old ones opened meanwhile). Returns how many were copied.
 pub fn migrate_legacy_conntrack(
@@ -181,6 +181,12 @@ pub fn migrate_legacy_conntrack(
                 legacy::CONNTRACK_V2,
                 conntrack,
                 only_new,
+            )?
+            + migrate_conntrack::<ConntrackEntryV3>(
+                pin_dir,
+                legacy::CONNTRACK_V3,
+                conntrack,
+                only_new,
             )?,
     )
 }
@@ -193,7 +199,7 @@ fn migrate_conntrack<Old>(
     only_new: bool,
 ) -> Result<usize, MapPinError>
 where
-    Old: aya::Pod + Into<ConntrackEntry>,
+    Old: aya::Pod + Into<ConntrackEntryV3>,
 {
     let path = pin_dir.join(name);
     let err = |source| MapPinError::Map {
@@ -223,7 +229,8 @@ where
     for entry in old.iter() {
         // An entry the old datapath deletes while it is read is skipped.
         let Ok((key, value)) = entry else { continue };
-        match conntrack.insert(key, value.into(), flags) {
+        let entry = value.into().converted(key.proto);
+        match conntrack.insert(key, entry, flags) {
             Ok(()) => copied += 1,
             Err(MapError::SyscallError(e))
                 if only_new && e.io_error.raw_os_error() == Some(nix::libc::EEXIST) => {}
@@ -279,6 +286,7 @@ mod tests {
     fn only_pins_of_other_abi_versions_are_stale() {
         assert!(is_stale("LB_CT_V1"));
         assert!(is_stale("LB_CT_V2"));
+        assert!(is_stale("LB_CT_V3"));
         assert!(is_stale("LB_BACKEND_STATS_V1"));
         assert!(is_stale("LB_FRONTEND_V3"));
         for current in map_name::ALL {
