@@ -16,7 +16,7 @@ pub mod map_name {
     pub const BACKENDS: &str = "LB_BACKEND_V1";
     pub const CONNTRACK: &str = "LB_CT_V3";
     pub const CONFIG: &str = "LB_CONFIG_V3";
-    pub const COUNTERS: &str = "LB_COUNTER_V7";
+    pub const COUNTERS: &str = "LB_COUNTER_V8";
     pub const AFFINITY: &str = "LB_AFFINITY_V1";
     pub const ROUND_ROBIN: &str = "LB_RR_V1";
     pub const SOURCE_RANGES: &str = "LB_SOURCE_RANGE_V1";
@@ -25,9 +25,11 @@ pub mod map_name {
     pub const FRAGMENTS: &str = "LB_FRAGMENT_V2";
     pub const BACKEND_STATS: &str = "LB_BACKEND_STATS_V2";
     pub const FRONTEND_ORIGINS: &str = "LB_FRONTEND_ORIGIN_V1";
+    /// The connections' intermediate tuples, for `lb_egress` (`ConntrackKey` → `ConntrackKey`).
+    pub const INTERMEDIATE: &str = "LB_INTERMEDIATE_V1";
     /// Not pinned (not in `ALL`): the interface indexes are the running agent's.
     pub const XDP_EGRESS: &str = "LB_XDP_EGRESS_V1";
-    pub const ALL: [&str; 13] = [
+    pub const ALL: [&str; 14] = [
         FRONTENDS,
         BACKENDS,
         CONNTRACK,
@@ -41,6 +43,7 @@ pub mod map_name {
         FRAGMENTS,
         BACKEND_STATS,
         FRONTEND_ORIGINS,
+        INTERMEDIATE,
     ];
 }
 
@@ -48,6 +51,9 @@ pub mod map_name {
 pub mod program_name {
     /// tc ingress on every interface where traffic enters the node (external and pod-side).
     pub const INGRESS: &str = "lb_ingress";
+    /// tc egress on the same interfaces: the source half of the translation of packets the
+    /// stack forwarded or sent (`--forwarding stack`, and node endpoints in either mode).
+    pub const EGRESS: &str = "lb_egress";
     /// XDP on the external interface (`lb agent --xdp`): the fast path of external traffic.
     pub const XDP: &str = "lb_xdp";
     /// cgroup/connect4: TCP and connected UDP sockets of the node reaching a service.
@@ -70,7 +76,8 @@ pub mod default_size {
     pub const FRONTENDS: u32 = 131_072;
     /// Backend slots: one per endpoint of every service port.
     pub const BACKENDS: u32 = 262_144;
-    /// Conntrack entries: two per connection (original and reply direction).
+    /// Conntrack entries: two per connection (original and reply direction). Also the size of
+    /// the intermediate tuples' map (`map_name::INTERMEDIATE`), two per connection as well.
     pub const CONNTRACK: u32 = 262_144;
     /// sessionAffinity entries: one per (service port, client address).
     pub const AFFINITY: u32 = 65_536;
@@ -727,6 +734,10 @@ pub struct SockRevNat {
 pub const CONFIG_F_MASQUERADE_ALL: u32 = 1 << 0;
 /// The agent has written this config; until then the datapath passes everything.
 pub const CONFIG_F_READY: u32 = 1 << 1;
+/// --forwarding stack: `lb_ingress` rewrites destinations and hands packets to the stack, whose
+/// forwarding path (netfilter's FORWARD and POSTROUTING) they cross; `lb_egress` rewrites
+/// sources. Without it, `lb_ingress` translates fully and redirects to the egress interface.
+pub const CONFIG_F_STACK_FORWARDING: u32 = 1 << 2;
 
 /// Indexes of `COUNTERS`, a per-CPU array of u64 packet counts.
 #[repr(u32)]
@@ -792,12 +803,16 @@ pub enum Counter {
     DropFragmentOverlap,
     /// Dropped: a new connection's translated tuple is another connection's (a client reaching
     /// two frontends of one backend from one port), and no free source port of the range was
-    /// found to remap it to.
+    /// found to remap it to; or one of its intermediate tuples (between tc ingress and egress)
+    /// is another live connection's.
     DropTupleClash,
+    /// lb_egress rewrote the source (masquerade, or the service address of a reply) of a
+    /// packet the stack forwarded or sent.
+    EgressTranslated,
 }
 
 impl Counter {
-    pub const COUNT: u32 = 23;
+    pub const COUNT: u32 = 24;
     pub const ALL: [Counter; Self::COUNT as usize] = [
         Counter::NewConnection,
         Counter::Masqueraded,
@@ -822,6 +837,7 @@ impl Counter {
         Counter::DropBadTcpFlags,
         Counter::DropFragmentOverlap,
         Counter::DropTupleClash,
+        Counter::EgressTranslated,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -849,6 +865,7 @@ impl Counter {
             Counter::DropBadTcpFlags => "drop_bad_tcp_flags",
             Counter::DropFragmentOverlap => "drop_fragment_overlap",
             Counter::DropTupleClash => "drop_tuple_clash",
+            Counter::EgressTranslated => "egress_translated",
         }
     }
 
@@ -897,6 +914,9 @@ impl Counter {
             Counter::DropTupleClash => {
                 "dropped: a new connection's translated tuple is another's and no free source port was found to remap it"
             }
+            Counter::EgressTranslated => {
+                "packets the stack forwarded or sent whose source tc egress translated (masquerade, or a reply's service address)"
+            }
             Counter::PassedBadIpChecksum => {
                 "packets with a wrong IPv4 header checksum, passed untouched for the stack to drop"
             }
@@ -939,7 +959,8 @@ impl Counter {
             | Counter::XdpPassed
             | Counter::IcmpErrorTranslated
             | Counter::PassedFragment
-            | Counter::PassedBadIpChecksum => None,
+            | Counter::PassedBadIpChecksum
+            | Counter::EgressTranslated => None,
         }
     }
 }

@@ -67,7 +67,7 @@ pub fn related(quoted: &ConntrackKey, now: u64) -> Option<ConntrackKey> {
     Some(reversed(&rewrite_of(entry, quoted.proto)))
 }
 
-fn expired(entry: &ConntrackEntry, proto: u8, now: u64) -> bool {
+pub fn expired(entry: &ConntrackEntry, proto: u8, now: u64) -> bool {
     // Saturating: another CPU may have stored a later timestamp than our `now`.
     now.saturating_sub(entry.last_seen_ns) > conntrack_timeout_ns(proto, entry.state)
 }
@@ -102,7 +102,7 @@ fn update(entry: &mut ConntrackEntry, state: u8, refresh: bool, now: u64) {
     }
 }
 
-fn rewrite_of(entry: &ConntrackEntry, proto: u8) -> ConntrackKey {
+pub fn rewrite_of(entry: &ConntrackEntry, proto: u8) -> ConntrackKey {
     ConntrackKey {
         src_addr: entry.src_addr,
         dst_addr: entry.dst_addr,
@@ -124,7 +124,7 @@ fn same_rewrite(a: &ConntrackEntry, b: &ConntrackEntry) -> bool {
 }
 
 /// The same flow seen from the other end.
-fn reversed(tuple: &ConntrackKey) -> ConntrackKey {
+pub fn reversed(tuple: &ConntrackKey) -> ConntrackKey {
     ConntrackKey {
         src_addr: tuple.dst_addr,
         dst_addr: tuple.src_addr,
@@ -166,8 +166,18 @@ impl Connection {
         }
     }
 
+    /// The client's packet that opens the connection.
+    pub fn client(&self) -> &ConntrackKey {
+        &self.tuple
+    }
+
+    /// The datapath's clock as the connection opens.
+    pub fn now(&self) -> u64 {
+        self.now
+    }
+
     /// The tuple the client's packets get when the backend sees them from `src_addr:src_port`.
-    fn translated(&self, src_addr: u32, src_port: u16) -> ConntrackKey {
+    pub fn translated(&self, src_addr: u32, src_port: u16) -> ConntrackKey {
         ConntrackKey {
             src_addr,
             dst_addr: self.backend.addr,

@@ -1,7 +1,9 @@
-//! Forwarding a translated packet straight to its egress interface.
+//! Forwarding a translated packet straight to its egress interface (`--forwarding redirect`).
 //!
-//! Redirecting is required: after masquerade the source is the node's own address, which the
-//! stack would drop on input as a martian.
+//! Redirecting is required for a fully translated packet: after masquerade the source is the
+//! node's own address, which the stack would drop on input as a martian. What the FIB does not
+//! forward (a node endpoint, no route) goes to the stack translated to its intermediate tuple
+//! instead (intermediate.rs), as in `--forwarding stack`.
 use core::mem::{self, MaybeUninit};
 
 use aya_ebpf::{
@@ -196,7 +198,12 @@ pub fn forward_tc(
     to: &ConntrackKey,
     caching: Caching,
 ) -> Result<i32, Counter> {
-    match route(ctx, packet, to, caching) {
+    send_tc(ctx, packet, route(ctx, packet, to, caching))
+}
+
+/// tc: sends the translated packet to `hop` (see `forward_tc`).
+pub fn send_tc(ctx: &TcContext, packet: &Packet, hop: NextHop) -> Result<i32, Counter> {
+    match hop {
         NextHop::Resolved { ifindex, macs } => redirect(ctx, packet, ifindex, &macs),
         NextHop::Unresolved { ifindex, addr } => {
             decrement_ttl(ctx, packet)?;
