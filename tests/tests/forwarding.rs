@@ -7,11 +7,13 @@ use std::net::SocketAddr;
 
 use anyhow::{Result, ensure};
 use lb_tests::{
+    agent::stats_at,
+    bpffs::Bpffs,
     echo::{EchoServer, Proto},
     manifests::{ServiceManifest, yaml},
     netns::Netns,
     node::{CLUSTER_IP, Node, PORT, TARGET_PORT, vip},
-    paths::assert_answered_by,
+    paths::{assert_answered_by, check_container_to_service},
     topology::{CLIENT_IP, CONTAINER_IP, NODE_IP},
 };
 
@@ -197,4 +199,31 @@ fn node_endpoint_tcp_redirect() -> Result<()> {
 #[test]
 fn node_endpoint_udp_redirect() -> Result<()> {
     check_node_endpoint(Proto::Udp, "redirect")
+}
+
+/// A restart with another `--forwarding` swaps the programs into the pinned links and the mode
+/// takes effect: masqueraded traffic (container → ClusterIP) keeps working, its source now
+/// translated by `lb_egress`.
+#[test]
+fn a_restart_switches_the_forwarding_mode() -> Result<()> {
+    let bpffs = Bpffs::mount()?;
+    let mut node = Node::start(3, &[], &["--bpffs", &bpffs.arg()])?;
+    let service = node.service(Proto::Tcp, &["pod-b", "pod-c"]);
+    node.agent.update_manifests(&yaml(&[service]))?;
+    let egress_translated =
+        || -> Result<u64> { Ok(stats_at(&node.topology.node, &bpffs.arg())?["egress_translated"]) };
+    check_container_to_service(&node.topology, Proto::Tcp, vip())?;
+    let redirected = egress_translated()?;
+    ensure!(
+        redirected == 0,
+        "redirect mode: lb_egress translated {redirected}"
+    );
+
+    let status = node.agent.stop()?;
+    ensure!(status.success(), "agent exit status {status}");
+    node.agent.restart(&["--forwarding", "stack"], true)?;
+    check_container_to_service(&node.topology, Proto::Tcp, vip())?;
+    let stacked = egress_translated()?;
+    ensure!(stacked > 0, "stack mode: lb_egress translated nothing");
+    Ok(())
 }
