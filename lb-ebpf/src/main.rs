@@ -76,8 +76,8 @@ fn try_ingress(ctx: &TcContext) -> Result<i32, Counter> {
             }
             nat::rewrite(ctx, &packet, &to)?;
             match forward::route(ctx, &packet, &to, Caching::On(route)) {
-                // A node endpoint, or no forwarding answer: the stack's, as with stack forwarding.
-                NextHop::Stack => {
+                // A node endpoint: the stack delivers it, as with stack forwarding.
+                NextHop::Local => {
                     maps::count(Counter::FibFallback);
                     back_to_stack(ctx, &packet, &to, ct_flags)
                 }
@@ -118,7 +118,7 @@ fn to_stack(
     Ok(TC_ACT_OK)
 }
 
-/// `to_stack` for a packet already translated to `to`: what the FIB does not forward.
+/// `to_stack` for a packet already translated to `to`: one the FIB delivers locally.
 #[inline(never)]
 fn back_to_stack(
     ctx: &TcContext,
