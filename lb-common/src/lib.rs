@@ -28,9 +28,11 @@ pub mod map_name {
     pub const FRONTEND_ORIGINS: &str = "LB_FRONTEND_ORIGIN_V1";
     pub const SERVICE_STATUS: &str = "LB_SERVICE_STATUS_V1";
     pub const AGENT: &str = "LB_AGENT_V1";
+    /// The connections' intermediate tuples, for `lb_egress` (`ConntrackKey` → `ConntrackKey`).
+    pub const INTERMEDIATE: &str = "LB_INTERMEDIATE_V1";
     /// Not pinned (not in `ALL`): the interface indexes are the running agent's.
     pub const XDP_EGRESS: &str = "LB_XDP_EGRESS_V1";
-    pub const ALL: [&str; 15] = [
+    pub const ALL: [&str; 16] = [
         FRONTENDS,
         BACKENDS,
         CONNTRACK,
@@ -46,6 +48,7 @@ pub mod map_name {
         FRONTEND_ORIGINS,
         SERVICE_STATUS,
         AGENT,
+        INTERMEDIATE,
     ];
 }
 
@@ -53,6 +56,9 @@ pub mod map_name {
 pub mod program_name {
     /// tc ingress on every interface where traffic enters the node (external and pod-side).
     pub const INGRESS: &str = "lb_ingress";
+    /// tc egress on the same interfaces: the source half of the translation of packets the
+    /// stack forwarded or sent (`--forwarding stack`, and node endpoints in either mode).
+    pub const EGRESS: &str = "lb_egress";
     /// XDP on the external interface (`lb agent --xdp`): the fast path of external traffic.
     pub const XDP: &str = "lb_xdp";
     /// cgroup/connect4: TCP and connected UDP sockets of the node reaching a service.
@@ -75,7 +81,8 @@ pub mod default_size {
     pub const FRONTENDS: u32 = 131_072;
     /// Backend slots: one per endpoint of every service port.
     pub const BACKENDS: u32 = 262_144;
-    /// Conntrack entries: two per connection (original and reply direction).
+    /// Conntrack entries: two per connection (original and reply direction). Also the size of
+    /// the intermediate tuples' map (`map_name::INTERMEDIATE`), two per connection as well.
     pub const CONNTRACK: u32 = 262_144;
     /// sessionAffinity entries: one per (service port, client address).
     pub const AFFINITY: u32 = 65_536;
@@ -956,6 +963,10 @@ pub struct SockRevNat {
 pub const CONFIG_F_MASQUERADE_ALL: u32 = 1 << 0;
 /// The agent has written this config; until then the datapath passes everything.
 pub const CONFIG_F_READY: u32 = 1 << 1;
+/// --forwarding stack: `lb_ingress` rewrites destinations and hands packets to the stack, whose
+/// forwarding path (netfilter's FORWARD and POSTROUTING) they cross; `lb_egress` rewrites
+/// sources. Without it, `lb_ingress` translates fully and redirects to the egress interface.
+pub const CONFIG_F_STACK_FORWARDING: u32 = 1 << 2;
 
 /// Indexes of `COUNTERS`, a per-CPU array of u64 packet counts.
 #[repr(u32)]
@@ -1021,7 +1032,8 @@ pub enum Counter {
     DropFragmentOverlap,
     /// Dropped: a new connection's translated tuple is another connection's (a client reaching
     /// two frontends of one backend from one port), and no free source port of the range was
-    /// found to remap it to.
+    /// found to remap it to; or one of its intermediate tuples (between tc ingress and egress)
+    /// is another live connection's.
     DropTupleClash,
     /// Dropped: a TCP RST or FIN outside its connection's window (Linux's `tcp_in_window`),
     /// which leaves the connection's state as it was. Linux's conntrack marks such a segment
@@ -1030,10 +1042,13 @@ pub enum Counter {
     /// A TCP RST, FIN or SYN-ACK of no tracked connection, which cannot open one (Linux's
     /// conntrack holds it INVALID): passed untouched, untracked.
     PassedTcpNoConnection,
+    /// lb_egress rewrote the source (masquerade, or the service address of a reply) of a
+    /// packet the stack forwarded or sent.
+    EgressTranslated,
 }
 
 impl Counter {
-    pub const COUNT: u32 = 25;
+    pub const COUNT: u32 = 26;
     pub const ALL: [Counter; Self::COUNT as usize] = [
         Counter::NewConnection,
         Counter::Masqueraded,
@@ -1060,6 +1075,7 @@ impl Counter {
         Counter::DropTupleClash,
         Counter::DropTcpOutOfWindow,
         Counter::PassedTcpNoConnection,
+        Counter::EgressTranslated,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -1089,6 +1105,7 @@ impl Counter {
             Counter::DropTupleClash => "drop_tuple_clash",
             Counter::DropTcpOutOfWindow => "drop_tcp_out_of_window",
             Counter::PassedTcpNoConnection => "passed_tcp_no_connection",
+            Counter::EgressTranslated => "egress_translated",
         }
     }
 
@@ -1136,6 +1153,9 @@ impl Counter {
             }
             Counter::DropTupleClash => {
                 "dropped: a new connection's translated tuple is another's and no free source port was found to remap it"
+            }
+            Counter::EgressTranslated => {
+                "packets the stack forwarded or sent whose source tc egress translated (masquerade, or a reply's service address)"
             }
             Counter::PassedBadIpChecksum => {
                 "packets with a wrong IPv4 header checksum, passed untouched for the stack to drop"
@@ -1187,7 +1207,8 @@ impl Counter {
             | Counter::IcmpErrorTranslated
             | Counter::PassedFragment
             | Counter::PassedBadIpChecksum
-            | Counter::PassedTcpNoConnection => None,
+            | Counter::PassedTcpNoConnection
+            | Counter::EgressTranslated => None,
         }
     }
 }

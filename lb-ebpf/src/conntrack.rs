@@ -150,7 +150,7 @@ pub fn related(
     Some(reversed(&rewrite_of(entry, quoted.proto)))
 }
 
-fn expired(entry: &ConntrackEntry, proto: u8, timeouts: &ConntrackTimeouts, now: u64) -> bool {
+pub fn expired(entry: &ConntrackEntry, proto: u8, timeouts: &ConntrackTimeouts, now: u64) -> bool {
     // Saturating: another CPU may have stored a later timestamp than our `now`.
     now.saturating_sub(entry.last_seen_ns) > conntrack_timeout_ns(proto, entry.state, timeouts)
 }
@@ -173,7 +173,7 @@ fn update(entry: &mut ConntrackEntry, state: u8, refresh: bool, now: u64) {
     }
 }
 
-fn rewrite_of(entry: &ConntrackEntry, proto: u8) -> ConntrackKey {
+pub fn rewrite_of(entry: &ConntrackEntry, proto: u8) -> ConntrackKey {
     ConntrackKey {
         src_addr: entry.src_addr,
         dst_addr: entry.dst_addr,
@@ -195,7 +195,7 @@ fn same_rewrite(a: &ConntrackEntry, b: &ConntrackEntry) -> bool {
 }
 
 /// The same flow seen from the other end.
-fn reversed(tuple: &ConntrackKey) -> ConntrackKey {
+pub fn reversed(tuple: &ConntrackKey) -> ConntrackKey {
     ConntrackKey {
         src_addr: tuple.dst_addr,
         dst_addr: tuple.src_addr,
@@ -276,8 +276,18 @@ impl Connection {
             .is_none_or(|config| expired(entry, self.tuple.proto, &config.timeouts, self.now))
     }
 
+    /// The client's packet that opens the connection.
+    pub fn client(&self) -> &ConntrackKey {
+        &self.tuple
+    }
+
+    /// The datapath's clock as the connection opens.
+    pub fn now(&self) -> u64 {
+        self.now
+    }
+
     /// The tuple the client's packets get when the backend sees them from `src_addr:src_port`.
-    fn translated(&self, src_addr: u32, src_port: u16) -> ConntrackKey {
+    pub fn translated(&self, src_addr: u32, src_port: u16) -> ConntrackKey {
         ConntrackKey {
             src_addr,
             dst_addr: self.backend.addr,

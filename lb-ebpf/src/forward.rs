@@ -1,13 +1,15 @@
-//! Forwarding a translated packet straight to its egress interface.
+//! Forwarding a translated packet straight to its egress interface (`--forwarding redirect`).
 //!
-//! Redirecting is required: after masquerade the source is the node's own address, which the
-//! stack would drop on input as a martian.
+//! Redirecting is required for a fully translated packet: after masquerade the source is the
+//! node's own address, which the stack would drop on input as a martian. A local destination (a
+//! node endpoint) goes to the stack translated to its intermediate tuple instead
+//! (intermediate.rs), as in `--forwarding stack`.
 use core::mem::{self, MaybeUninit};
 
 use aya_ebpf::{
     bindings::{
-        BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, TC_ACT_OK, bpf_fib_lookup,
-        bpf_redir_neigh,
+        BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_NOT_FWDED, BPF_FIB_LKUP_RET_SUCCESS, TC_ACT_OK,
+        bpf_fib_lookup, bpf_redir_neigh,
     },
     helpers::{bpf_fib_lookup, bpf_redirect, bpf_redirect_neigh},
     programs::TcContext,
@@ -31,8 +33,9 @@ pub enum NextHop {
     Resolved { ifindex: u32, macs: [u8; 12] },
     /// Out of `ifindex` to `addr`, whose MAC the kernel does not know yet.
     Unresolved { ifindex: u32, addr: u32 },
-    /// No forwarding answer (local destination, no route, forwarding disabled, MTU): the
-    /// stack's business.
+    /// A local destination (a node endpoint): the stack delivers it.
+    Local,
+    /// No forwarding answer (no route, forwarding disabled, MTU): the stack's business.
     Stack,
 }
 
@@ -81,6 +84,7 @@ pub fn next_hop<P: PacketAccess>(ctx: &P, packet: &Packet, to: &ConntrackKey) ->
             // SAFETY: for an AF_INET lookup the FIB wrote the IPv4 next hop into ipv4_dst.
             addr: unsafe { fib.__bindgen_anon_4.ipv4_dst },
         },
+        Ok(BPF_FIB_LKUP_RET_NOT_FWDED) => NextHop::Local,
         _ => NextHop::Stack,
     }
 }
@@ -196,7 +200,12 @@ pub fn forward_tc(
     to: &ConntrackKey,
     caching: Caching,
 ) -> Result<i32, Counter> {
-    match route(ctx, packet, to, caching) {
+    send_tc(ctx, packet, route(ctx, packet, to, caching))
+}
+
+/// tc: sends the translated packet to `hop` (see `forward_tc`).
+pub fn send_tc(ctx: &TcContext, packet: &Packet, hop: NextHop) -> Result<i32, Counter> {
+    match hop {
         NextHop::Resolved { ifindex, macs } => redirect(ctx, packet, ifindex, &macs),
         NextHop::Unresolved { ifindex, addr } => {
             decrement_ttl(ctx, packet)?;
@@ -215,7 +224,7 @@ pub fn forward_tc(
                 )
             } as i32)
         }
-        NextHop::Stack => {
+        NextHop::Local | NextHop::Stack => {
             maps::count(Counter::FibFallback);
             Ok(TC_ACT_OK)
         }

@@ -2,6 +2,10 @@
 //! (nf_nat_icmp_reply_translation), so that PMTU discovery, port unreachable and traceroute work
 //! through a service.
 //!
+//! `lb_ingress` finds the connection of an error that arrives in conntrack, as below; `lb_egress`
+//! one the node itself sent about a packet it forwarded (a REJECT rule, fragmentation needed)
+//! by the quoted intermediate tuple (intermediate.rs).
+//!
 //! An error (destination unreachable, fragmentation needed included; time exceeded; parameter
 //! problem) quotes the IP header and at least 8 bytes of the packet it is about, as that packet
 //! was when it failed: translated. The error goes where that packet's reply would, so its
@@ -21,7 +25,6 @@
 use lb_common::{ConntrackKey, Counter, IPPROTO_ICMP, IPPROTO_TCP, IPPROTO_UDP};
 
 use crate::{
-    conntrack, maps,
     nat::{IP_CHECK_OFFSET, IP_DST_OFFSET, IP_SRC_OFFSET},
     packet::{Change, PacketAccess, updated},
     parse::{ETH_HLEN, Ipv4Header, Packet, Ports},
@@ -40,12 +43,17 @@ const IP_DST: usize = 16;
 const TCP_CHECK: usize = 16;
 const UDP_CHECK: usize = 6;
 
-/// Reverse-translates the ICMP message `outer` if it is an error about a tracked connection.
-/// Returns the outer header's new tuple (protocol ICMP, ports 0), to forward it by.
+/// Reverse-translates the ICMP message `outer` if it is an error about a tracked connection:
+/// `original_of` gives the packet a quote is of as its sender sent it (`None`: not of a live
+/// connection). Returns the outer header's new tuple (protocol ICMP, ports 0), to forward it by.
 /// `Err(Passed)`: other ICMP, or an error about a flow this node does not translate.
 // Inlined: five arguments are the most BPF passes, and the callers' are few.
 #[inline(always)]
-pub fn reverse_error<P: PacketAccess>(ctx: &P, outer: &Packet) -> Result<ConntrackKey, Counter> {
+pub fn reverse_error<P: PacketAccess>(
+    ctx: &P,
+    outer: &Packet,
+    original_of: impl Fn(&ConntrackKey) -> Option<ConntrackKey>,
+) -> Result<ConntrackKey, Counter> {
     let icmp_type: u8 = ctx.load(outer.l4).map_err(|_| Counter::PassedUnparsed)?;
     if !matches!(
         icmp_type,
@@ -70,9 +78,7 @@ pub fn reverse_error<P: PacketAccess>(ctx: &P, outer: &Packet) -> Result<Conntra
     if outer.tuple.dst_addr != quoted.src_addr {
         return Err(Counter::Passed);
     }
-    let config = maps::config().ok_or(Counter::Passed)?;
-    let original = conntrack::related(&quoted, &config.timeouts, maps::now_ns(config))
-        .ok_or(Counter::Passed)?;
+    let original = original_of(&quoted).ok_or(Counter::Passed)?;
 
     let l4_check = if quoted.proto == IPPROTO_UDP {
         l4 + UDP_CHECK

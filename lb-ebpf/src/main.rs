@@ -1,17 +1,25 @@
 //! The datapath: `lb_ingress`, a tc classifier at the ingress of every interface where traffic
-//! enters the node, and `lb_xdp`, its fast path on the external interface. Service traffic is
-//! translated in both directions and forwarded to its egress interface, as are ICMP errors about
-//! it (reverse-translated by tc only); everything else passes untouched. Both run the same
-//! translation core (translate.rs) over their own packet access (packet.rs). The node's own
-//! sockets are translated at connect and send time by the cgroup socket hooks (`sock`).
+//! enters the node, `lb_egress` at the egress of the same interfaces, and `lb_xdp`, a fast path
+//! on the external interface. With `--forwarding stack` (CONFIG_F_STACK_FORWARDING) `lb_ingress`
+//! translates destinations and hands service traffic to the stack, which routes and filters it
+//! (FORWARD, POSTROUTING) as under kube-proxy, and `lb_egress` translates sources (egress.rs,
+//! intermediate.rs). With `--forwarding redirect`, `lb_ingress` translates fully and redirects
+//! to the egress interface, as does `lb_xdp`; what the FIB does not forward (a node endpoint)
+//! still takes the stack's path. ICMP errors about service traffic that arrive are
+//! reverse-translated and forwarded by tc; everything else passes untouched. `lb_ingress` and
+//! `lb_xdp` run the same translation core (translate.rs) over their own packet access
+//! (packet.rs). The node's own sockets are translated at connect and send time by the cgroup
+//! socket hooks (`sock`).
 #![no_std]
 #![no_main]
 
 mod affinity;
 mod conntrack;
+mod egress;
 mod forward;
 mod fragment;
 mod icmp;
+mod intermediate;
 mod maps;
 mod masquerade;
 mod nat;
@@ -32,10 +40,11 @@ use aya_ebpf::{
     macros::{cgroup_sock_addr, classifier, xdp},
     programs::{SockAddrContext, TcContext, XdpContext},
 };
-use lb_common::Counter;
+use lb_common::{CONFIG_F_STACK_FORWARDING, CT_F_REPLY, ConntrackKey, Counter};
 
 use crate::{
     forward::{Caching, NextHop},
+    parse::Packet,
     translate::Translation,
 };
 
@@ -57,19 +66,89 @@ pub fn lb_ingress(ctx: TcContext) -> i32 {
 fn try_ingress(ctx: &TcContext) -> Result<i32, Counter> {
     packet::pull_headers(ctx);
     match translate::translation(ctx)? {
-        Translation::To { packet, to, route } => {
+        Translation::To {
+            packet,
+            to,
+            route,
+            ct_flags,
+        } => {
+            if stack_forwarding() {
+                return to_stack(ctx, &packet, &to, ct_flags);
+            }
             nat::rewrite(ctx, &packet, &to)?;
-            forward::forward_tc(ctx, &packet, &to, Caching::On(route))
+            match forward::route(ctx, &packet, &to, Caching::On(route)) {
+                // A node endpoint: the stack delivers it, as with stack forwarding.
+                NextHop::Local => {
+                    maps::count(Counter::FibFallback);
+                    back_to_stack(ctx, &packet, &to, ct_flags)
+                }
+                hop => forward::send_tc(ctx, &packet, hop),
+            }
         }
         Translation::Reject(packet) => {
             maps::count(Counter::Rejected);
             reject::port_unreachable(ctx, &packet)
         }
         Translation::Icmp(packet) => {
-            let to = icmp::reverse_error(ctx, &packet)?;
+            let config = maps::config().ok_or(Counter::Passed)?;
+            let to = icmp::reverse_error(ctx, &packet, |quoted| {
+                conntrack::related(quoted, &config.timeouts, maps::now_ns(config))
+            })?;
             maps::count(Counter::IcmpErrorTranslated);
             forward::forward_tc(ctx, &packet, &to, Caching::Off)
         }
+    }
+}
+
+fn stack_forwarding() -> bool {
+    maps::config().is_some_and(|config| config.flags & CONFIG_F_STACK_FORWARDING != 0)
+}
+
+/// Translates the packet's destination (intermediate.rs) and hands it to the stack to route;
+/// `lb_egress` translates its source once routed. `ct_flags`: those of its conntrack entry.
+// A frame of its own: inlined, LLVM's reuse of the translation's stack slots is more than the
+// verifier follows.
+#[inline(never)]
+fn to_stack(
+    ctx: &TcContext,
+    packet: &Packet,
+    to: &ConntrackKey,
+    ct_flags: u8,
+) -> Result<i32, Counter> {
+    let reply = ct_flags & CT_F_REPLY != 0;
+    nat::rewrite(ctx, packet, &intermediate::of(&packet.tuple, to, reply))?;
+    Ok(TC_ACT_OK)
+}
+
+/// `to_stack` for a packet already translated to `to`: one the FIB delivers locally.
+#[inline(never)]
+fn back_to_stack(
+    ctx: &TcContext,
+    packet: &Packet,
+    to: &ConntrackKey,
+    ct_flags: u8,
+) -> Result<i32, Counter> {
+    let reply = ct_flags & CT_F_REPLY != 0;
+    let translated = Packet {
+        tuple: *to,
+        ..*packet
+    };
+    nat::rewrite(
+        ctx,
+        &translated,
+        &intermediate::of(&packet.tuple, to, reply),
+    )?;
+    Ok(TC_ACT_OK)
+}
+
+#[classifier]
+pub fn lb_egress(ctx: TcContext) -> i32 {
+    match egress::translate(&ctx) {
+        Err(Counter::DropRewriteFailed) => {
+            maps::count(Counter::DropRewriteFailed);
+            TC_ACT_SHOT
+        }
+        Ok(()) | Err(_) => TC_ACT_OK,
     }
 }
 
@@ -112,7 +191,9 @@ pub fn lb_getpeername4(ctx: SockAddrContext) -> i32 {
 
 fn try_xdp(ctx: &XdpContext) -> Result<u32, Counter> {
     match translate::translation(ctx)? {
-        Translation::To { packet, to, route } => {
+        Translation::To {
+            packet, to, route, ..
+        } => {
             // Decided before the packet is touched. Passing it translated would be wrong twice:
             // tc's conntrack lookup of the translated tuple misses (entries are keyed by the
             // tuples packets arrive with), and the stack drops a masqueraded source, its own

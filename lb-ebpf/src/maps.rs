@@ -28,6 +28,12 @@ static BACKENDS: HashMap<BackendKey, Backend> =
 static CONNTRACK: LruHashMap<ConntrackKey, ConntrackEntry> =
     LruHashMap::with_max_entries(default_size::CONNTRACK, 0);
 
+/// A connection's tuple between lb_ingress and lb_egress (intermediate.rs) → the conntrack key of
+/// the same direction. Two per connection, as conntrack's; an LRU as conntrack is.
+#[map(name = "LB_INTERMEDIATE_V1")]
+static INTERMEDIATE: LruHashMap<ConntrackKey, ConntrackKey> =
+    LruHashMap::with_max_entries(default_size::CONNTRACK, 0);
+
 #[map(name = "LB_AFFINITY_V1")]
 static AFFINITY: LruHashMap<AffinityKey, StickyBackend> =
     LruHashMap::with_max_entries(default_size::AFFINITY, 0);
@@ -175,6 +181,18 @@ pub fn conntrack_insert(key: &ConntrackKey, entry: &ConntrackEntry, flags: u32) 
 pub fn conntrack_remove(key: &ConntrackKey) {
     // Nothing to undo when the entry is already gone (evicted by the LRU).
     let _ = CONNTRACK.remove(key);
+}
+
+pub fn intermediate(key: &ConntrackKey) -> Option<ConntrackKey> {
+    // SAFETY: the value is copied out at once.
+    unsafe { INTERMEDIATE.get(key).copied() }
+}
+
+/// `flags` is `BPF_ANY` or `BPF_NOEXIST`.
+pub fn intermediate_insert(key: &ConntrackKey, conntrack_key: &ConntrackKey, flags: u32) -> bool {
+    INTERMEDIATE
+        .insert(key, conntrack_key, u64::from(flags))
+        .is_ok()
 }
 
 pub fn affinity(key: &AffinityKey) -> Option<&'static mut StickyBackend> {

@@ -120,6 +120,9 @@ pub struct Packet {
 /// `Err(Passed)` for traffic that is not IPv4 TCP/UDP/ICMP, `Err(PassedUnparsed)` for ICMP
 /// fragments and truncated or inconsistent headers; the other `Err`s for headers Linux holds
 /// invalid (see their counters).
+// Inlined into each program: as a subprogram, its `Result`'s BTF (the tag at the niche's offset,
+// see conntrack::Tracked) makes the kernel refuse the object's BTF.
+#[inline(always)]
 pub fn packet<P: PacketAccess>(ctx: &P) -> Result<Packet, Counter> {
     let ether_type: u16 = ctx
         .load(ETH_TYPE_OFFSET)

@@ -7,7 +7,7 @@ use lb_common::{CONFIG_F_READY, Config, ConntrackKey, Counter, Frontend, IPPROTO
 use crate::{
     conntrack::{self, Connection},
     forward::CachedRoute,
-    fragment, maps, masquerade,
+    fragment, intermediate, maps, masquerade,
     packet::PacketAccess,
     parse::{self, Fragment, Packet},
     service::{self, Backends},
@@ -15,11 +15,14 @@ use crate::{
 
 pub enum Translation {
     /// Rewrite the packet to the tuple `to` (its connection is tracked); `route`: the one its
-    /// conntrack entry caches (none for a new connection).
+    /// conntrack entry caches (none for a new connection); `ct_flags`: its entry's `CT_F_*` (a
+    /// byte, not a bool: a bool's niche would hold the enum's tag at an offset whose BTF the
+    /// kernel refuses, see conntrack::Tracked).
     To {
         packet: Packet,
         to: ConntrackKey,
         route: Option<CachedRoute>,
+        ct_flags: u8,
     },
     /// A new connection to a service without endpoints: kube-proxy answers it with REJECT.
     Reject(Packet),
@@ -55,7 +58,13 @@ pub fn translation<P: PacketAccess>(ctx: &P) -> Result<Translation, Counter> {
         maps::count(Counter::Translated);
         maps::count_backend(entry.stats_slot, entry.stats_owner, packet.tot_len);
         let route = CachedRoute::of(entry);
-        return Ok(Translation::To { packet, to, route });
+        let ct_flags = entry.flags;
+        return Ok(Translation::To {
+            packet,
+            to,
+            route,
+            ct_flags,
+        });
     }
     // Only a first fragment (or a whole datagram) can open a connection.
     if packet.fragment == Fragment::Later {
@@ -72,12 +81,13 @@ pub fn translation<P: PacketAccess>(ctx: &P) -> Result<Translation, Counter> {
         }
         return Ok(Translation::Reject(packet));
     }
-    let to = connect(config, &frontend, &backends, &packet, state, now)?;
+    let to = connect::<P>(config, &frontend, &backends, &packet, state, now)?;
     conntrack::opened(ctx, &packet);
     Ok(Translation::To {
         packet,
         to,
         route: None,
+        ct_flags: 0,
     })
 }
 
@@ -85,7 +95,7 @@ pub fn translation<P: PacketAccess>(ctx: &P) -> Result<Translation, Counter> {
 /// and track the new connection, opening in `state`. Returns the tuple to rewrite the packet
 /// to.
 #[inline(always)]
-fn connect(
+fn connect<P: PacketAccess>(
     config: &Config,
     frontend: &Frontend,
     backends: &Backends,
@@ -114,6 +124,12 @@ fn connect(
             Counter::DropTupleClash
         })?,
     };
+    // XDP's 512-byte stack has no room left for the claim: connections XDP opens have no
+    // intermediate tuples, and take the redirect path only (docs/datapath.md).
+    if !P::IS_XDP && !intermediate::claim(&connection, &to) {
+        maps::conntrack_remove(&conntrack::reversed(&to));
+        return Err(Counter::DropTupleClash);
+    }
     match connection.track_original(&to)? {
         None => {
             maps::count(Counter::NewConnection);

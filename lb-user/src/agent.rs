@@ -7,12 +7,12 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result};
-use aya::programs::{SchedClassifier, Xdp};
 use ipnet::Ipv4Net;
 use jiff::Timestamp;
 use lb_common::{AgentInfo, text_field};
 use lb_common::{
-    CONFIG_F_MASQUERADE_ALL, CONFIG_F_READY, Config, SNAT_PORT_MAX, SNAT_PORT_MIN, ipv4_be,
+    CONFIG_F_MASQUERADE_ALL, CONFIG_F_READY, CONFIG_F_STACK_FORWARDING, Config, SNAT_PORT_MAX,
+    SNAT_PORT_MIN, ipv4_be,
 };
 use lb_user::apiserver::{self, ApiSource, Next};
 use lb_user::bpffs;
@@ -23,7 +23,9 @@ use lb_user::datapath::{self, Datapath, MapSizes};
 use lb_user::error_chain;
 use lb_user::health::{self, Health};
 use lb_user::link_pins::LinkPins;
-use lb_user::links::{Attachments, InterfaceFilter, LinkEvent, LinkWatcher};
+use lb_user::links::{
+    Attachments, InterfaceFilter, LinkEvent, LinkWatcher, TcEgress, TcIngress, XdpNative,
+};
 use lb_user::manifests::{self, ManifestCache};
 use lb_user::map_pins;
 use lb_user::metrics::{Metrics, TrafficPolicyLabel};
@@ -39,7 +41,7 @@ use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::mpsc;
 use tracing::{error, info, warn};
 
-use crate::args::AgentArgs;
+use crate::args::{AgentArgs, Forwarding};
 
 /// Editors write a file in several steps: while a manifest file is being written (created or
 /// modified and not yet closed), a change waits this long for more.
@@ -51,6 +53,10 @@ const COMPLETE_SETTLE: Duration = Duration::from_millis(5);
 const RETRY: Duration = Duration::from_secs(5);
 
 pub async fn run(args: AgentArgs) -> Result<()> {
+    anyhow::ensure!(
+        !args.xdp || args.forwarding == Forwarding::Redirect,
+        "--xdp redirects past netfilter: it requires --forwarding redirect"
+    );
     let metrics = Arc::new(Metrics::new());
     // kube-proxy's health timeout is twice its sync period.
     let health = Arc::new(Mutex::new(Health::new(2 * args.sync_period)));
@@ -111,6 +117,10 @@ pub async fn run(args: AgentArgs) -> Result<()> {
                 CONFIG_F_MASQUERADE_ALL
             } else {
                 0
+            }
+            | match args.forwarding {
+                Forwarding::Stack => CONFIG_F_STACK_FORWARDING,
+                Forwarding::Redirect => 0,
             },
         snat_port_min: SNAT_PORT_MIN,
         snat_port_max: SNAT_PORT_MAX,
@@ -286,7 +296,8 @@ pub async fn run(args: AgentArgs) -> Result<()> {
 /// copy and saves nothing).
 struct Hooks {
     pins: LinkPins,
-    tc: Attachments<SchedClassifier>,
+    tc: Attachments<TcIngress>,
+    tc_egress: Attachments<TcEgress>,
     tc_filter: InterfaceFilter,
     xdp: Option<XdpHooks>,
 }
@@ -295,7 +306,7 @@ struct Hooks {
 /// serves it may redirect into (listed in `LB_XDP_EGRESS_V1`): those whose XDP features say
 /// they take redirects, followed as they change.
 struct XdpHooks {
-    attachments: Attachments<Xdp>,
+    attachments: Attachments<XdpNative>,
     external: InterfaceFilter,
     targets: XdpTargets,
     candidates: BTreeSet<u32>,
@@ -317,6 +328,7 @@ impl Hooks {
         Ok(Self {
             pins,
             tc: Attachments::default(),
+            tc_egress: Attachments::default(),
             tc_filter: InterfaceFilter::new(&args.external_interface, &args.pod_interfaces)?,
             xdp,
         })
@@ -325,6 +337,9 @@ impl Hooks {
     /// Attaches what interface `index` named `name` gets. Only an XDP attach failure is an
     /// error: the external interface's driver cannot run XDP natively.
     async fn add(&mut self, datapath: &mut Datapath, index: u32, name: &str) -> Result<()> {
+        // Egress first: ingress may then hand the stack packets only egress completes.
+        self.tc_egress
+            .add(datapath.egress()?, &self.pins, &self.tc_filter, index, name);
         self.tc.add(
             datapath.ingress()?,
             &self.pins,
@@ -355,6 +370,7 @@ impl Hooks {
 
     fn remove(&mut self, datapath: &mut Datapath, index: u32) -> Result<()> {
         self.tc.remove(&self.pins, index);
+        self.tc_egress.remove(&self.pins, index);
         if let Some(xdp) = &mut self.xdp {
             xdp.attachments.remove(&self.pins, index);
             xdp.candidates.remove(&index);
@@ -421,6 +437,7 @@ impl Hooks {
     /// --cgroup).
     fn remove_stale_pins(&self, cgroup_pins: &[&str]) {
         let mut keep: BTreeSet<String> = self.tc.pin_names().collect();
+        keep.extend(self.tc_egress.pin_names());
         if let Some(xdp) = &self.xdp {
             keep.extend(xdp.attachments.pin_names());
         }

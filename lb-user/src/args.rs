@@ -16,6 +16,16 @@ use crate::kube_proxy_config::{self, FileFlags};
 
 pub const DEFAULT_BPFFS: &str = "/sys/fs/bpf/lb";
 
+/// `--forwarding`: which path translated service traffic takes through the node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Forwarding {
+    /// The kernel's forwarding path (netfilter applies): destination translated at tc ingress,
+    /// source at tc egress.
+    Stack,
+    /// Redirected from tc ingress to the egress interface, bypassing netfilter.
+    Redirect,
+}
+
 #[derive(Debug, Parser)]
 #[command(name = "lb", version, about = "eBPF replacement for kube-proxy")]
 pub struct Cli {
@@ -172,11 +182,19 @@ pub struct AgentArgs {
     /// Interface where traffic from outside the node enters.
     #[arg(long, value_name = "IFNAME")]
     pub external_interface: String,
+    /// How translated service traffic is forwarded. `stack`: through the kernel's forwarding
+    /// path, as under kube-proxy, so netfilter's FORWARD and POSTROUTING rules (NetworkPolicy of
+    /// an iptables/nftables CNI, host firewalls) apply to it. `redirect`: straight to the egress
+    /// interface, bypassing netfilter; faster, and safe only when no netfilter rule is meant to
+    /// filter Service traffic.
+    #[arg(long, value_enum, default_value_t = Forwarding::Redirect)]
+    pub forwarding: Forwarding,
     /// Also attach the XDP fast path to the external interface, in native (driver) mode: external
     /// service traffic is translated and forwarded before the kernel builds an skb. tc stays
     /// attached for what XDP passes on. Fails if the driver has no native XDP. lb_xdp redirects
     /// only into interfaces whose XDP features take redirects (a veth: while its pod-side end
-    /// has GRO or an XDP program on), and leaves the rest to tc.
+    /// has GRO or an XDP program on), and leaves the rest to tc. XDP bypasses netfilter: it
+    /// requires `--forwarding redirect`.
     #[arg(long)]
     pub xdp: bool,
     /// Pod-side interfaces (shell globs, comma-separated), also those created later.
@@ -465,6 +483,7 @@ mod tests {
         assert_eq!(a.conntrack_max, default_size::CONNTRACK);
         assert_eq!(a.affinity_max, default_size::AFFINITY);
         assert!(!a.masquerade_all);
+        assert_eq!(a.forwarding, Forwarding::Redirect);
         assert_eq!(
             a.healthz_bind_address,
             BindAddress(Some("0.0.0.0:10256".parse().unwrap()))

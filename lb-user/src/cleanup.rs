@@ -9,8 +9,8 @@ use crate::args::CleanupArgs;
 
 pub fn run(args: CleanupArgs) -> Result<()> {
     // Kernels before TCX: the tc filters are not pinned, they are found by program name.
-    for interface in links::detach_netlink_filters()? {
-        println!("detached lb_ingress (tc filter) from {interface}");
+    for (interface, program) in links::detach_netlink_filters()? {
+        println!("detached {program} (tc filter) from {interface}");
     }
     let dir = &args.bpffs;
     if !dir.exists() {

@@ -128,6 +128,7 @@ impl Datapath {
             (map_name::SERVICE_STATUS, sizes.frontends),
             (map_name::BACKENDS, sizes.backends),
             (map_name::CONNTRACK, sizes.conntrack),
+            (map_name::INTERMEDIATE, sizes.conntrack),
             (map_name::AFFINITY, sizes.affinity),
             (map_name::BACKEND_STATS, sizes.backend_stats),
         ];
@@ -158,16 +159,20 @@ impl Datapath {
             xdp_egress,
             agent,
         };
-        let ingress = datapath.ingress()?;
-        load_program(|| ingress.load()).map_err(|source| DatapathError::Program {
-            name: program_name::INGRESS,
-            source,
-        })?;
+        for name in [program_name::INGRESS, program_name::EGRESS] {
+            let program: &mut SchedClassifier = datapath.program(name)?;
+            load_program(|| program.load())
+                .map_err(|source| DatapathError::Program { name, source })?;
+        }
         Ok(datapath)
     }
 
     pub fn ingress(&mut self) -> Result<&mut SchedClassifier, DatapathError> {
         self.program(program_name::INGRESS)
+    }
+
+    pub fn egress(&mut self) -> Result<&mut SchedClassifier, DatapathError> {
+        self.program(program_name::EGRESS)
     }
 
     /// The XDP program; [`Datapath::load_xdp`] first.

@@ -1,6 +1,6 @@
 //! Interfaces where traffic enters the node: the external one and the pod-side ones matching the
 //! globs, those present at start and those created later (netlink RTM_NEWLINK), each with
-//! `lb_ingress` attached at tc ingress; with `--xdp`, the external one also with `lb_xdp` in
+//! `lb_ingress` attached at tc ingress and `lb_egress` at tc egress; with `--xdp`, the external one also with `lb_xdp` in
 //! native mode. Also the node's IPv4 addresses, which NodePorts answer on, and their changes.
 use std::collections::BTreeMap;
 use std::io;
@@ -161,15 +161,16 @@ fn index_and_name(link: &LinkMessage) -> Option<(u32, String)> {
 const TC_NETLINK_PRIORITY: u16 = 0x4c42;
 const TC_NETLINK_HANDLE: TcHandle = TcHandle::new(0, 0x4c42);
 
-/// A program type and how it is attached to an interface.
+/// A hook on an interface: its program type, and how the program is attached there.
 pub trait Attach {
+    type Program;
     /// Where it runs, for the logs.
     const HOOK: &'static str;
     /// The name its link on interface `index` is pinned as.
     fn pin_name(index: u32) -> String;
-    fn program_fd(&self) -> Result<BorrowedFd<'_>, ProgramError>;
+    fn program_fd(program: &Self::Program) -> Result<BorrowedFd<'_>, ProgramError>;
     /// Attaches to interface `name`; the link, if the kernel made one.
-    fn attach_new(&mut self, name: &str) -> Result<Option<FdLink>, LinkPinError>;
+    fn attach_new(program: &mut Self::Program, name: &str) -> Result<Option<FdLink>, LinkPinError>;
 }
 
 /// Whether tc programs attach as TCX links (Linux 6.6+) rather than netlink filters.
@@ -177,34 +178,74 @@ fn tcx() -> bool {
     KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0))
 }
 
-impl Attach for SchedClassifier {
+/// `lb_ingress` at tc ingress.
+pub struct TcIngress;
+
+impl Attach for TcIngress {
+    type Program = SchedClassifier;
     const HOOK: &'static str = "lb_ingress at tc ingress";
 
     fn pin_name(index: u32) -> String {
         format!("tc_ingress_{index}")
     }
 
-    fn program_fd(&self) -> Result<BorrowedFd<'_>, ProgramError> {
-        Ok(self.fd()?.as_fd())
+    fn program_fd(program: &SchedClassifier) -> Result<BorrowedFd<'_>, ProgramError> {
+        Ok(program.fd()?.as_fd())
     }
 
-    fn attach_new(&mut self, name: &str) -> Result<Option<FdLink>, LinkPinError> {
-        if tcx() {
-            let id = self.attach(name, TcAttachType::Ingress)?;
-            let link = self.take_link(id)?;
-            return Ok(Some(FdLink::try_from(link)?));
-        }
-        attach_netlink_filter(self, name)?;
-        Ok(None)
+    fn attach_new(
+        program: &mut SchedClassifier,
+        name: &str,
+    ) -> Result<Option<FdLink>, LinkPinError> {
+        attach_tc(program, name, TcAttachType::Ingress)
     }
 }
 
-/// Puts the program on `name`'s tc ingress as a netlink filter (kernels before TCX): replacing
-/// the filter a previous agent left, by its priority and handle, else adding it. The filter is
-/// left attached when the agent exits, as a pinned link would be; `lb cleanup` removes it.
+/// `lb_egress` at tc egress.
+pub struct TcEgress;
+
+impl Attach for TcEgress {
+    type Program = SchedClassifier;
+    const HOOK: &'static str = "lb_egress at tc egress";
+
+    fn pin_name(index: u32) -> String {
+        format!("tc_egress_{index}")
+    }
+
+    fn program_fd(program: &SchedClassifier) -> Result<BorrowedFd<'_>, ProgramError> {
+        Ok(program.fd()?.as_fd())
+    }
+
+    fn attach_new(
+        program: &mut SchedClassifier,
+        name: &str,
+    ) -> Result<Option<FdLink>, LinkPinError> {
+        attach_tc(program, name, TcAttachType::Egress)
+    }
+}
+
+fn attach_tc(
+    program: &mut SchedClassifier,
+    name: &str,
+    direction: TcAttachType,
+) -> Result<Option<FdLink>, LinkPinError> {
+    if tcx() {
+        let id = program.attach(name, direction)?;
+        let link = program.take_link(id)?;
+        return Ok(Some(FdLink::try_from(link)?));
+    }
+    attach_netlink_filter(program, name, direction)?;
+    Ok(None)
+}
+
+/// Puts the program on `name`'s tc hook `direction` as a netlink filter (kernels before TCX):
+/// replacing the filter a previous agent left, by its priority and handle, else adding it. The
+/// filter is left attached when the agent exits, as a pinned link would be; `lb cleanup` removes
+/// it.
 pub fn attach_netlink_filter(
     program: &mut SchedClassifier,
     name: &str,
+    direction: TcAttachType,
 ) -> Result<(), ProgramError> {
     match tc::qdisc_add_clsact(name) {
         Err(tc::TcError::NetlinkError(err)) if err.raw_os_error() == Some(nix::libc::EEXIST) => {}
@@ -212,7 +253,7 @@ pub fn attach_netlink_filter(
     }
     let previous = SchedClassifierLink::attached(
         name,
-        TcAttachType::Ingress,
+        direction,
         TC_NETLINK_PRIORITY,
         TC_NETLINK_HANDLE,
         None,
@@ -222,7 +263,7 @@ pub fn attach_netlink_filter(
         Ok(id) => id,
         Err(_) => program.attach_with_options(
             name,
-            TcAttachType::Ingress,
+            direction,
             TcAttachOptions::Netlink(NlOptions {
                 priority: TC_NETLINK_PRIORITY,
                 handle: TC_NETLINK_HANDLE,
@@ -235,37 +276,48 @@ pub fn attach_netlink_filter(
     Ok(())
 }
 
-/// Removes `lb_ingress` tc filters from every interface of this network namespace: kernels
-/// before TCX have them as netlink filters, not pinned links. The interfaces it was on.
-pub fn detach_netlink_filters() -> Result<Vec<String>, LinkError> {
+/// Removes `lb_ingress` and `lb_egress` tc filters from every interface of this network
+/// namespace: kernels before TCX have them as netlink filters, not pinned links. The interfaces
+/// and programs removed.
+pub fn detach_netlink_filters() -> Result<Vec<(String, &'static str)>, LinkError> {
     let interfaces = nix::net::if_::if_nameindex().map_err(|e| LinkError::Socket(e.into()))?;
     let mut detached = Vec::new();
+    let hooks = [
+        (TcAttachType::Ingress, program_name::INGRESS),
+        (TcAttachType::Egress, program_name::EGRESS),
+    ];
     for interface in interfaces.iter() {
         let name = interface.name().to_string_lossy();
-        // An error is no such filter, or no clsact qdisc at all.
-        if tc::qdisc_detach_program(&name, TcAttachType::Ingress, program_name::INGRESS).is_ok() {
-            detached.push(name.into_owned());
+        for (direction, program) in hooks {
+            // An error is no such filter, or no clsact qdisc at all.
+            if tc::qdisc_detach_program(&name, direction, program).is_ok() {
+                detached.push((name.clone().into_owned(), program));
+            }
         }
     }
     Ok(detached)
 }
 
-impl Attach for Xdp {
+/// `lb_xdp` in native mode.
+pub struct XdpNative;
+
+impl Attach for XdpNative {
+    type Program = Xdp;
     const HOOK: &'static str = "lb_xdp in native (driver) mode";
 
     fn pin_name(index: u32) -> String {
         format!("xdp_{index}")
     }
 
-    fn program_fd(&self) -> Result<BorrowedFd<'_>, ProgramError> {
-        Ok(self.fd()?.as_fd())
+    fn program_fd(program: &Xdp) -> Result<BorrowedFd<'_>, ProgramError> {
+        Ok(program.fd()?.as_fd())
     }
 
     /// Native mode only: generic (skb) XDP runs after the skb is built, where it saves nothing
     /// over tc.
-    fn attach_new(&mut self, name: &str) -> Result<Option<FdLink>, LinkPinError> {
-        let id = self.attach(name, XdpMode::Driver)?;
-        let link = self.take_link(id)?;
+    fn attach_new(program: &mut Xdp, name: &str) -> Result<Option<FdLink>, LinkPinError> {
+        let id = program.attach(name, XdpMode::Driver)?;
+        let link = program.take_link(id)?;
         Ok(Some(FdLink::try_from(link)?))
     }
 }
@@ -303,7 +355,7 @@ impl<P: Attach> Attachments<P> {
     /// yet. A failure is logged, not returned: the interface may already be gone again.
     pub fn add(
         &mut self,
-        program: &mut P,
+        program: &mut P::Program,
         pins: &LinkPins,
         filter: &InterfaceFilter,
         index: u32,
@@ -317,7 +369,7 @@ impl<P: Attach> Attachments<P> {
     /// [`Attachments::add`], returning the failure.
     pub fn try_add(
         &mut self,
-        program: &mut P,
+        program: &mut P::Program,
         pins: &LinkPins,
         filter: &InterfaceFilter,
         index: u32,
@@ -327,10 +379,10 @@ impl<P: Attach> Attachments<P> {
             return Ok(());
         }
         let pin = P::pin_name(index);
-        if pins.replace(&pin, LinkTarget::Interface(index), program.program_fd()?)? {
+        if pins.replace(&pin, LinkTarget::Interface(index), P::program_fd(program)?)? {
             info!(interface = name, index, "replaced {} in place", P::HOOK);
         } else {
-            pins.pin(&pin, program.attach_new(name)?)?;
+            pins.pin(&pin, P::attach_new(program, name)?)?;
             info!(interface = name, index, "attached {}", P::HOOK);
         }
         self.attached.insert(index, name.to_owned());

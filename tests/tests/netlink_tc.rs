@@ -3,7 +3,10 @@
 //! instead of stacking another beside it, and `lb cleanup` removes it. Exercised here through
 //! the netlink path itself, which this kernel still offers beside TCX.
 use anyhow::{Result, ensure};
-use aya::{EbpfLoader, programs::SchedClassifier};
+use aya::{
+    EbpfLoader,
+    programs::{SchedClassifier, tc::TcAttachType},
+};
 use lb_common::{map_name, program_name};
 use lb_tests::{
     agent::lb_binary,
@@ -23,7 +26,7 @@ fn attach_as_an_agent_would() -> Result<u32> {
         .expect("lb_ingress")
         .try_into()?;
     lb_user::datapath::load_program(|| program.load())?;
-    lb_user::links::attach_netlink_filter(program, INTERFACE)?;
+    lb_user::links::attach_netlink_filter(program, INTERFACE, TcAttachType::Ingress)?;
     Ok(program.info()?.id())
 }
 

@@ -22,8 +22,8 @@ const OTHER_CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 11);
 const NODE_PORT: u16 = 30080;
 
 /// Path 1: Pod-A → ClusterIP → Pod-B / Pod-C, not masqueraded.
-fn pod_to_service(proto: Proto) -> Result<()> {
-    let mut node = Node::start(3, &[], &[])?;
+fn pod_to_service(proto: Proto, forwarding: &str) -> Result<()> {
+    let mut node = Node::start(3, &[], &["--forwarding", forwarding])?;
     let service = node.service(proto, &["pod-b", "pod-c"]);
     node.agent.update_manifests(&yaml(&[service]))?;
     check_pod_to_service(&node.topology, proto, vip())
@@ -31,17 +31,27 @@ fn pod_to_service(proto: Proto) -> Result<()> {
 
 #[test]
 fn pod_to_service_tcp() -> Result<()> {
-    pod_to_service(Proto::Tcp)
+    pod_to_service(Proto::Tcp, "redirect")
+}
+
+#[test]
+fn pod_to_service_tcp_stack() -> Result<()> {
+    pod_to_service(Proto::Tcp, "stack")
 }
 
 #[test]
 fn pod_to_service_udp() -> Result<()> {
-    pod_to_service(Proto::Udp)
+    pod_to_service(Proto::Udp, "redirect")
+}
+
+#[test]
+fn pod_to_service_udp_stack() -> Result<()> {
+    pod_to_service(Proto::Udp, "stack")
 }
 
 /// Path 2: Pod-A → ClusterIP → Pod-A, masqueraded to the node address.
-fn hairpin(proto: Proto) -> Result<()> {
-    let mut node = Node::start(2, &[], &[])?;
+fn hairpin(proto: Proto, forwarding: &str) -> Result<()> {
+    let mut node = Node::start(2, &[], &["--forwarding", forwarding])?;
     let service = node.service(proto, &["pod-a"]);
     node.agent.update_manifests(&yaml(&[service]))?;
     check_hairpin(&node.topology, proto, vip())
@@ -49,17 +59,27 @@ fn hairpin(proto: Proto) -> Result<()> {
 
 #[test]
 fn hairpin_tcp() -> Result<()> {
-    hairpin(Proto::Tcp)
+    hairpin(Proto::Tcp, "redirect")
+}
+
+#[test]
+fn hairpin_tcp_stack() -> Result<()> {
+    hairpin(Proto::Tcp, "stack")
 }
 
 #[test]
 fn hairpin_udp() -> Result<()> {
-    hairpin(Proto::Udp)
+    hairpin(Proto::Udp, "redirect")
+}
+
+#[test]
+fn hairpin_udp_stack() -> Result<()> {
+    hairpin(Proto::Udp, "stack")
 }
 
 /// Path 3: a container on the docker bridge (outside the cluster CIDR) → ClusterIP, masqueraded.
-fn container_to_service(proto: Proto) -> Result<()> {
-    let mut node = Node::start(3, &[], &[])?;
+fn container_to_service(proto: Proto, forwarding: &str) -> Result<()> {
+    let mut node = Node::start(3, &[], &["--forwarding", forwarding])?;
     let service = node.service(proto, &["pod-b", "pod-c"]);
     node.agent.update_manifests(&yaml(&[service]))?;
     check_container_to_service(&node.topology, proto, vip())
@@ -67,17 +87,27 @@ fn container_to_service(proto: Proto) -> Result<()> {
 
 #[test]
 fn container_to_service_tcp() -> Result<()> {
-    container_to_service(Proto::Tcp)
+    container_to_service(Proto::Tcp, "redirect")
+}
+
+#[test]
+fn container_to_service_tcp_stack() -> Result<()> {
+    container_to_service(Proto::Tcp, "stack")
 }
 
 #[test]
 fn container_to_service_udp() -> Result<()> {
-    container_to_service(Proto::Udp)
+    container_to_service(Proto::Udp, "redirect")
+}
+
+#[test]
+fn container_to_service_udp_stack() -> Result<()> {
+    container_to_service(Proto::Udp, "stack")
 }
 
 /// Path 4: an external client → node address:nodePort, masqueraded (externalTrafficPolicy Cluster).
-fn external_to_node_port(proto: Proto) -> Result<()> {
-    let mut node = Node::start(3, &[], &[])?;
+fn external_to_node_port(proto: Proto, forwarding: &str) -> Result<()> {
+    let mut node = Node::start(3, &[], &["--forwarding", forwarding])?;
     let service = node
         .service(proto, &["pod-b", "pod-c"])
         .node_port(NODE_PORT);
@@ -87,12 +117,22 @@ fn external_to_node_port(proto: Proto) -> Result<()> {
 
 #[test]
 fn external_to_node_port_tcp() -> Result<()> {
-    external_to_node_port(Proto::Tcp)
+    external_to_node_port(Proto::Tcp, "redirect")
+}
+
+#[test]
+fn external_to_node_port_tcp_stack() -> Result<()> {
+    external_to_node_port(Proto::Tcp, "stack")
 }
 
 #[test]
 fn external_to_node_port_udp() -> Result<()> {
-    external_to_node_port(Proto::Udp)
+    external_to_node_port(Proto::Udp, "redirect")
+}
+
+#[test]
+fn external_to_node_port_udp_stack() -> Result<()> {
+    external_to_node_port(Proto::Udp, "stack")
 }
 
 /// Uniform random selection: 300 connections over three endpoints.

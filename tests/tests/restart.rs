@@ -485,8 +485,9 @@ fn cleanup_removes_everything() -> Result<()> {
     Ok(())
 }
 
-/// Interfaces that come and go while no agent runs: the next agent unpins the link of a pod veth
-/// that went (the kernel then frees it) and attaches to one that appeared, whose pod, as a
+/// Interfaces that come and go while no agent runs: the next agent unpins the links (tc ingress
+/// and egress) of a pod veth that went (the kernel then frees them) and attaches to one that
+/// appeared, whose pod, as a
 /// backend, answers through the ClusterIP (its replies translated on that veth).
 #[test]
 fn restart_follows_interfaces_changed_while_stopped() -> Result<()> {
@@ -510,7 +511,7 @@ fn restart_follows_interfaces_changed_while_stopped() -> Result<()> {
     let unpinned = &ids(&before) - &ids(&after);
     let added = &ids(&after) - &ids(&before);
     ensure!(
-        unpinned.len() == 1 && added.len() == 1,
+        unpinned.len() == 2 && added.len() == 2,
         "links before {before:?}, after {after:?} ({gone} deleted, lbpd added):\n{}",
         node.agent.log()
     );
@@ -519,7 +520,7 @@ fn restart_follows_interfaces_changed_while_stopped() -> Result<()> {
         ..BpfIds::default()
     }
     .await_released(RELEASE)
-    .context("the link of the deleted interface")?;
+    .context("the links of the deleted interface")?;
 
     let service = node.service(Proto::Udp, &["pod-d"]);
     node.agent.update_manifests(&yaml(&[service]))?;
