@@ -149,9 +149,15 @@ fn conntrack(node: &Netns, bpffs: &str, args: &[&str]) -> Result<Vec<(Expected, 
                 Some("udp") => "udp",
                 _ => anyhow::bail!("protocol in {row}"),
             };
-            ensure!(row["state"] == "established", "state in {row}");
+            // kube-proxy's timeouts, the agent's defaults: TCP established 24h, UDP 30s, and
+            // 2m once a stream (the client sent again after a reply).
+            let timeout = match (protocol, row["state"].as_str()) {
+                ("tcp", Some("established")) => 24 * 3600,
+                ("udp", Some("replied")) => 30,
+                ("udp", Some("stream")) => 120,
+                _ => anyhow::bail!("state in {row}"),
+            };
             let expires = row["expires_in_s"].as_u64().context("expires_in_s")?;
-            let timeout = if protocol == "tcp" { 6 * 3600 } else { 60 };
             ensure!(
                 expires > timeout - 30 && expires <= timeout,
                 "expires_in_s in {row}"
