@@ -457,9 +457,10 @@ mod tests {
         assert!(parse_port_range("30000").is_err());
     }
 
-    #[test]
-    fn agent_command_line() {
-        let cli = Cli::try_parse_from([
+    /// `lb agent` in manifest mode with its required flags (pod interfaces `lbp*,veth*`) and
+    /// `extra`.
+    fn manifest_agent(extra: &[&str]) -> AgentArgs {
+        let required = [
             "lb",
             "agent",
             "--manifests",
@@ -472,11 +473,17 @@ mod tests {
             "ext0",
             "--pod-interfaces",
             "lbp*,veth*",
-        ])
-        .unwrap();
+        ];
+        let cli = Cli::try_parse_from(required.iter().chain(extra)).unwrap();
         let Command::Agent(a) = cli.command else {
             panic!("not agent")
         };
+        *a
+    }
+
+    #[test]
+    fn agent_command_line() {
+        let a = manifest_agent(&[]);
         assert_eq!(a.pod_interfaces, ["lbp*", "veth*"]);
         assert_eq!(a.nodeport_range, 30000..=32767);
         assert_eq!(a.bpffs, PathBuf::from(DEFAULT_BPFFS));
@@ -499,19 +506,7 @@ mod tests {
 
     #[test]
     fn conntrack_timeouts_as_kube_proxy_takes_them() {
-        let cli = Cli::try_parse_from([
-            "lb",
-            "agent",
-            "--manifests",
-            "/m",
-            "--node-ip",
-            "198.51.100.1",
-            "--cluster-cidr",
-            "10.244.0.0/16",
-            "--external-interface",
-            "ext0",
-            "--pod-interfaces",
-            "lbp*",
+        let a = manifest_agent(&[
             "--conntrack-tcp-timeout-established",
             "0",
             "--conntrack-tcp-timeout-close-wait",
@@ -520,11 +515,7 @@ mod tests {
             "1500ms",
             "--conntrack-udp-timeout-stream",
             "0",
-        ])
-        .unwrap();
-        let Command::Agent(a) = cli.command else {
-            panic!("not agent")
-        };
+        ]);
         assert_eq!(
             a.conntrack_timeouts(),
             ConntrackTimeouts {

@@ -178,38 +178,25 @@ fn tcx() -> bool {
     KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0))
 }
 
+/// A tc program at one side of an interface: `lb_ingress` at ingress, `lb_egress` at egress.
+pub struct Tc<const INGRESS: bool>;
+
 /// `lb_ingress` at tc ingress.
-pub struct TcIngress;
-
-impl Attach for TcIngress {
-    type Program = SchedClassifier;
-    const HOOK: &'static str = "lb_ingress at tc ingress";
-
-    fn pin_name(index: u32) -> String {
-        format!("tc_ingress_{index}")
-    }
-
-    fn program_fd(program: &SchedClassifier) -> Result<BorrowedFd<'_>, ProgramError> {
-        Ok(program.fd()?.as_fd())
-    }
-
-    fn attach_new(
-        program: &mut SchedClassifier,
-        name: &str,
-    ) -> Result<Option<FdLink>, LinkPinError> {
-        attach_tc(program, name, TcAttachType::Ingress)
-    }
-}
-
+pub type TcIngress = Tc<true>;
 /// `lb_egress` at tc egress.
-pub struct TcEgress;
+pub type TcEgress = Tc<false>;
 
-impl Attach for TcEgress {
+impl<const INGRESS: bool> Attach for Tc<INGRESS> {
     type Program = SchedClassifier;
-    const HOOK: &'static str = "lb_egress at tc egress";
+    const HOOK: &'static str = if INGRESS {
+        "lb_ingress at tc ingress"
+    } else {
+        "lb_egress at tc egress"
+    };
 
     fn pin_name(index: u32) -> String {
-        format!("tc_egress_{index}")
+        let side = if INGRESS { "ingress" } else { "egress" };
+        format!("tc_{side}_{index}")
     }
 
     fn program_fd(program: &SchedClassifier) -> Result<BorrowedFd<'_>, ProgramError> {
@@ -220,7 +207,12 @@ impl Attach for TcEgress {
         program: &mut SchedClassifier,
         name: &str,
     ) -> Result<Option<FdLink>, LinkPinError> {
-        attach_tc(program, name, TcAttachType::Egress)
+        let side = if INGRESS {
+            TcAttachType::Ingress
+        } else {
+            TcAttachType::Egress
+        };
+        attach_tc(program, name, side)
     }
 }
 
