@@ -81,11 +81,11 @@ pub fn source<P: PacketAccess>(ctx: &P, config: &Config, client: u32, backend: u
 }
 
 /// Tracks the reply direction of `connection` from `src_addr` and a port of the configured range
-/// no live connection uses with it, which makes the translated tuple unique: the node address
-/// for a masqueraded connection, the client's own for one whose translated tuple is another
-/// connection's (as Linux's NAT remaps a clashing source port). Starts at a random point of the
-/// range so that concurrent connections rarely contend for the same port. `Ok(None)`: no free
-/// port found.
+/// no live connection uses with it, which makes the translated tuple unique: the masquerade
+/// address (`source`) for a masqueraded connection, the client's own for one whose translated
+/// tuple is another connection's (as Linux's NAT remaps a clashing source port). Starts at a
+/// random point of the range so that concurrent connections rarely contend for the same port.
+/// `Ok(None)`: no free port found.
 pub fn claim_source(
     config: &Config,
     connection: &Connection,

@@ -169,7 +169,8 @@ pub struct AgentArgs {
     /// hints are ignored.
     #[arg(long, value_name = "ZONE", default_value = "")]
     pub zone: String,
-    /// The node's address: NodePort frontends and the masquerade source. Required with
+    /// The node's address: NodePort frontends, and the masquerade source where routing picks
+    /// none (masquerade takes the source the route to the endpoint selects). Required with
     /// --manifests. With it the agent starts, attaches and serves what the maps hold without
     /// the apiserver (the DaemonSet passes status.hostIP). Without it, from the apiserver: the
     /// Node's first InternalIP (else ExternalIP), and start-up waits for the Node before it
