@@ -4,12 +4,15 @@
 //! routing picks towards it, the tunnel device's, as MASQUERADE does: masqueraded to --node-ip,
 //! the pod would answer the node's underlay address outside the tunnel, and the underlay drops
 //! that. Each case runs from node-1 to a pod on node-2 and from node-2 to a pod on node-1.
-use std::net::{Ipv4Addr, SocketAddr};
+use std::{
+    io::ErrorKind,
+    net::{Ipv4Addr, SocketAddr},
+};
 
-use anyhow::{Context as _, Result, ensure};
+use anyhow::{Context as _, Result, bail, ensure};
 use lb_tests::{
     agent::Agent,
-    echo::{EchoServer, Proto, requests},
+    echo::{EchoServer, Proto, error_kind, request, requests},
     manifests::{EndpointManifest, ServiceManifest, yaml},
     netns::Netns,
     overlay::OverlayCluster,
@@ -168,6 +171,29 @@ fn cluster_ip_masqueraded_to_a_remote_pod(forwarding: &str) -> Result<()> {
             node.tunnel_ip,
         )
         .with_context(|| format!("from {}", client.name))?;
+    }
+    Ok(())
+}
+
+/// The topology's premise: the underlay carries node addresses, and a pod's packet to a node
+/// address reaches it only through the tunnel: a pod on node-2 sending to node-1's underlay
+/// address goes out on the underlay from its own address, which the underlay drops; node-2 itself
+/// reaches node-1 there.
+#[test]
+fn the_underlay_drops_pod_addressed_packets() -> Result<()> {
+    let cluster = OverlayCluster::new([0, 1])?;
+    let node_1 = &cluster.nodes[0];
+    let _server = EchoServer::start(&node_1.ns, &node_1.name, TARGET_PORT)?;
+    let to: SocketAddr = (node_1.ip, TARGET_PORT).into();
+    let answer = request(&cluster.nodes[1].ns, Proto::Tcp, to)?;
+    ensure!(answer.server == node_1.name, "{answer:?}");
+    let pod = cluster.pod("pod-a");
+    match request(&pod.ns, Proto::Tcp, to) {
+        Ok(answer) => bail!("{} reached {to} outside the tunnel: {answer:?}", pod.name),
+        Err(err) => ensure!(
+            error_kind(&err) == Some(ErrorKind::TimedOut),
+            "{err:#}, expected a timeout"
+        ),
     }
     Ok(())
 }
