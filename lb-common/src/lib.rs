@@ -701,7 +701,7 @@ pub mod legacy {
 
 /// The entry translates replies (backend → client).
 pub const CT_F_REPLY: u8 = 1 << 0;
-/// The connection is masqueraded (source rewritten to the node address).
+/// The connection is masqueraded (source rewritten to a node address).
 pub const CT_F_MASQUERADE: u8 = 1 << 1;
 
 /// UDP: only the first direction has been seen.
@@ -824,7 +824,8 @@ pub const fn conntrack_timeout_ns(proto: u8, state: u8, timeouts: &ConntrackTime
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct Config {
-    /// Masquerade address, network byte order.
+    /// --node-ip, network byte order: the masquerade address where the FIB picks none (a local
+    /// destination), and what the node's own sockets key service lookups on.
     pub node_addr: u32,
     /// --cluster-cidr, network byte order; sources outside it are masqueraded.
     pub cluster_cidr_addr: u32,
@@ -1114,7 +1115,7 @@ impl Counter {
         match self {
             Counter::NewConnection => "new connections to a service, translated to a backend",
             Counter::Masqueraded => {
-                "new connections whose source was masqueraded to the node address (of new_connection)"
+                "new connections whose source was masqueraded to a node address (of new_connection)"
             }
             Counter::Translated => "packets of tracked connections translated (either direction)",
             Counter::Passed => "packets that are not service traffic, passed untouched",

@@ -24,7 +24,7 @@ use crate::{
     zero,
 };
 
-const AF_INET: u8 = 2;
+pub const AF_INET: u8 = 2;
 const IP_TTL_OFFSET: usize = ETH_HLEN + 8;
 
 /// Where the FIB sends the translated packet.
@@ -41,7 +41,7 @@ pub enum NextHop {
 
 /// The FIB lookup's parameter block, aligned for zeroing in words.
 #[repr(C, align(8))]
-struct FibParams(bpf_fib_lookup);
+pub struct FibParams(pub bpf_fib_lookup);
 
 /// Looks up the route of `packet` translated to `to`. Reads nothing of the packet itself, so it
 /// may come before the rewrite.

@@ -1,10 +1,26 @@
-//! When a connection is masqueraded (SNAT to the node address), and which source port it gets.
+//! When a connection is masqueraded (SNAT to a node address), to which source address, and which
+//! source port it gets.
+use core::mem::{self, MaybeUninit};
+
+use aya_ebpf::{
+    bindings::{
+        BPF_FIB_LKUP_RET_FRAG_NEEDED, BPF_FIB_LKUP_RET_SUCCESS, BPF_FIB_LOOKUP_SKIP_NEIGH,
+        BPF_FIB_LOOKUP_SRC, bpf_fib_lookup,
+    },
+    helpers::bpf_fib_lookup,
+};
 use lb_common::{
     Backend, CONFIG_F_MASQUERADE_ALL, Config, ConntrackKey, Counter, FRONTEND_F_MASQUERADE,
     FRONTEND_F_PRESERVE_SOURCE, Frontend,
 };
 
-use crate::{conntrack::Connection, maps};
+use crate::{
+    conntrack::Connection,
+    forward::{AF_INET, FibParams},
+    maps,
+    packet::PacketAccess,
+    zero,
+};
 
 /// Candidate ports tried per new connection: bounded for the verifier, and enough that a failure
 /// means the range is nearly full for this backend.
@@ -24,12 +40,52 @@ pub fn needed(config: &Config, frontend: &Frontend, client: u32, backend: &Backe
                 || client & config.cluster_cidr_mask != config.cluster_cidr_addr)
 }
 
+/// The masquerade address of a connection from `client` to `backend`: the source address the
+/// route to the backend selects (the FIB's preferred source, Linux 6.7+), as MASQUERADE takes
+/// the egress interface's. Over an overlay that is the tunnel device's address, so replies come
+/// back through the tunnel; `--node-ip` where routing picks it, and when the FIB has no answer
+/// (a local destination, forwarding off on the ingress interface).
+// A frame of its own for the lookup's parameter block, as forward::next_hop's.
+#[inline(never)]
+pub fn source<P: PacketAccess>(ctx: &P, config: &Config, client: u32, backend: u32) -> u32 {
+    let mut fib = MaybeUninit::<FibParams>::uninit();
+    // SAFETY: bpf_fib_lookup is plain old data; all-zero is its "no options" state.
+    let fib = unsafe { &mut zero::zeroed(&mut fib).0 };
+    fib.family = AF_INET;
+    fib.__bindgen_anon_3.ipv4_src = client;
+    fib.__bindgen_anon_4.ipv4_dst = backend;
+    fib.ifindex = ctx.ingress_ifindex();
+    // SAFETY: `fib` is a valid, exclusively borrowed parameter block of the size passed.
+    let ret = unsafe {
+        bpf_fib_lookup(
+            ctx.as_ptr(),
+            &raw mut *fib,
+            mem::size_of::<bpf_fib_lookup>() as i32,
+            BPF_FIB_LOOKUP_SRC | BPF_FIB_LOOKUP_SKIP_NEIGH,
+        )
+    };
+    // Frag-needed: tc checks the packet against the egress MTU once the route, and with it the
+    // source, is found; that is the forwarding's business, not the source's.
+    let source = match u32::try_from(ret) {
+        // SAFETY: with BPF_FIB_LOOKUP_SRC the FIB wrote the route's IPv4 source into ipv4_src.
+        Ok(BPF_FIB_LKUP_RET_SUCCESS | BPF_FIB_LKUP_RET_FRAG_NEEDED) => unsafe {
+            fib.__bindgen_anon_3.ipv4_src
+        },
+        _ => 0,
+    };
+    if source == 0 {
+        config.node_addr
+    } else {
+        source
+    }
+}
+
 /// Tracks the reply direction of `connection` from `src_addr` and a port of the configured range
-/// no live connection uses with it, which makes the translated tuple unique: the node address
-/// for a masqueraded connection, the client's own for one whose translated tuple is another
-/// connection's (as Linux's NAT remaps a clashing source port). Starts at a random point of the
-/// range so that concurrent connections rarely contend for the same port. `Ok(None)`: no free
-/// port found.
+/// no live connection uses with it, which makes the translated tuple unique: the masquerade
+/// address (`source`) for a masqueraded connection, the client's own for one whose translated
+/// tuple is another connection's (as Linux's NAT remaps a clashing source port). Starts at a
+/// random point of the range so that concurrent connections rarely contend for the same port.
+/// `Ok(None)`: no free port found.
 pub fn claim_source(
     config: &Config,
     connection: &Connection,

@@ -81,7 +81,7 @@ pub fn translation<P: PacketAccess>(ctx: &P) -> Result<Translation, Counter> {
         }
         return Ok(Translation::Reject(packet));
     }
-    let to = connect::<P>(config, &frontend, &backends, &packet, state, now)?;
+    let to = connect(ctx, config, &frontend, &backends, &packet, state, now)?;
     conntrack::opened(ctx, &packet);
     Ok(Translation::To {
         packet,
@@ -96,6 +96,7 @@ pub fn translation<P: PacketAccess>(ctx: &P) -> Result<Translation, Counter> {
 /// to.
 #[inline(always)]
 fn connect<P: PacketAccess>(
+    ctx: &P,
     config: &Config,
     frontend: &Frontend,
     backends: &Backends,
@@ -111,7 +112,10 @@ fn connect<P: PacketAccess>(
     // translated tuple is the same (a client reaching two frontends of one backend from one
     // port); then, as for masquerade, a port of the range.
     let (src_addr, own_source) = if masquerade {
-        (config.node_addr, None)
+        (
+            masquerade::source(ctx, config, tuple.src_addr, backend.addr),
+            None,
+        )
     } else {
         let own = connection.claim_reply(tuple.src_addr, tuple.src_port)?;
         (tuple.src_addr, own)

@@ -169,7 +169,8 @@ pub struct AgentArgs {
     /// hints are ignored.
     #[arg(long, value_name = "ZONE", default_value = "")]
     pub zone: String,
-    /// The node's address: NodePort frontends and the masquerade source. Required with
+    /// The node's address: NodePort frontends, and the masquerade source where routing picks
+    /// none (masquerade takes the source the route to the endpoint selects). Required with
     /// --manifests. With it the agent starts, attaches and serves what the maps hold without
     /// the apiserver (the DaemonSet passes status.hostIP). Without it, from the apiserver: the
     /// Node's first InternalIP (else ExternalIP), and start-up waits for the Node before it
@@ -197,12 +198,16 @@ pub struct AgentArgs {
     /// requires `--forwarding redirect`.
     #[arg(long)]
     pub xdp: bool,
-    /// Pod-side interfaces (shell globs, comma-separated), also those created later.
+    /// Pod-side interfaces (shell globs, comma-separated), also those created later: where pods'
+    /// traffic enters the node, and the overlay tunnels where remote pods' replies to
+    /// masqueraded connections arrive. The default covers the common CNIs: Calico (cali*,
+    /// vxlan.calico), flannel (flannel.1, cni0), Cilium (lxc*, cilium_vxlan, cilium_geneve),
+    /// bridge CNIs and docker (cni0, docker0, veth*: kindnet's too).
     #[arg(
         long,
         value_name = "GLOB[,GLOB...]",
         value_delimiter = ',',
-        required = true
+        default_value = DEFAULT_POD_INTERFACES
     )]
     pub pod_interfaces: Vec<String>,
     /// Range nodePorts are allocated from when a manifest gives none.
@@ -445,6 +450,11 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
     Duration::try_from(duration).map_err(|_| bad())
 }
 
+/// `--pod-interfaces`' default. Not IPIP's tunl0 (Calico's IPIP mode) nor WireGuard devices:
+/// they carry no Ethernet header, which the datapath parses (docs/datapath.md).
+const DEFAULT_POD_INTERFACES: &str =
+    "cali*,vxlan.calico,flannel.1,cni0,lxc*,cilium_vxlan,cilium_geneve,docker0,veth*";
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -479,6 +489,44 @@ mod tests {
             panic!("not agent")
         };
         *a
+    }
+
+    /// Without --pod-interfaces: the interfaces of the common CNIs, pods' and tunnels'.
+    #[test]
+    fn default_pod_interfaces_cover_common_cnis() {
+        let cli = Cli::try_parse_from([
+            "lb",
+            "agent",
+            "--manifests",
+            "/m",
+            "--node-ip",
+            "198.51.100.1",
+            "--cluster-cidr",
+            "10.244.0.0/16",
+            "--external-interface",
+            "eth0",
+        ])
+        .unwrap();
+        let Command::Agent(a) = cli.command else {
+            panic!("not agent")
+        };
+        let filter = lb_user::links::InterfaceFilter::new("eth0", &a.pod_interfaces).unwrap();
+        for name in [
+            "cali0123456789a",
+            "vxlan.calico",
+            "flannel.1",
+            "cni0",
+            "lxc0123456789a",
+            "cilium_vxlan",
+            "cilium_geneve",
+            "docker0",
+            "veth01234567",
+        ] {
+            assert!(filter.matches(name), "{name}");
+        }
+        for name in ["lo", "eth1", "tunl0", "cilium_host", "kube-ipvs0"] {
+            assert!(!filter.matches(name), "{name}");
+        }
     }
 
     #[test]

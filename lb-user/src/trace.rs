@@ -89,7 +89,8 @@ struct Translation {
     /// The destination the packet is rewritten to.
     dnat: String,
     /// The source the backend sees when it is not the client's; for a new masqueraded connection
-    /// "NODE_IP:a port from MIN-MAX" (the run's pick is not reserved).
+    /// "ADDRESS:a port from MIN-MAX", the address the run's route lookup picked (its port is
+    /// not reserved).
     masquerade: Option<String>,
 }
 

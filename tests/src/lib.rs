@@ -12,5 +12,6 @@ pub mod manifests;
 pub mod multinode;
 pub mod netns;
 pub mod node;
+pub mod overlay;
 pub mod paths;
 pub mod topology;

@@ -15,7 +15,7 @@ use anyhow::{Result, ensure};
 use crate::{
     echo::{Answer, Proto, request, requests},
     netns::Netns,
-    topology::{NODE_IP, Topology},
+    topology::{NODE_IP, POD_GATEWAY, Topology},
 };
 
 /// How many answers each server gave.
@@ -58,12 +58,13 @@ pub fn check_pod_to_service(topology: &Topology, proto: Proto, vip: SocketAddr) 
     })
 }
 
-/// Path 2: Pod-A → ClusterIP `vip` → Pod-A, masqueraded to the node address.
+/// Path 2: Pod-A → ClusterIP `vip` → Pod-A, masqueraded to the address routing picks towards
+/// Pod-A, as MASQUERADE does: the node's address on the pod veths.
 pub fn check_hairpin(topology: &Topology, proto: Proto, vip: SocketAddr) -> Result<()> {
     let answers = requests(&topology.pod("pod-a").ns, proto, vip, 10)?;
     assert_answered_by(&answers, &["pod-a"])?;
-    assert_all(&answers, "backend saw the node address", |a| {
-        a.seen_source.ip() == NODE_IP
+    assert_all(&answers, "backend saw the node's pod-side address", |a| {
+        a.seen_source.ip() == POD_GATEWAY
     })?;
     assert_all(&answers, "client saw the ClusterIP as peer", |a| {
         a.peer == vip
@@ -71,7 +72,7 @@ pub fn check_hairpin(topology: &Topology, proto: Proto, vip: SocketAddr) -> Resu
 }
 
 /// Path 3: a container on the docker bridge (outside the cluster CIDR) → ClusterIP `vip` →
-/// pod-b / pod-c, masqueraded.
+/// pod-b / pod-c, masqueraded (as in path 2).
 pub fn check_container_to_service(
     topology: &Topology,
     proto: Proto,
@@ -79,8 +80,8 @@ pub fn check_container_to_service(
 ) -> Result<()> {
     let answers = requests(&topology.container, proto, vip, 30)?;
     assert_answered_by(&answers, &["pod-b", "pod-c"])?;
-    assert_all(&answers, "backend saw the node address", |a| {
-        a.seen_source.ip() == NODE_IP
+    assert_all(&answers, "backend saw the node's pod-side address", |a| {
+        a.seen_source.ip() == POD_GATEWAY
     })?;
     assert_all(&answers, "client saw the ClusterIP as peer", |a| {
         a.peer == vip
@@ -88,7 +89,7 @@ pub fn check_container_to_service(
 }
 
 /// Path 4: an external client → node address:`node_port` → pod-b / pod-c, masqueraded
-/// (externalTrafficPolicy Cluster); the same service stays reachable on its ClusterIP `vip` from
+/// as in path 2 (externalTrafficPolicy Cluster); the same service stays reachable on its ClusterIP `vip` from
 /// a pod, unmasqueraded.
 pub fn check_external_to_node_port(
     topology: &Topology,
@@ -99,8 +100,8 @@ pub fn check_external_to_node_port(
     let node_port: SocketAddr = (NODE_IP, node_port).into();
     let answers = requests(&topology.client, proto, node_port, 30)?;
     assert_answered_by(&answers, &["pod-b", "pod-c"])?;
-    assert_all(&answers, "backend saw the node address", |a| {
-        a.seen_source.ip() == NODE_IP
+    assert_all(&answers, "backend saw the node's pod-side address", |a| {
+        a.seen_source.ip() == POD_GATEWAY
     })?;
     assert_all(&answers, "client saw node:nodePort as peer", |a| {
         a.peer == node_port

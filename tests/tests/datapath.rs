@@ -2318,9 +2318,12 @@ fn mac_text(mac: [u8; 6]) -> String {
     mac.map(|b| format!("{b:02x}")).join(":")
 }
 
+/// `lb-out`'s address in [`in_routed_netns`]: what routing picks as the source towards the pods.
+const LB_OUT_ADDR: Ipv4Addr = Ipv4Addr::new(10, 244, 2, 1);
+
 /// Runs `test` in a network namespace of its own with `lb-in`'s index: packets arrive on `lb-in`
 /// (198.51.100.1/24, 203.0.113.0/24 routed via 198.51.100.2, whose MAC is known); the pods are
-/// behind `lb-out` (10.244.2.1/24), where the MAC of ENDPOINTS[0] is known and that of
+/// behind `lb-out` ([`LB_OUT_ADDR`]/24), where the MAC of ENDPOINTS[0] is known and that of
 /// ENDPOINTS[1] is not.
 fn in_routed_netns(test: impl FnOnce(u32) + Send + 'static) {
     // unshare(CLONE_NEWNET) moves only the calling thread, and `ip` inherits it: a thread of our
@@ -2346,7 +2349,7 @@ fn in_routed_netns(test: impl FnOnce(u32) + Send + 'static) {
                 mac_text(ROUTER_MAC)
             ),
             "route add 203.0.113.0/24 via 198.51.100.2 dev lb-in".into(),
-            "addr add 10.244.2.1/24 dev lb-out".into(),
+            format!("addr add {LB_OUT_ADDR}/24 dev lb-out"),
             format!(
                 "neigh add {} lladdr {} dev lb-out nud permanent",
                 ENDPOINTS[0].ip(),
@@ -2484,7 +2487,8 @@ fn established_packets_take_the_cached_route() {
 }
 
 /// lb_xdp on NodePort traffic from an external client, TCP and UDP, with and without IP
-/// options: DNAT and masquerade with valid checksums, redirected towards the backend with the
+/// options: DNAT and masquerade (to the source routing picks towards the backend, not the
+/// configured node address, as MASQUERADE) with valid checksums, redirected towards the backend with the
 /// FIB's MACs and the TTL decremented; the next packet hits conntrack; the backend's reply
 /// arriving on the external interface (as from a remote backend) is reverse-translated and sent
 /// back towards the client.
@@ -2511,7 +2515,7 @@ fn xdp_translates_and_redirects_node_port_traffic() {
                 ..Packet::new(proto, client, NODE_PORT)
             };
             let (out, bytes) = datapath.translate_xdp(&request);
-            assert_eq!(*out.src.ip(), NODE, "{proto:?}: masqueraded");
+            assert_eq!(*out.src.ip(), LB_OUT_ADDR, "{proto:?}: masqueraded");
             assert!((SNAT_PORT_MIN..=SNAT_PORT_MAX).contains(&out.src.port()));
             assert_eq!(out.dst, ENDPOINTS[0]);
             assert_eq!(

@@ -14,7 +14,7 @@ use lb_tests::{
     manifests::{EndpointManifest, IngressManifest, ServiceManifest, yaml},
     netns::Netns,
     node::{Node, PORT, TARGET_PORT},
-    topology::{CLIENT_IP, NODE_IP},
+    topology::{CLIENT_IP, NODE_IP, POD_GATEWAY},
 };
 
 const EXTERNAL_IP: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 10);
@@ -59,8 +59,8 @@ fn ensure_answer(answer: &Answer, to: SocketAddr, server: &str, seen: Ipv4Addr) 
     Ok(())
 }
 
-/// externalIPs and VIP-mode ingress IPs answer like the NodePort: masqueraded to the node address
-/// (externalTrafficPolicy Cluster), or with the client's address from this node's endpoints only
+/// externalIPs and VIP-mode ingress IPs answer like the NodePort: masqueraded to the node's
+/// pod-side address, which routing picks towards the pods (externalTrafficPolicy Cluster), or with the client's address from this node's endpoints only
 /// (Local). From a pod, as in kube-proxy: Cluster masquerades too, Local uses every endpoint
 /// and keeps the pod's address. An ipMode Proxy ingress IP is not programmed, so the node, which
 /// has no route for it, does not serve it.
@@ -104,7 +104,7 @@ fn external_and_load_balancer_ips_follow_the_external_traffic_policy() -> Result
 
     for ip in [EXTERNAL_IP, LB_IP] {
         let answer = request(client, Proto::Tcp, vip(ip))?;
-        ensure_answer(&answer, vip(ip), "pod-a", NODE_IP)?;
+        ensure_answer(&answer, vip(ip), "pod-a", POD_GATEWAY)?;
     }
     for ip in [LOCAL_EXTERNAL_IP, LOCAL_LB_IP] {
         for answer in requests(client, Proto::Tcp, vip(ip), 6)? {
@@ -115,7 +115,7 @@ fn external_and_load_balancer_ips_follow_the_external_traffic_policy() -> Result
     let pod_ip = node.ip("pod-c");
     for ip in [EXTERNAL_IP, LB_IP] {
         let answer = request(pod, Proto::Tcp, vip(ip))?;
-        ensure_answer(&answer, vip(ip), "pod-a", NODE_IP)?;
+        ensure_answer(&answer, vip(ip), "pod-a", POD_GATEWAY)?;
     }
     for ip in [LOCAL_EXTERNAL_IP, LOCAL_LB_IP] {
         // 16 random picks between pod-a and pod-b all miss one with a chance of 1 in 32768.
@@ -186,13 +186,13 @@ fn load_balancer_source_ranges_drop_other_sources() -> Result<()> {
 
     route_to_node(client, CLIENT_IP)?;
     let answer = request(client, Proto::Tcp, vip(LB_IP))?;
-    ensure_answer(&answer, vip(LB_IP), "pod-a", NODE_IP)?;
+    ensure_answer(&answer, vip(LB_IP), "pod-a", POD_GATEWAY)?;
 
     route_to_node(client, OTHER_CLIENT_IP)?;
     ensure_dropped(&node, client, OTHER_CLIENT_IP)?;
     ensure_dropped(&node, node.pod_ns("pod-b"), node.ip("pod-b"))?;
     let answer = request(client, Proto::Tcp, vip(EXTERNAL_IP))?;
-    ensure_answer(&answer, vip(EXTERNAL_IP), "pod-a", NODE_IP)?;
+    ensure_answer(&answer, vip(EXTERNAL_IP), "pod-a", POD_GATEWAY)?;
     let node_port: SocketAddr = (NODE_IP, 30080).into();
     let answer = request(client, Proto::Tcp, node_port)?;
     ensure!(answer.server == "pod-a", "{answer:?}");

@@ -12,7 +12,7 @@ use lb_tests::{
     manifests::{ServiceManifest, yaml},
     netns::Netns,
     node::{CLUSTER_IP, Node, PORT},
-    topology::NODE_IP,
+    topology::{NODE_IP, POD_GATEWAY},
 };
 
 const NODE_PORT: u16 = 30080;
@@ -88,7 +88,7 @@ fn fragmented_udp(agent_args: &[&str]) -> Result<()> {
         (
             &node.topology.client,
             SocketAddr::from((NODE_IP, NODE_PORT)),
-            NODE_IP,
+            POD_GATEWAY,
         ),
     ];
     for (ns, to, expected_source) in cases {

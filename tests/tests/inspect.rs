@@ -19,7 +19,7 @@ use lb_tests::{
     manifests::{ServiceManifest, yaml},
     netns::Netns,
     node::{CLUSTER_IP, PORT, TARGET_PORT},
-    topology::{CLIENT_IP, NODE_IP, Topology},
+    topology::{CLIENT_IP, NODE_IP, POD_GATEWAY, Topology},
 };
 use serde_json::Value;
 
@@ -259,7 +259,7 @@ fn conntrack_and_stats_show_the_open_connections() -> Result<()> {
             .as_str()
             .context("masquerade")?
             .parse()?;
-        ensure!(*masquerade.ip() == NODE_IP, "{}", row.1);
+        ensure!(*masquerade.ip() == POD_GATEWAY, "{}", row.1);
         ensure!(
             (SNAT_PORT_MIN..=SNAT_PORT_MAX).contains(&masquerade.port()),
             "{}",

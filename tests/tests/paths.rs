@@ -49,7 +49,7 @@ fn pod_to_service_udp_stack() -> Result<()> {
     pod_to_service(Proto::Udp, "stack")
 }
 
-/// Path 2: Pod-A → ClusterIP → Pod-A, masqueraded to the node address.
+/// Path 2: Pod-A → ClusterIP → Pod-A, masqueraded to the node's address on its veth.
 fn hairpin(proto: Proto, forwarding: &str) -> Result<()> {
     let mut node = Node::start(2, &[], &["--forwarding", forwarding])?;
     let service = node.service(proto, &["pod-a"]);

@@ -13,7 +13,7 @@ use lb_tests::{
     echo::{Answer, Proto, requests},
     netns::Netns,
     node::{TARGET_PORT, serve_pods},
-    topology::{NODE_IP, Topology},
+    topology::{NODE_IP, POD_GATEWAY, Topology},
 };
 
 /// From examples/manifests/demo.yaml.
@@ -61,21 +61,21 @@ fn main() -> Result<()> {
             from: Source::PodA,
             to: (HAIRPIN, PORT).into(),
             backends: &["pod-a"],
-            seen_source: NODE_IP.into(),
+            seen_source: POD_GATEWAY.into(),
         },
         DemoPath {
             name: "3 container → ClusterIP → Pod-B/Pod-C",
             from: Source::Container,
             to: (WEB, PORT).into(),
             backends: &["pod-b", "pod-c"],
-            seen_source: NODE_IP.into(),
+            seen_source: POD_GATEWAY.into(),
         },
         DemoPath {
             name: "4 external → NodePort → Pod-B/Pod-C",
             from: Source::External,
             to: (NODE_IP, NODE_PORT).into(),
             backends: &["pod-b", "pod-c"],
-            seen_source: NODE_IP.into(),
+            seen_source: POD_GATEWAY.into(),
         },
     ];
 
