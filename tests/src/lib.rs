@@ -13,4 +13,5 @@ pub mod multinode;
 pub mod netns;
 pub mod node;
 pub mod paths;
+pub mod raw;
 pub mod topology;

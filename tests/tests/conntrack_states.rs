@@ -5,12 +5,11 @@
 use std::{
     io::{Read as _, Write as _},
     net::{Ipv4Addr, Shutdown, SocketAddr, SocketAddrV4, TcpListener, TcpStream},
-    os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
+    os::fd::AsRawFd as _,
     time::{Duration, Instant},
 };
 
 use anyhow::{Context as _, Result, bail, ensure};
-use etherparse::PacketBuilder;
 use lb_tests::{
     agent::{counter, lb_binary},
     echo::Proto,
@@ -18,6 +17,7 @@ use lb_tests::{
     manifests::{ServiceManifest, yaml},
     netns::Netns,
     node::{CLUSTER_IP, Node, PORT},
+    raw::{send_ipv4, tcp_segment},
     topology::NODE_IP,
 };
 use nix::libc;
@@ -158,46 +158,6 @@ fn next_send_seq(stream: &TcpStream) -> Result<u32> {
     Ok(seq)
 }
 
-/// Sends the IPv4 packet `packet` (header included, the kernel fills in its checksum) to `to`
-/// from a raw socket. Call inside a namespace.
-fn send_raw(packet: &[u8], to: Ipv4Addr) -> Result<()> {
-    // SAFETY: plain socket(2); the descriptor is owned at once.
-    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_RAW, libc::IPPROTO_RAW) };
-    ensure!(fd >= 0, "raw socket: {}", std::io::Error::last_os_error());
-    // SAFETY: a new descriptor nothing else owns.
-    let socket = unsafe { OwnedFd::from_raw_fd(fd) };
-    let addr = nix::sys::socket::SockaddrIn::from(SocketAddrV4::new(to, 0));
-    nix::sys::socket::sendto(
-        socket.as_raw_fd(),
-        packet,
-        &addr,
-        nix::sys::socket::MsgFlags::empty(),
-    )
-    .context("sendto")?;
-    Ok(())
-}
-
-/// A TCP segment from `from` to `to` with `flags` applied to the builder, as IP packet bytes.
-fn tcp_segment(
-    from: SocketAddrV4,
-    to: SocketAddrV4,
-    seq: u32,
-    flags: impl FnOnce(
-        etherparse::PacketBuilderStep<etherparse::TcpHeader>,
-    ) -> etherparse::PacketBuilderStep<etherparse::TcpHeader>,
-) -> Result<Vec<u8>> {
-    let builder = PacketBuilder::ipv4(from.ip().octets(), to.ip().octets(), 64).tcp(
-        from.port(),
-        to.port(),
-        seq,
-        64_240,
-    );
-    let builder = flags(builder);
-    let mut packet = Vec::with_capacity(builder.size(0));
-    builder.write(&mut packet, &[])?;
-    Ok(packet)
-}
-
 /// One line through `stream`, answered by the line echo server.
 fn echo(stream: &mut TcpStream) -> Result<()> {
     stream.write_all(b"ping\n")?;
@@ -234,7 +194,7 @@ fn out_of_window_rst_then_idle(mode: &str) -> Result<()> {
     let before = counter(&node.topology.node, "drop_tcp_out_of_window")?;
     // 1.5 GiB past the next byte: outside any window, on either side of it.
     let rst = tcp_segment(local, node_port, seq.wrapping_add(0x6000_0000), |b| b.rst())?;
-    client.run(move || send_raw(&rst, NODE_IP))??;
+    client.run(move || send_ipv4(&rst, NODE_IP))??;
     wait_for_counter(&node.topology.node, "drop_tcp_out_of_window", before + 1)?;
     std::thread::sleep(IDLE);
     echo(&mut stream).context("the connection after the out-of-window RST and the idle time")?;
@@ -290,7 +250,7 @@ fn half_open_handshakes(mode: &str) -> Result<()> {
         .collect::<Result<Vec<_>>>()?;
     node.topology.client.run(move || -> Result<()> {
         for syn in &syns {
-            send_raw(syn, NODE_IP)?;
+            send_ipv4(syn, NODE_IP)?;
         }
         Ok(())
     })??;
