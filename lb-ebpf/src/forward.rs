@@ -7,11 +7,12 @@
 use core::mem::{self, MaybeUninit};
 
 use aya_ebpf::{
+    EbpfContext as _,
     bindings::{
         BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_NOT_FWDED, BPF_FIB_LKUP_RET_SUCCESS, TC_ACT_OK,
-        bpf_fib_lookup, bpf_redir_neigh,
+        bpf_check_mtu_flags::BPF_MTU_CHK_SEGS, bpf_fib_lookup, bpf_redir_neigh,
     },
-    helpers::{bpf_fib_lookup, bpf_redirect, bpf_redirect_neigh},
+    helpers::{bpf_check_mtu, bpf_fib_lookup, bpf_redirect, bpf_redirect_neigh},
     programs::TcContext,
 };
 use lb_common::{CachedHop, ConntrackEntry, ConntrackKey, Counter};
@@ -26,6 +27,9 @@ use crate::{
 
 const AF_INET: u8 = 2;
 const IP_TTL_OFFSET: usize = ETH_HLEN + 8;
+const IP_FRAG_OFF_OFFSET: usize = ETH_HLEN + 6;
+/// Don't fragment, in the host-order fragment offset word.
+const IP_DF: u16 = 0x4000;
 
 /// Where the FIB sends the translated packet.
 pub enum NextHop {
@@ -37,6 +41,35 @@ pub enum NextHop {
     Local,
     /// No forwarding answer (no route, forwarding disabled, MTU): the stack's business.
     Stack,
+}
+
+impl NextHop {
+    /// The interface it leaves by, when it is forwarded.
+    pub fn egress(&self) -> Option<u32> {
+        match self {
+            NextHop::Resolved { ifindex, .. } | NextHop::Unresolved { ifindex, .. } => {
+                Some(*ifindex)
+            }
+            NextHop::Local | NextHop::Stack => None,
+        }
+    }
+}
+
+/// The MTU of `ifindex` when the packet (each segment of a GSO packet) is too big for it and
+/// must not be fragmented (DF), as Linux's `ip_exceeds_mtu` decides for a forwarded packet;
+/// `None` when it fits or may be fragmented. The FIB lookup has no length for tc (see
+/// `fib_tot_len`), so the redirect checks here what the stack's forwarding would.
+pub fn exceeded_mtu(ctx: &TcContext, ifindex: u32) -> Option<u16> {
+    let flags = if ctx.is_gso() { BPF_MTU_CHK_SEGS } else { 0 };
+    let mut mtu = 0u32;
+    // SAFETY: the context's skb and a u32 out value; a zero `mtu` and length difference check
+    // the skb as it is.
+    let ret = unsafe { bpf_check_mtu(ctx.as_ptr(), ifindex, &raw mut mtu, 0, u64::from(flags)) };
+    if ret <= 0 {
+        return None;
+    }
+    let frag_off: u16 = ctx.load(IP_FRAG_OFF_OFFSET).ok()?;
+    (u16::from_be(frag_off) & IP_DF != 0).then_some(mtu as u16)
 }
 
 /// The FIB lookup's parameter block, aligned for zeroing in words.

@@ -310,6 +310,60 @@ fn path_mtu_discovery_through_a_service() -> Result<()> {
     Ok(())
 }
 
+/// The MTU of the node's own link to the backend in `path_mtu_of_the_nodes_link_to_a_backend`.
+const NODE_LINK_MTU: u32 = 1280;
+
+/// PMTU discovery where the narrow link is the node's own: pod-b's veth has MTU NODE_LINK_MTU
+/// on the node's side (1500 on the pod's, so that pod-b's MSS does not reveal it). The node
+/// answers the clients' DF segments with fragmentation needed quoting them as they were sent
+/// (the stack's error, reverse-translated by lb_egress, with `--forwarding stack`; the
+/// datapath's own, counted, with `--forwarding redirect`): a pod's upload to the ClusterIP and an
+/// external client's to the masqueraded NodePort both finish promptly, and each client has
+/// learned the MTU towards the address it connected to.
+fn path_mtu_of_the_nodes_link_to_a_backend(forwarding: &str) -> Result<()> {
+    let topology = Topology::new(2)?;
+    let _servers: Vec<EchoServer> = serve_pods(&topology, TARGET_PORT)?;
+    let backend = topology.pod("pod-b");
+    let _counting = CountingServer::start(&backend.ns, CLOSED_PORT)?;
+    let mtu = NODE_LINK_MTU.to_string();
+    topology
+        .node
+        .ip(&["link", "set", &backend.host_interface, "mtu", &mtu])?;
+    let service = ServiceManifest::new("upload", CLUSTER_IP, Proto::Tcp, PORT, CLOSED_PORT)
+        .node_port(NODE_PORT)
+        .endpoints([backend.ip]);
+    let _agent = Agent::start(&topology, &yaml(&[service]), &["--forwarding", forwarding])?;
+    let cases = [
+        ("pod-a", &topology.pod("pod-a").ns, CLUSTER_IP, PORT),
+        ("external client", &topology.client, NODE_IP, NODE_PORT),
+    ];
+    for (client, ns, addr, port) in cases {
+        let took = upload(ns, (addr, port).into()).with_context(|| client.to_string())?;
+        ensure!(took < PROMPT, "{client}: {TRANSFER} bytes took {took:?}");
+        let mtu = learned_mtu(ns, addr)?;
+        ensure!(
+            mtu == Some(NODE_LINK_MTU),
+            "{client}: path MTU towards {addr} {mtu:?}, expected {NODE_LINK_MTU}"
+        );
+        println!("{forwarding}: {client}: {TRANSFER} bytes to {addr}:{port} in {took:?}");
+    }
+    if forwarding == "redirect" {
+        let answered = counter(&topology.node, "fragmentation_needed")?;
+        ensure!(answered >= 2, "fragmentation_needed: {answered}");
+    }
+    Ok(())
+}
+
+#[test]
+fn path_mtu_of_the_nodes_link_to_a_backend_stack() -> Result<()> {
+    path_mtu_of_the_nodes_link_to_a_backend("stack")
+}
+
+#[test]
+fn path_mtu_of_the_nodes_link_to_a_backend_redirect() -> Result<()> {
+    path_mtu_of_the_nodes_link_to_a_backend("redirect")
+}
+
 /// Sends one datagram with TTL `ttl` from `ns` on a socket connected to `to`, with IP_RECVERR
 /// (without it Linux reports only hard errors to a UDP socket, and time exceeded is not one),
 /// and returns the errno the socket got and when; an error if nothing came back.
