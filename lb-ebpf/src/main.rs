@@ -77,10 +77,7 @@ fn try_ingress(ctx: &TcContext) -> Result<i32, Counter> {
             }
             let hop = forward::route(ctx, &packet, &to, Caching::On(route));
             // Answered before the rewrite: the error quotes the packet as the client sent it.
-            if let Some(mtu) = hop
-                .egress()
-                .and_then(|ifindex| forward::exceeded_mtu(ctx, ifindex))
-            {
+            if let Some(mtu) = forward::exceeded_mtu(ctx, &hop) {
                 maps::count(Counter::FragmentationNeeded);
                 return reject::fragmentation_needed(ctx, &packet, mtu);
             }

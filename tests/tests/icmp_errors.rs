@@ -24,7 +24,7 @@ use lb_tests::{
     manifests::{ServiceManifest, yaml},
     netns::{Netns, unique_prefix},
     node::{CLUSTER_IP, Node, PORT, TARGET_PORT, serve_pods},
-    topology::{NODE_IP, Topology},
+    topology::{NODE_IP, POD_GATEWAY, Topology},
 };
 use nix::{
     errno::Errno,
@@ -313,13 +313,17 @@ fn path_mtu_discovery_through_a_service() -> Result<()> {
 /// The MTU of the node's own link to the backend in `path_mtu_of_the_nodes_link_to_a_backend`.
 const NODE_LINK_MTU: u32 = 1280;
 
-/// PMTU discovery where the narrow link is the node's own: pod-b's veth has MTU NODE_LINK_MTU
-/// on the node's side (1500 on the pod's, so that pod-b's MSS does not reveal it). The node
+/// PMTU discovery where the narrow link is the node's own: pod-b's veth has MTU NODE_LINK_MTU on
+/// both ends, and pod-b's route advertises a 1500-byte link's MSS (`advmss 1460`, so that its
+/// MSS does not reveal the link), so a full-size segment can only be dropped there. The node
 /// answers the clients' DF segments with fragmentation needed quoting them as they were sent
 /// (the stack's error, reverse-translated by lb_egress, with `--forwarding stack`; the
-/// datapath's own, counted, with `--forwarding redirect`): a pod's upload to the ClusterIP and an
-/// external client's to the masqueraded NodePort both finish promptly, and each client has
-/// learned the MTU towards the address it connected to.
+/// datapath's own, counted, with `--forwarding redirect`): an external client's upload to the
+/// masqueraded NodePort and a pod's to the ClusterIP both finish promptly, and each client has
+/// learned the MTU towards the address it connected to. The external client sends plain
+/// full-size packets (TSO and GSO off), as from a NIC, which a veth refuses beyond its MTU; the
+/// pod sends GSO aggregates, which a veth passes whatever their segments' size, so only their
+/// segments' check can catch them.
 fn path_mtu_of_the_nodes_link_to_a_backend(forwarding: &str) -> Result<()> {
     let topology = Topology::new(2)?;
     let _servers: Vec<EchoServer> = serve_pods(&topology, TARGET_PORT)?;
@@ -329,16 +333,25 @@ fn path_mtu_of_the_nodes_link_to_a_backend(forwarding: &str) -> Result<()> {
     topology
         .node
         .ip(&["link", "set", &backend.host_interface, "mtu", &mtu])?;
+    backend.ns.ip(&["link", "set", "eth0", "mtu", &mtu])?;
+    let gateway = POD_GATEWAY.to_string();
+    backend.ns.ip(&[
+        "route", "change", "default", "via", &gateway, "advmss", "1460",
+    ])?;
     let service = ServiceManifest::new("upload", CLUSTER_IP, Proto::Tcp, PORT, CLOSED_PORT)
         .node_port(NODE_PORT)
         .endpoints([backend.ip]);
     let _agent = Agent::start(&topology, &yaml(&[service]), &["--forwarding", forwarding])?;
+    topology
+        .client
+        .exec("ethtool", &["-K", "eth0", "tso", "off", "gso", "off"])?;
     let cases = [
-        ("pod-a", &topology.pod("pod-a").ns, CLUSTER_IP, PORT),
         ("external client", &topology.client, NODE_IP, NODE_PORT),
+        ("pod-a", &topology.pod("pod-a").ns, CLUSTER_IP, PORT),
     ];
     for (client, ns, addr, port) in cases {
-        let took = upload(ns, (addr, port).into()).with_context(|| client.to_string())?;
+        let took = upload(ns, (addr, port).into())
+            .with_context(|| format!("{client}: {:?}", lb_tests::agent::stats(&topology.node)))?;
         ensure!(took < PROMPT, "{client}: {TRANSFER} bytes took {took:?}");
         let mtu = learned_mtu(ns, addr)?;
         ensure!(
