@@ -41,6 +41,9 @@ const SYN_RECV_TIMEOUT_S: u64 = 60;
 /// A source on the client's link that no namespace holds: the backend's SYN-ACKs to it are
 /// never answered (no RST), so the handshakes stay half open.
 const SILENT_CLIENT: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 3);
+/// `--masquerade-port-range` of the half-open test: inside Linux's default
+/// ip_local_port_range (32768-60999).
+const MASQUERADE_PORTS: std::ops::RangeInclusive<u16> = 40_000..=40_999;
 /// The silent client's first source port.
 const SILENT_PORT: u16 = 40_000;
 
@@ -236,9 +239,17 @@ fn conntrack_rows(node: &Netns) -> Result<Vec<serde_json::Value>> {
 
 /// HALF_OPEN SYNs to a masqueraded NodePort whose handshakes never complete (the backend's
 /// SYN-ACKs go to a source nobody holds): each connection shows in SYN_RECV and expires within
-/// Linux's SYN_RECV timeout.
+/// Linux's SYN_RECV timeout. The agent runs with a `--masquerade-port-range` inside the node's
+/// ephemeral range: it warns of the overlap, and the masquerade ports come from the range.
 fn half_open_handshakes(mode: &str) -> Result<()> {
-    let mut node = Node::start(2, &[], &forwarding(mode))?;
+    let range = format!("{}-{}", MASQUERADE_PORTS.start(), MASQUERADE_PORTS.end());
+    let args = [&forwarding(mode)[..], &["--masquerade-port-range", &range]].concat();
+    let mut node = Node::start(2, &[], &args)?;
+    let log = node.agent.log();
+    ensure!(
+        log.contains("--masquerade-port-range: ports 40000-40999 are also the node's"),
+        "no warning of the overlap with ip_local_port_range:\n{log}"
+    );
     let service = node.service(Proto::Tcp, &["pod-b"]).node_port(NODE_PORT);
     node.agent.update_manifests(&yaml(&[service]))?;
     let node_port = SocketAddrV4::new(NODE_IP, NODE_PORT);
@@ -279,16 +290,21 @@ fn half_open_handshakes(mode: &str) -> Result<()> {
     let wrong: Vec<_> = rows
         .iter()
         .filter(|row| {
+            let masquerade_port = row["masquerade"]
+                .as_str()
+                .and_then(|m| m.parse::<SocketAddrV4>().ok())
+                .map(|m| m.port());
             row["state"] != "syn_recv"
                 || row["expires_in_s"]
                     .as_u64()
                     .is_none_or(|s| s > SYN_RECV_TIMEOUT_S)
+                || !masquerade_port.is_some_and(|p| MASQUERADE_PORTS.contains(&p))
         })
         .collect();
     ensure!(
         wrong.is_empty(),
         "{} of {HALF_OPEN} half-open connections not in syn_recv expiring within \
-         {SYN_RECV_TIMEOUT_S} s: {:#?}",
+         {SYN_RECV_TIMEOUT_S} s from a masquerade port of {MASQUERADE_PORTS:?}: {:#?}",
         wrong.len(),
         wrong.first()
     );
