@@ -17,7 +17,7 @@ pub mod map_name {
     pub const BACKENDS: &str = "LB_BACKEND_V1";
     pub const CONNTRACK: &str = "LB_CT_V4";
     pub const CONFIG: &str = "LB_CONFIG_V4";
-    pub const COUNTERS: &str = "LB_COUNTER_V8";
+    pub const COUNTERS: &str = "LB_COUNTER_V9";
     pub const AFFINITY: &str = "LB_AFFINITY_V1";
     pub const ROUND_ROBIN: &str = "LB_RR_V1";
     pub const SOURCE_RANGES: &str = "LB_SOURCE_RANGE_V1";
@@ -28,11 +28,13 @@ pub mod map_name {
     pub const FRONTEND_ORIGINS: &str = "LB_FRONTEND_ORIGIN_V1";
     pub const SERVICE_STATUS: &str = "LB_SERVICE_STATUS_V1";
     pub const AGENT: &str = "LB_AGENT_V1";
+    /// This CPU's share of the REJECT rate limit (`RejectLimit`), a per-CPU array of one.
+    pub const REJECT_LIMIT: &str = "LB_REJECT_LIMIT_V1";
     /// The connections' intermediate tuples, for `lb_egress` (`ConntrackKey` → `ConntrackKey`).
     pub const INTERMEDIATE: &str = "LB_INTERMEDIATE_V1";
     /// Not pinned (not in `ALL`): the interface indexes are the running agent's.
     pub const XDP_EGRESS: &str = "LB_XDP_EGRESS_V1";
-    pub const ALL: [&str; 16] = [
+    pub const ALL: [&str; 17] = [
         FRONTENDS,
         BACKENDS,
         CONNTRACK,
@@ -49,6 +51,7 @@ pub mod map_name {
         SERVICE_STATUS,
         AGENT,
         INTERMEDIATE,
+        REJECT_LIMIT,
     ];
 }
 
@@ -844,6 +847,63 @@ pub struct Config {
     pub timeouts: ConntrackTimeouts,
 }
 
+/// One CPU's token bucket for REJECT replies (ICMP port unreachable), as the kernel limits the
+/// ICMP errors it sends with `net.ipv4.icmp_msgs_per_sec` and `icmp_msgs_burst`: the agent
+/// gives each CPU its share of the node's rate and burst (the kernel's bucket is one for all
+/// CPUs; the BPF target has no atomics in Rust, so each CPU keeps its own). Tokens are counted
+/// in ns of credit: a reply costs `cost_ns`, the bucket holds at most `capacity_ns`, and it
+/// fills at one ns per ns. An entry no agent wrote (`cost_ns` 0) limits nothing.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct RejectLimit {
+    pub cost_ns: u64,
+    pub capacity_ns: u64,
+    pub tokens_ns: u64,
+    /// When the tokens were last counted, on the datapath's clock.
+    pub stamp_ns: u64,
+}
+
+impl RejectLimit {
+    /// One CPU's share of `per_sec` replies a second with bursts of `burst`, over `cpus` CPUs;
+    /// full. A rate of 0 allows no reply, as the kernel's.
+    pub fn new(per_sec: u32, burst: u32, cpus: u32) -> Self {
+        let cpus = u64::from(cpus.max(1));
+        let share = u64::from(burst).div_ceil(cpus).max(1);
+        let (cost_ns, capacity_ns) = match u64::from(per_sec) {
+            // Never enough tokens.
+            0 => (u64::MAX, 0),
+            per_sec => {
+                let cost_ns = (SECOND_NS * cpus).div_ceil(per_sec);
+                (cost_ns, cost_ns.saturating_mul(share))
+            }
+        };
+        RejectLimit {
+            cost_ns,
+            capacity_ns,
+            tokens_ns: capacity_ns,
+            stamp_ns: 0,
+        }
+    }
+
+    /// Takes a reply's tokens at `now_ns`; false when there are not enough.
+    pub fn take(&mut self, now_ns: u64) -> bool {
+        if self.cost_ns == 0 {
+            return true;
+        }
+        let elapsed = now_ns.saturating_sub(self.stamp_ns);
+        let tokens = self.tokens_ns.saturating_add(elapsed).min(self.capacity_ns);
+        self.stamp_ns = now_ns;
+        let allowed = tokens >= self.cost_ns;
+        self.tokens_ns = if allowed {
+            tokens - self.cost_ns
+        } else {
+            tokens
+        };
+        allowed
+    }
+}
+
 /// The datapath's clock, in which every timestamp of the maps (`last_seen_ns`) is: the kernel's
 /// jiffies counted in ns from INITIAL_JIFFIES, which reads as CLOCK_MONOTONIC at tick resolution
 /// but for a constant offset (the jiffies lag it by 0.26 s on the development machine).
@@ -1046,10 +1106,16 @@ pub enum Counter {
     /// lb_egress rewrote the source (masquerade, or the service address of a reply) of a
     /// packet the stack forwarded or sent.
     EgressTranslated,
+    /// `--forwarding redirect`: a packet with DF set too big for its egress link, answered
+    /// with ICMP fragmentation needed (the link's MTU) as the stack's forwarding would.
+    FragmentationNeeded,
+    /// Dropped: a REJECT (ICMP port unreachable) over the rate the node's `icmp_msgs_per_sec`
+    /// and `icmp_msgs_burst` allow, as the kernel limits its own ICMP errors.
+    DropRejectRateLimited,
 }
 
 impl Counter {
-    pub const COUNT: u32 = 26;
+    pub const COUNT: u32 = 28;
     pub const ALL: [Counter; Self::COUNT as usize] = [
         Counter::NewConnection,
         Counter::Masqueraded,
@@ -1077,6 +1143,8 @@ impl Counter {
         Counter::DropTcpOutOfWindow,
         Counter::PassedTcpNoConnection,
         Counter::EgressTranslated,
+        Counter::FragmentationNeeded,
+        Counter::DropRejectRateLimited,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -1107,6 +1175,8 @@ impl Counter {
             Counter::DropTcpOutOfWindow => "drop_tcp_out_of_window",
             Counter::PassedTcpNoConnection => "passed_tcp_no_connection",
             Counter::EgressTranslated => "egress_translated",
+            Counter::FragmentationNeeded => "fragmentation_needed",
+            Counter::DropRejectRateLimited => "drop_reject_rate_limited",
         }
     }
 
@@ -1177,6 +1247,12 @@ impl Counter {
             Counter::PassedTcpNoConnection => {
                 "TCP RST, FIN or SYN-ACK packets of no tracked connection, passed untouched and untracked"
             }
+            Counter::FragmentationNeeded => {
+                "packets with DF set too big for the egress link (--forwarding redirect), answered with ICMP fragmentation needed"
+            }
+            Counter::DropRejectRateLimited => {
+                "dropped: ICMP port unreachable replies (REJECT) over the node's icmp_msgs_per_sec/icmp_msgs_burst"
+            }
         }
     }
 
@@ -1196,6 +1272,7 @@ impl Counter {
             Counter::DropBadTcpFlags => Some("Invalid TCP flags"),
             Counter::DropFragmentOverlap => Some("Overlapping IPv4 fragment"),
             Counter::DropTcpOutOfWindow => Some("TCP RST or FIN outside the window"),
+            Counter::DropRejectRateLimited => Some("REJECT reply rate-limited"),
             Counter::NewConnection
             | Counter::Masqueraded
             | Counter::Translated
@@ -1209,7 +1286,8 @@ impl Counter {
             | Counter::PassedFragment
             | Counter::PassedBadIpChecksum
             | Counter::PassedTcpNoConnection
-            | Counter::EgressTranslated => None,
+            | Counter::EgressTranslated
+            | Counter::FragmentationNeeded => None,
         }
     }
 }
@@ -1234,6 +1312,7 @@ const _: () = {
     assert!(core::mem::size_of::<SockBackendKey>() == 16);
     assert!(core::mem::size_of::<FragmentKey>() == 12);
     assert!(core::mem::size_of::<FirstFragment>() == 16);
+    assert!(core::mem::size_of::<RejectLimit>() == 32);
     assert!(Counter::ALL[Counter::COUNT as usize - 1] as u32 == Counter::COUNT - 1);
 };
 
@@ -1267,11 +1346,44 @@ mod user {
     unsafe impl aya::Pod for SockBackendKey {}
     unsafe impl aya::Pod for FragmentKey {}
     unsafe impl aya::Pod for FirstFragment {}
+    unsafe impl aya::Pod for RejectLimit {}
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reject_limit_allows_the_burst_then_the_rate() {
+        // The kernel's defaults over 2 CPUs: 500 a second and a burst of 25 each.
+        let mut limit = RejectLimit::new(1000, 50, 2);
+        let t0 = 10 * SECOND_NS;
+        let burst = (0..100).filter(|_| limit.take(t0)).count();
+        assert_eq!(burst, 25);
+        // 10 ms later: 5 more.
+        let later = (0..100)
+            .filter(|_| limit.take(t0 + SECOND_NS / 100))
+            .count();
+        assert_eq!(later, 5);
+        // Idle for long: no more than the burst.
+        let after_idle = (0..100)
+            .filter(|_| limit.take(t0 + 100 * SECOND_NS))
+            .count();
+        assert_eq!(after_idle, 25);
+    }
+
+    #[test]
+    fn reject_limit_edges() {
+        let mut none = RejectLimit::new(0, 50, 2);
+        assert!(!none.take(SECOND_NS));
+        assert!(!none.take(1000 * SECOND_NS));
+        let mut unwritten = RejectLimit::default();
+        assert!((0..1000).all(|_| unwritten.take(0)));
+        // A burst below the CPU count still lets each CPU answer one.
+        let mut small = RejectLimit::new(1000, 1, 4);
+        assert!(small.take(SECOND_NS));
+        assert!(!small.take(SECOND_NS));
+    }
 
     #[test]
     fn clock_counts_from_the_kernels_initial_jiffies() {

@@ -7,11 +7,13 @@
 use core::mem::{self, MaybeUninit};
 
 use aya_ebpf::{
+    EbpfContext as _,
     bindings::{
-        BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_NOT_FWDED, BPF_FIB_LKUP_RET_SUCCESS, TC_ACT_OK,
-        bpf_fib_lookup, bpf_redir_neigh,
+        BPF_FIB_LKUP_RET_FRAG_NEEDED, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_NOT_FWDED,
+        BPF_FIB_LKUP_RET_SUCCESS, TC_ACT_OK, bpf_check_mtu_flags::BPF_MTU_CHK_SEGS, bpf_fib_lookup,
+        bpf_redir_neigh,
     },
-    helpers::{bpf_fib_lookup, bpf_redirect, bpf_redirect_neigh},
+    helpers::{bpf_check_mtu, bpf_fib_lookup, bpf_redirect, bpf_redirect_neigh},
     programs::TcContext,
 };
 use lb_common::{CachedHop, ConntrackEntry, ConntrackKey, Counter};
@@ -26,6 +28,9 @@ use crate::{
 
 pub const AF_INET: u8 = 2;
 const IP_TTL_OFFSET: usize = ETH_HLEN + 8;
+const IP_FRAG_OFF_OFFSET: usize = ETH_HLEN + 6;
+/// Don't fragment, in the host-order fragment offset word.
+const IP_DF: u16 = 0x4000;
 
 /// Where the FIB sends the translated packet.
 pub enum NextHop {
@@ -35,8 +40,43 @@ pub enum NextHop {
     Unresolved { ifindex: u32, addr: u32 },
     /// A local destination (a node endpoint): the stack delivers it.
     Local,
-    /// No forwarding answer (no route, forwarding disabled, MTU): the stack's business.
+    /// Longer than the egress interface's MTU `mtu` (the FIB's check of the skb).
+    TooBig { mtu: u16 },
+    /// No forwarding answer (no route, forwarding disabled): the stack's business.
     Stack,
+}
+
+/// The MTU a packet with DF set exceeds on its way out to `hop`, as Linux's `ip_exceeds_mtu`
+/// decides for a forwarded packet; `None` when it fits or may be fragmented. The FIB lookup,
+/// asked without a length in tc (see `fib_tot_len`), checks the skb itself against the egress
+/// MTU (`TooBig`), but passes a GSO packet whatever its segments' size: those are checked here.
+pub fn exceeded_mtu(ctx: &TcContext, hop: &NextHop) -> Option<u16> {
+    let mtu = match *hop {
+        NextHop::TooBig { mtu } => mtu,
+        NextHop::Resolved { ifindex, .. } | NextHop::Unresolved { ifindex, .. } if ctx.is_gso() => {
+            segments_exceed(ctx, ifindex)?
+        }
+        _ => return None,
+    };
+    let frag_off: u16 = ctx.load(IP_FRAG_OFF_OFFSET).ok()?;
+    (u16::from_be(frag_off) & IP_DF != 0).then_some(mtu)
+}
+
+/// The MTU of `ifindex` if the GSO packet's segments are too big for it.
+fn segments_exceed(ctx: &TcContext, ifindex: u32) -> Option<u16> {
+    let mut mtu = 0u32;
+    // SAFETY: the context's skb and a u32 out value; a zero `mtu` and length difference check
+    // the skb as it is, segment by segment.
+    let ret = unsafe {
+        bpf_check_mtu(
+            ctx.as_ptr(),
+            ifindex,
+            &raw mut mtu,
+            0,
+            u64::from(BPF_MTU_CHK_SEGS),
+        )
+    };
+    (ret > 0).then_some(mtu as u16)
 }
 
 /// The FIB lookup's parameter block, aligned for zeroing in words.
@@ -85,6 +125,10 @@ pub fn next_hop<P: PacketAccess>(ctx: &P, packet: &Packet, to: &ConntrackKey) ->
             addr: unsafe { fib.__bindgen_anon_4.ipv4_dst },
         },
         Ok(BPF_FIB_LKUP_RET_NOT_FWDED) => NextHop::Local,
+        Ok(BPF_FIB_LKUP_RET_FRAG_NEEDED) => NextHop::TooBig {
+            // SAFETY: for a lookup without a length the kernel writes the egress MTU here.
+            mtu: unsafe { fib.__bindgen_anon_1.mtu_result },
+        },
         _ => NextHop::Stack,
     }
 }
@@ -224,7 +268,7 @@ pub fn send_tc(ctx: &TcContext, packet: &Packet, hop: NextHop) -> Result<i32, Co
                 )
             } as i32)
         }
-        NextHop::Local | NextHop::Stack => {
+        NextHop::Local | NextHop::TooBig { .. } | NextHop::Stack => {
             maps::count(Counter::FibFallback);
             Ok(TC_ACT_OK)
         }

@@ -75,17 +75,26 @@ fn try_ingress(ctx: &TcContext) -> Result<i32, Counter> {
             if stack_forwarding() {
                 return to_stack(ctx, &packet, &to, ct_flags);
             }
-            nat::rewrite(ctx, &packet, &to)?;
-            match forward::route(ctx, &packet, &to, Caching::On(route)) {
-                // A node endpoint: the stack delivers it, as with stack forwarding.
-                NextHop::Local => {
-                    maps::count(Counter::FibFallback);
-                    back_to_stack(ctx, &packet, &to, ct_flags)
-                }
-                hop => forward::send_tc(ctx, &packet, hop),
+            let hop = forward::route(ctx, &packet, &to, Caching::On(route));
+            // Answered before the rewrite: the error quotes the packet as the client sent it.
+            if let Some(mtu) = forward::exceeded_mtu(ctx, &hop) {
+                maps::count(Counter::FragmentationNeeded);
+                return reject::fragmentation_needed(ctx, &packet, mtu);
             }
+            if let NextHop::Local = hop {
+                // A node endpoint: the stack delivers it, as with stack forwarding.
+                maps::count(Counter::FibFallback);
+                return to_stack(ctx, &packet, &to, ct_flags);
+            }
+            nat::rewrite(ctx, &packet, &to)?;
+            forward::send_tc(ctx, &packet, hop)
         }
         Translation::Reject(packet) => {
+            // As the kernel's REJECT: the packet is dropped, the error sent within the rate.
+            let config = maps::config().ok_or(Counter::Passed)?;
+            if !maps::reject_allowed(config) {
+                return Err(Counter::DropRejectRateLimited);
+            }
             maps::count(Counter::Rejected);
             reject::port_unreachable(ctx, &packet)
         }
@@ -117,27 +126,6 @@ fn to_stack(
 ) -> Result<i32, Counter> {
     let reply = ct_flags & CT_F_REPLY != 0;
     nat::rewrite(ctx, packet, &intermediate::of(&packet.tuple, to, reply))?;
-    Ok(TC_ACT_OK)
-}
-
-/// `to_stack` for a packet already translated to `to`: one the FIB delivers locally.
-#[inline(never)]
-fn back_to_stack(
-    ctx: &TcContext,
-    packet: &Packet,
-    to: &ConntrackKey,
-    ct_flags: u8,
-) -> Result<i32, Counter> {
-    let reply = ct_flags & CT_F_REPLY != 0;
-    let translated = Packet {
-        tuple: *to,
-        ..*packet
-    };
-    nat::rewrite(
-        ctx,
-        &translated,
-        &intermediate::of(&packet.tuple, to, reply),
-    )?;
     Ok(TC_ACT_OK)
 }
 

@@ -11,8 +11,8 @@ use aya_ebpf::{
 };
 use lb_common::{
     AffinityKey, Backend, BackendKey, BackendStats, Config, ConntrackEntry, ConntrackKey, Counter,
-    FirstFragment, FragmentKey, Frontend, FrontendKey, FrontendOrigin, SockBackendKey, SockRevNat,
-    SockRevNatKey, SourceRangeKey, StickyBackend, default_size,
+    FirstFragment, FragmentKey, Frontend, FrontendKey, FrontendOrigin, RejectLimit, SockBackendKey,
+    SockRevNat, SockRevNatKey, SourceRangeKey, StickyBackend, default_size,
 };
 use lb_common::{AgentInfo, ServiceStatus};
 
@@ -57,7 +57,7 @@ static FRAGMENTS: LruHashMap<FragmentKey, FirstFragment> =
 #[map(name = "LB_CONFIG_V4")]
 static CONFIG: Array<Config> = Array::with_max_entries(1, 0);
 
-#[map(name = "LB_COUNTER_V8")]
+#[map(name = "LB_COUNTER_V9")]
 static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(Counter::COUNT, 0);
 
 /// An array, not a hash by endpoint: the verifier inlines its lookup into a few instructions, where
@@ -93,6 +93,21 @@ static SOURCE_RANGES: LpmTrie<SourceRangeKey, u8> =
 /// agent lists the ones that can.
 #[map(name = "LB_XDP_EGRESS_V1")]
 static XDP_EGRESS: HashMap<u32, u8> = HashMap::with_max_entries(default_size::XDP_EGRESS, 0);
+
+/// This CPU's share of the REJECT rate limit, written by the agent.
+#[map(name = "LB_REJECT_LIMIT_V1")]
+static REJECT_LIMIT: PerCpuArray<RejectLimit> = PerCpuArray::with_max_entries(1, 0);
+
+/// Whether a REJECT may be answered now, taking its tokens (`RejectLimit::take`). Without the
+/// entry, it may.
+pub fn reject_allowed(config: &Config) -> bool {
+    let now = now_ns(config);
+    REJECT_LIMIT.get_ptr_mut(0).is_none_or(|limit| {
+        // SAFETY: this CPU's own entry, valid until the program returns; tc programs are not
+        // preempted while they run, and nothing else here holds a reference to it.
+        unsafe { (*limit).take(now) }
+    })
+}
 
 pub fn count(counter: Counter) {
     if let Some(slot) = COUNTERS.get_ptr_mut(counter as u32) {

@@ -1,8 +1,12 @@
-//! REJECT, as kube-proxy answers a connection to a service without endpoints: the packet is
-//! turned in place into an ICMP port unreachable (RFC 792: the original IP header and the first
-//! 8 bytes of its payload quoted), from the address the client tried, and sent back out the
-//! interface it came in on, towards the hop it came from. The client's kernel matches the quote
-//! to its socket: connect() fails with ECONNREFUSED, a connected UDP socket reports it.
+//! ICMP destination unreachable errors the datapath answers itself: the packet is turned in place
+//! into the error (RFC 792: the original IP header and the first 8 bytes of its payload quoted,
+//! as the client sent them), from the address the client tried, and sent back out the interface
+//! it came in on, towards the hop it came from. The client's kernel matches the quote to its
+//! socket.
+//! - REJECT, as kube-proxy answers a connection to a service without endpoints: port
+//!   unreachable; connect() fails with ECONNREFUSED, a connected UDP socket reports it.
+//! - Fragmentation needed (RFC 1191), as a router answers a DF packet too big for the egress
+//!   link: the client's kernel lowers its path MTU to the service address and resends.
 use core::ptr;
 
 use aya_ebpf::{
@@ -21,6 +25,7 @@ use crate::{
 
 const ICMP_DEST_UNREACH: u8 = 3;
 const ICMP_PORT_UNREACH: u8 = 3;
+const ICMP_FRAG_NEEDED: u8 = 4;
 const IP_HLEN: usize = 20;
 const ICMP_HLEN: usize = 8;
 const QUOTED_PAYLOAD: usize = 8;
@@ -32,11 +37,28 @@ const TTL: u8 = 64;
 /// Every store keeps `skb->csum` of a CHECKSUM_COMPLETE packet right.
 const STORE_FLAGS: u64 = BPF_F_RECOMPUTE_CSUM as u64;
 
-/// Rewrites `packet` into the ICMP error about it and redirects it back to its sender.
+/// Rewrites `packet` into the port unreachable about it and redirects it back to its sender.
+pub fn port_unreachable(ctx: &TcContext, packet: &Packet) -> Result<i32, Counter> {
+    unreachable(ctx, packet, ICMP_PORT_UNREACH, 0)
+}
+
+/// Rewrites `packet` into the fragmentation needed about it, announcing the next hop's `mtu`,
+/// and redirects it back to its sender.
+pub fn fragmentation_needed(ctx: &TcContext, packet: &Packet, mtu: u16) -> Result<i32, Counter> {
+    unreachable(ctx, packet, ICMP_FRAG_NEEDED, mtu)
+}
+
+/// Rewrites `packet` into the destination unreachable with `code` about it (`next_hop_mtu`, or 0:
+/// the header's last 16 bits) and redirects it back to its sender.
 // A frame of its own: its buffers would otherwise add to the classifier's, which with the
 // deepest call below it must stay within BPF's 512-byte stack.
 #[inline(never)]
-pub fn port_unreachable(ctx: &TcContext, packet: &Packet) -> Result<i32, Counter> {
+fn unreachable(
+    ctx: &TcContext,
+    packet: &Packet,
+    code: u8,
+    next_hop_mtu: u16,
+) -> Result<i32, Counter> {
     let quote_len = packet.l4 - ETH_HLEN + QUOTED_PAYLOAD;
     // Spelled out for the verifier, which needs the bounds of every helper's length.
     if !(IP_HLEN + QUOTED_PAYLOAD..=QUOTE_MAX).contains(&quote_len) {
@@ -45,7 +67,8 @@ pub fn port_unreachable(ctx: &TcContext, packet: &Packet) -> Result<i32, Counter
     // The ICMP header and the quote, contiguous: one checksum, one store.
     let mut icmp = [0u8; ICMP_HLEN + QUOTE_MAX];
     icmp[0] = ICMP_DEST_UNREACH;
-    icmp[1] = ICMP_PORT_UNREACH;
+    icmp[1] = code;
+    icmp[6..8].copy_from_slice(&next_hop_mtu.to_be_bytes());
     let icmp_len = ICMP_HLEN + quote_len;
     let skb = ctx.skb.skb;
     // SAFETY: `icmp` has room for `quote_len` bytes past the ICMP header; the parser checked that

@@ -2,6 +2,7 @@
 //! sync with the apiserver (or a manifest directory) until SIGTERM/SIGINT.
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::Ipv4Addr;
+use std::ops::RangeInclusive;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -11,8 +12,8 @@ use ipnet::Ipv4Net;
 use jiff::Timestamp;
 use lb_common::{AgentInfo, text_field};
 use lb_common::{
-    CONFIG_F_MASQUERADE_ALL, CONFIG_F_READY, CONFIG_F_STACK_FORWARDING, Config, SNAT_PORT_MAX,
-    SNAT_PORT_MIN, ipv4_be,
+    CONFIG_F_MASQUERADE_ALL, CONFIG_F_READY, CONFIG_F_STACK_FORWARDING, Config, RejectLimit,
+    ipv4_be,
 };
 use lb_user::apiserver::{self, ApiSource, Next};
 use lb_user::bpffs;
@@ -31,6 +32,7 @@ use lb_user::map_pins;
 use lb_user::metrics::{Metrics, TrafficPolicyLabel};
 use lb_user::model::{Endpoint, Model, Service, ServiceName, ServicePort, Specs};
 use lb_user::node_addresses;
+use lb_user::node_sysctls::{self, IcmpRateLimit};
 use lb_user::nodeport::NodePortAllocator;
 use lb_user::reconcile::{Reconciler, SyncReport, WriteFailure};
 use lb_user::service_health::{self, ServiceHealth};
@@ -122,13 +124,25 @@ pub async fn run(args: AgentArgs) -> Result<()> {
                 Forwarding::Stack => CONFIG_F_STACK_FORWARDING,
                 Forwarding::Redirect => 0,
             },
-        snat_port_min: SNAT_PORT_MIN,
-        snat_port_max: SNAT_PORT_MAX,
+        snat_port_min: *args.masquerade_port_range.start(),
+        snat_port_max: *args.masquerade_port_range.end(),
         _pad: 0,
         netns_cookie: cgroup_hooks::netns_cookie()?,
         clock: datapath::kernel_clock()?,
         timeouts: args.conntrack_timeouts(),
     })?;
+
+    let icmp = IcmpRateLimit::read()?;
+    let cpus = aya::util::nr_cpus()
+        .map_err(|(_, e)| e)
+        .context("the number of possible CPUs")?;
+    datapath.write_reject_limit(RejectLimit::new(icmp.per_sec, icmp.burst, cpus as u32))?;
+    info!(
+        per_sec = icmp.per_sec,
+        burst = icmp.burst,
+        "REJECT replies limited as the node's ICMP errors (net.ipv4.icmp_msgs_per_sec, icmp_msgs_burst)"
+    );
+    warn_of_port_range_overlaps(&args.masquerade_port_range);
 
     let agent_info = AgentInfo {
         version: text_field(env!("CARGO_PKG_VERSION")),
@@ -1000,6 +1014,22 @@ fn log_sync(sync: &Sync) {
         rest_ms = ms(sync.stages[3]),
         "sync done"
     );
+}
+
+/// Warns when the masquerade ports are also ports the node's own sockets take.
+fn warn_of_port_range_overlaps(masquerade: &RangeInclusive<u16>) {
+    let ranges = node_sysctls::local_port_range()
+        .and_then(|local| Ok((local, node_sysctls::local_reserved_ports()?)));
+    match ranges {
+        Ok((local, reserved)) => {
+            for overlap in node_sysctls::port_range_overlaps(masquerade, &local, &reserved) {
+                warn!("--masquerade-port-range: {overlap}");
+            }
+        }
+        Err(e) => {
+            warn!("--masquerade-port-range not checked against the node's local port ranges: {e:#}")
+        }
+    }
 }
 
 #[cfg(test)]

@@ -15,6 +15,8 @@ use lb_user::model::Scheduler;
 use crate::kube_proxy_config::{self, FileFlags};
 
 pub const DEFAULT_BPFFS: &str = "/sys/fs/bpf/lb";
+/// `lb_common::SNAT_PORT_MIN`-`SNAT_PORT_MAX`, above Linux's default ephemeral range.
+const DEFAULT_MASQUERADE_PORT_RANGE: &str = "61000-65535";
 
 /// `--forwarding`: which path translated service traffic takes through the node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -216,6 +218,11 @@ pub struct AgentArgs {
     /// Masquerade every new service connection, not only those from outside the cluster CIDR.
     #[arg(long)]
     pub masquerade_all: bool,
+    /// Source ports masqueraded connections take. Keep it clear of the node's
+    /// net.ipv4.ip_local_port_range (its own connections would contend for the same ports) and
+    /// ip_local_reserved_ports: the agent warns at start when it is not.
+    #[arg(long, value_name = "MIN-MAX", default_value = DEFAULT_MASQUERADE_PORT_RANGE, value_parser = parse_port_range)]
+    pub masquerade_port_range: RangeInclusive<u16>,
     /// How new connections pick an endpoint, for services without the
     /// lb.kubernetes.io/scheduler annotation.
     #[arg(long, value_enum, default_value_t = Scheduler::Random)]
@@ -538,6 +545,10 @@ mod tests {
         assert_eq!(a.conntrack_max, default_size::CONNTRACK);
         assert_eq!(a.affinity_max, default_size::AFFINITY);
         assert!(!a.masquerade_all);
+        assert_eq!(
+            a.masquerade_port_range,
+            lb_common::SNAT_PORT_MIN..=lb_common::SNAT_PORT_MAX
+        );
         assert_eq!(a.forwarding, Forwarding::Redirect);
         assert_eq!(
             a.healthz_bind_address,
@@ -550,6 +561,31 @@ mod tests {
         assert_eq!(a.min_sync_period, Duration::from_secs(1));
         assert_eq!(a.manifests, Some(PathBuf::from("/m")));
         assert_eq!(a.conntrack_timeouts(), ConntrackTimeouts::KUBE_PROXY);
+    }
+
+    #[test]
+    fn masquerade_port_range() {
+        let a = manifest_agent(&["--masquerade-port-range", "20000-29999"]);
+        assert_eq!(a.masquerade_port_range, 20000..=29999);
+        for bad in ["0-100", "30000-20000", "61000", "61000-70000"] {
+            let parsed = Cli::try_parse_from([
+                "lb",
+                "agent",
+                "--manifests",
+                "/m",
+                "--node-ip",
+                "198.51.100.1",
+                "--cluster-cidr",
+                "10.244.0.0/16",
+                "--external-interface",
+                "ext0",
+                "--pod-interfaces",
+                "lbp*",
+                "--masquerade-port-range",
+                bad,
+            ]);
+            assert!(parsed.is_err(), "{bad} accepted");
+        }
     }
 
     #[test]

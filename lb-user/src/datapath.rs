@@ -17,7 +17,8 @@ use bytemuck::Pod;
 use lb_common::{AgentInfo, ServiceStatus};
 use lb_common::{
     Backend, BackendKey, BackendStats, Clock, Config, ConntrackEntry, ConntrackKey, Counter,
-    Frontend, FrontendKey, FrontendOrigin, SourceRangeKey, ipv4_be, map_name, program_name,
+    Frontend, FrontendKey, FrontendOrigin, RejectLimit, SourceRangeKey, ipv4_be, map_name,
+    program_name,
 };
 use nix::libc::EAGAIN;
 use nix::time::{ClockId, clock_getres};
@@ -43,6 +44,11 @@ pub enum DatapathError {
     Map {
         name: &'static str,
         source: MapError,
+    },
+    #[error("map {name}: one value per possible CPU: {source}")]
+    PerCpu {
+        name: &'static str,
+        source: io::Error,
     },
     #[error("map {name}: walking its keys: {source}")]
     KeyWalk {
@@ -110,6 +116,7 @@ pub struct Datapath {
     conntrack: HashMap<MapData, ConntrackKey, ConntrackEntry>,
     xdp_egress: HashMap<MapData, u32, u8>,
     agent: Array<MapData, AgentInfo>,
+    reject_limit: PerCpuArray<MapData, RejectLimit>,
 }
 
 impl Datapath {
@@ -151,6 +158,7 @@ impl Datapath {
         let conntrack = take_map(&mut ebpf, map_name::CONNTRACK)?;
         let xdp_egress = take_map(&mut ebpf, map_name::XDP_EGRESS)?;
         let agent = take_map(&mut ebpf, map_name::AGENT)?;
+        let reject_limit = take_map(&mut ebpf, map_name::REJECT_LIMIT)?;
         let mut datapath = Datapath {
             ebpf,
             service_maps,
@@ -158,6 +166,7 @@ impl Datapath {
             conntrack,
             xdp_egress,
             agent,
+            reject_limit,
         };
         for name in [program_name::INGRESS, program_name::EGRESS] {
             let program: &mut SchedClassifier = datapath.program(name)?;
@@ -263,6 +272,18 @@ impl Datapath {
                 name: map_name::AGENT,
                 source,
             })
+    }
+
+    /// Gives every CPU `limit`, a full bucket of its share of the REJECT rate limit.
+    pub fn write_reject_limit(&mut self, limit: RejectLimit) -> Result<(), DatapathError> {
+        let name = map_name::REJECT_LIMIT;
+        let values = aya::util::nr_cpus()
+            .map_err(|(_, source)| source)
+            .and_then(|cpus| PerCpuValues::try_from(vec![limit; cpus]))
+            .map_err(|source| DatapathError::PerCpu { name, source })?;
+        self.reject_limit
+            .set(0, values, 0)
+            .map_err(|source| DatapathError::Map { name, source })
     }
 
     pub fn write_config(&mut self, config: &Config) -> Result<(), DatapathError> {

@@ -20,6 +20,7 @@ pub mod map_pins;
 pub mod metrics;
 pub mod model;
 pub mod node_addresses;
+pub mod node_sysctls;
 pub mod nodeport;
 pub mod pins;
 pub mod reconcile;

@@ -14,4 +14,5 @@ pub mod netns;
 pub mod node;
 pub mod overlay;
 pub mod paths;
+pub mod raw;
 pub mod topology;

@@ -24,7 +24,7 @@ use lb_tests::{
     manifests::{ServiceManifest, yaml},
     netns::{Netns, unique_prefix},
     node::{CLUSTER_IP, Node, PORT, TARGET_PORT, serve_pods},
-    topology::{NODE_IP, Topology},
+    topology::{NODE_IP, POD_GATEWAY, Topology},
 };
 use nix::{
     errno::Errno,
@@ -308,6 +308,73 @@ fn path_mtu_discovery_through_a_service() -> Result<()> {
     let translated = counter(&topology.node, COUNTER)?;
     ensure!(translated >= cases.len() as u64, "{COUNTER}: {translated}");
     Ok(())
+}
+
+/// The MTU of the node's own link to the backend in `path_mtu_of_the_nodes_link_to_a_backend`.
+const NODE_LINK_MTU: u32 = 1280;
+
+/// PMTU discovery where the narrow link is the node's own: pod-b's veth has MTU NODE_LINK_MTU on
+/// both ends, and pod-b's route advertises a 1500-byte link's MSS (`advmss 1460`, so that its
+/// MSS does not reveal the link), so a full-size segment can only be dropped there. The node
+/// answers the clients' DF segments with fragmentation needed quoting them as they were sent
+/// (the stack's error, reverse-translated by lb_egress, with `--forwarding stack`; the
+/// datapath's own, counted, with `--forwarding redirect`): an external client's upload to the
+/// masqueraded NodePort and a pod's to the ClusterIP both finish promptly, and each client has
+/// learned the MTU towards the address it connected to. The external client sends plain
+/// full-size packets (TSO and GSO off), as from a NIC, which a veth refuses beyond its MTU; the
+/// pod sends GSO aggregates, which a veth passes whatever their segments' size, so only their
+/// segments' check can catch them.
+fn path_mtu_of_the_nodes_link_to_a_backend(forwarding: &str) -> Result<()> {
+    let topology = Topology::new(2)?;
+    let _servers: Vec<EchoServer> = serve_pods(&topology, TARGET_PORT)?;
+    let backend = topology.pod("pod-b");
+    let _counting = CountingServer::start(&backend.ns, CLOSED_PORT)?;
+    let mtu = NODE_LINK_MTU.to_string();
+    topology
+        .node
+        .ip(&["link", "set", &backend.host_interface, "mtu", &mtu])?;
+    backend.ns.ip(&["link", "set", "eth0", "mtu", &mtu])?;
+    let gateway = POD_GATEWAY.to_string();
+    backend.ns.ip(&[
+        "route", "change", "default", "via", &gateway, "advmss", "1460",
+    ])?;
+    let service = ServiceManifest::new("upload", CLUSTER_IP, Proto::Tcp, PORT, CLOSED_PORT)
+        .node_port(NODE_PORT)
+        .endpoints([backend.ip]);
+    let _agent = Agent::start(&topology, &yaml(&[service]), &["--forwarding", forwarding])?;
+    topology
+        .client
+        .exec("ethtool", &["-K", "eth0", "tso", "off", "gso", "off"])?;
+    let cases = [
+        ("external client", &topology.client, NODE_IP, NODE_PORT),
+        ("pod-a", &topology.pod("pod-a").ns, CLUSTER_IP, PORT),
+    ];
+    for (client, ns, addr, port) in cases {
+        let took = upload(ns, (addr, port).into())
+            .with_context(|| format!("{client}: {:?}", lb_tests::agent::stats(&topology.node)))?;
+        ensure!(took < PROMPT, "{client}: {TRANSFER} bytes took {took:?}");
+        let mtu = learned_mtu(ns, addr)?;
+        ensure!(
+            mtu == Some(NODE_LINK_MTU),
+            "{client}: path MTU towards {addr} {mtu:?}, expected {NODE_LINK_MTU}"
+        );
+        println!("{forwarding}: {client}: {TRANSFER} bytes to {addr}:{port} in {took:?}");
+    }
+    if forwarding == "redirect" {
+        let answered = counter(&topology.node, "fragmentation_needed")?;
+        ensure!(answered >= 2, "fragmentation_needed: {answered}");
+    }
+    Ok(())
+}
+
+#[test]
+fn path_mtu_of_the_nodes_link_to_a_backend_stack() -> Result<()> {
+    path_mtu_of_the_nodes_link_to_a_backend("stack")
+}
+
+#[test]
+fn path_mtu_of_the_nodes_link_to_a_backend_redirect() -> Result<()> {
+    path_mtu_of_the_nodes_link_to_a_backend("redirect")
 }
 
 /// Sends one datagram with TTL `ttl` from `ns` on a socket connected to `to`, with IP_RECVERR
