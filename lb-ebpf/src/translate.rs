@@ -113,7 +113,9 @@ fn connect<P: PacketAccess>(
     let (src_addr, own_source) = if masquerade {
         (config.node_addr, None)
     } else {
-        let own = connection.claim_reply(tuple.src_addr, tuple.src_port)?;
+        let own = connection
+            .claim_reply(tuple.src_addr, tuple.src_port)?
+            .then(|| connection.translated(tuple.src_addr, tuple.src_port));
         (tuple.src_addr, own)
     };
     let to = match own_source {
