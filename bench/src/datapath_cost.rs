@@ -21,8 +21,9 @@ use aya::{
     programs::SchedClassifier,
 };
 use lb_common::{
-    Backend, BackendKey, BackendStats, CONFIG_F_READY, Config, Frontend, FrontendKey, IPPROTO_TCP,
-    SNAT_PORT_MAX, SNAT_PORT_MIN, default_size, ipv4_be, map_name, port_be, program_name,
+    Backend, BackendKey, BackendStats, CONFIG_F_READY, CONFIG_F_STACK_FORWARDING, Config, Frontend,
+    FrontendKey, IPPROTO_TCP, SNAT_PORT_MAX, SNAT_PORT_MIN, default_size, ipv4_be, map_name,
+    port_be, program_name,
 };
 use lb_tests::netns::{self, Netns};
 use serde::Serialize;
@@ -48,6 +49,9 @@ const SKB_INGRESS_IFINDEX: usize = 36;
 #[derive(Debug, Serialize)]
 pub struct DatapathCost {
     pub services: usize,
+    /// `--forwarding`: `stack` (lb_ingress's half: the destination; lb_egress translates the
+    /// source after routing) or `redirect` (the whole translation and the redirect).
+    pub forwarding: &'static str,
     pub case: &'static str,
     pub runs: u32,
     /// Mean kernel-measured ns per run.
@@ -66,7 +70,10 @@ pub fn measure(plan: &Plan, progress: Progress) -> Result<Vec<DatapathCost>> {
     })
 }
 
-/// What B1 measures for each count, in this order; the first is what the others are net of.
+/// The forwarding modes B1 measures, each with its config flag.
+const FORWARDINGS: [(&str, u32); 2] = [("stack", CONFIG_F_STACK_FORWARDING), ("redirect", 0)];
+
+/// What B1 measures for each count and mode, in this order; the first is what the others are net of.
 const CASES: [&str; 5] = [
     "empty program",
     "non-service",
@@ -88,51 +95,58 @@ fn measure_pinned(runs: u32, counts: &[usize], progress: Progress) -> Result<Vec
     // Two passes, the counts in order and then reversed, half the runs each: a drift of the
     // machine over the measurement (other load) then weighs on every count alike.
     let half = (runs / 2).max(1);
-    let mut sums = vec![[0.0; CASES.len()]; counts.len()];
+    let mut sums = vec![[[0.0; CASES.len()]; FORWARDINGS.len()]; counts.len()];
     let order = (0..counts.len()).chain((0..counts.len()).rev());
     for (n, index) in order.enumerate() {
-        interrupt::check()?;
-        let services = counts[index];
-        let means = measure_count(services, half, empty.as_fd(), &ctx)?;
-        progress(&format!(
-            "  pass {} {services:>6} services: {}",
-            n / counts.len() + 1,
-            CASES[1..]
-                .iter()
-                .zip(&means[1..])
-                .map(|(case, ns)| format!("{case} {:.0} ns", ns - means[0]))
-                .collect::<Vec<_>>()
-                .join(", ")
-        ));
-        for (sum, mean) in sums[index].iter_mut().zip(means) {
-            *sum += mean;
+        for (mode, &(forwarding, flags)) in FORWARDINGS.iter().enumerate() {
+            interrupt::check()?;
+            let services = counts[index];
+            let means = measure_count(services, flags, half, empty.as_fd(), &ctx)?;
+            progress(&format!(
+                "  pass {} {services:>6} services, {forwarding:<8}: {}",
+                n / counts.len() + 1,
+                CASES[1..]
+                    .iter()
+                    .zip(&means[1..])
+                    .map(|(case, ns)| format!("{case} {:.0} ns", ns - means[0]))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ));
+            for (sum, mean) in sums[index][mode].iter_mut().zip(means) {
+                *sum += mean;
+            }
         }
     }
     let mut costs = Vec::new();
-    for (&services, sums) in counts.iter().zip(&sums) {
-        let empty_ns = sums[0] / 2.0;
-        for (&case, sum) in CASES.iter().zip(sums) {
-            costs.push(DatapathCost {
-                services,
-                case,
-                runs: 2 * half,
-                mean_ns: sum / 2.0,
-                net_ns: sum / 2.0 - empty_ns,
-            });
+    for (&services, modes) in counts.iter().zip(&sums) {
+        for (&(forwarding, _), sums) in FORWARDINGS.iter().zip(modes) {
+            let empty_ns = sums[0] / 2.0;
+            for (&case, sum) in CASES.iter().zip(sums) {
+                costs.push(DatapathCost {
+                    services,
+                    forwarding,
+                    case,
+                    runs: 2 * half,
+                    mean_ns: sum / 2.0,
+                    net_ns: sum / 2.0 - empty_ns,
+                });
+            }
         }
     }
     Ok(costs)
 }
 
-/// The mean ns of each of CASES over `runs` runs, on a fresh datapath with `services` Services.
+/// The mean ns of each of CASES over `runs` runs, on a fresh datapath with `services` Services
+/// and config flags `flags` beyond CONFIG_F_READY.
 fn measure_count(
     services: usize,
+    flags: u32,
     runs: u32,
     empty: BorrowedFd<'_>,
     ctx: &[u8],
 ) -> Result<[f64; CASES.len()]> {
     let run = |fd: BorrowedFd<'_>, data: &[u8]| run_once(fd, data, ctx);
-    let datapath = Datapath::load(services, runs)?;
+    let datapath = Datapath::load(services, flags, runs)?;
     let ip = cluster_ip(services - 1);
     let frontend = SocketAddrV4::new(ip, SERVICE_PORT);
     let syn = Frame::tcp(CLIENT, frontend, TCP_SYN);
@@ -228,7 +242,7 @@ struct Datapath {
 }
 
 impl Datapath {
-    fn load(services: usize, runs: u32) -> Result<Self> {
+    fn load(services: usize, flags: u32, runs: u32) -> Result<Self> {
         // Every new connection stays tracked (two entries): room for all of them, so that the
         // measurement never includes LRU eviction.
         let conntrack = (2 * runs as usize + 64)
@@ -253,7 +267,7 @@ impl Datapath {
                 node_addr: ipv4_be(NODE.octets()),
                 cluster_cidr_addr: ipv4_be([10, 244, 0, 0]),
                 cluster_cidr_mask: ipv4_be([255, 255, 0, 0]),
-                flags: CONFIG_F_READY,
+                flags: CONFIG_F_READY | flags,
                 snat_port_min: SNAT_PORT_MIN,
                 snat_port_max: SNAT_PORT_MAX,
                 clock: lb_user::datapath::kernel_clock()?,

@@ -30,9 +30,14 @@ use crate::{
     variants::{Deployment, Variant},
 };
 
-/// The variants B4 compares: kube-proxy's iptables (nf_tables backend), this agent's tc datapath,
-/// and the agent with its XDP program (`--xdp`).
-pub const VARIANTS: [Variant; 3] = [Variant::IptablesNft, Variant::Tc, Variant::Xdp];
+/// The variants B4 compares: kube-proxy's iptables (nf_tables backend), this agent's tc datapath
+/// in both forwarding modes, and the agent with its XDP program (`--xdp`).
+pub const VARIANTS: [Variant; 4] = [
+    Variant::IptablesNft,
+    Variant::Tc,
+    Variant::TcRedirect,
+    Variant::Xdp,
+];
 /// Ethernet frame without FCS.
 const FRAME_BYTES: usize = 64;
 /// What the generator rewrites in every frame: Ethernet, IPv4 and UDP headers, padded to 4 bytes.

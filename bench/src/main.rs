@@ -38,7 +38,7 @@ use crate::{results::Results, variants::Variant};
 #[derive(Parser)]
 #[command(about = "lb against kube-proxy's rulesets, in network namespaces (run as root)")]
 struct Cli {
-    /// Tiny counts, direct and tc only: checks the harness end to end in seconds.
+    /// Tiny counts, direct, tc and tc-redirect only: checks the harness end to end in seconds.
     #[arg(long)]
     smoke: bool,
     /// B2/B3 service counts instead of the plan's (e.g. `1,1000`).
@@ -150,7 +150,7 @@ impl Plan {
                     || self.wants(Section::B4) && flood::VARIANTS.contains(&v)
                     || self.wants(Section::B5) && v == Variant::Tc
                     || (self.wants(Section::B6) || self.wants(Section::B7))
-                        && !matches!(v, Variant::Direct | Variant::Xdp)
+                        && !matches!(v, Variant::Direct | Variant::TcRedirect | Variant::Xdp)
                     || self.wants(Section::B6Restart) && v == Variant::Tc
             })
             .collect()
@@ -211,7 +211,7 @@ impl Plan {
         Plan {
             smoke: true,
             sections: Section::value_variants().to_vec(),
-            variants: vec![Variant::Direct, Variant::Tc],
+            variants: vec![Variant::Direct, Variant::Tc, Variant::TcRedirect],
             service_counts: vec![1],
             point_duration: Duration::from_millis(300),
             rounds: 2,

@@ -90,7 +90,11 @@ pub fn bulk(
     let mut bulk = Vec::new();
     let mut restarts = Vec::new();
     for deployment in deployments.iter_mut() {
-        if matches!(deployment.variant, Variant::Direct | Variant::Xdp) {
+        // The control plane is the same in both forwarding modes: `tc` stands for both.
+        if matches!(
+            deployment.variant,
+            Variant::Direct | Variant::TcRedirect | Variant::Xdp
+        ) {
             continue;
         }
         interrupt::check()?;

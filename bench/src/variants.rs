@@ -40,21 +40,26 @@ pub enum Variant {
     IptablesNft,
     IptablesLegacy,
     Nftables,
-    /// This project's agent and tc datapath.
+    /// This project's agent and tc datapath, in its default `--forwarding stack`: Service
+    /// traffic crosses the node's netfilter as under kube-proxy.
     Tc,
-    /// The agent with `--xdp`: `lb_xdp` on the node's external interface as well. B4 only: the
+    /// The agent with `--forwarding redirect`: tc redirects Service traffic past netfilter.
+    TcRedirect,
+    /// The agent with `--xdp` (and so redirect forwarding): `lb_xdp` on the node's external
+    /// interface as well. B4 only: the
     /// B2/B3 client is a pod, whose traffic enters on a pod veth, where XDP never runs.
     Xdp,
 }
 
 impl Variant {
     /// `xdp` is measured by B4 only: the B2/B3 client is a pod, whose traffic XDP never sees.
-    pub const ALL: [Variant; 6] = [
+    pub const ALL: [Variant; 7] = [
         Variant::Direct,
         Variant::IptablesNft,
         Variant::IptablesLegacy,
         Variant::Nftables,
         Variant::Tc,
+        Variant::TcRedirect,
         Variant::Xdp,
     ];
 
@@ -65,6 +70,7 @@ impl Variant {
             Variant::IptablesLegacy => "iptables-legacy",
             Variant::Nftables => "nftables",
             Variant::Tc => "tc",
+            Variant::TcRedirect => "tc-redirect",
             Variant::Xdp => "xdp",
         }
     }
@@ -72,7 +78,7 @@ impl Variant {
     /// The program that loads this variant's rules, if it has one.
     pub fn loader(self) -> Option<&'static str> {
         match self {
-            Variant::Direct | Variant::Tc | Variant::Xdp => None,
+            Variant::Direct | Variant::Tc | Variant::TcRedirect | Variant::Xdp => None,
             Variant::IptablesNft => Some("iptables-nft-restore"),
             Variant::IptablesLegacy => Some("iptables-legacy-restore"),
             Variant::Nftables => Some("nft"),
@@ -93,7 +99,7 @@ impl Variant {
 /// A variant deployed in its topology, with the bench servers running in the backends.
 pub struct Deployment {
     pub variant: Variant,
-    /// Set for `tc` and `xdp`.
+    /// Set for the agent's variants (`tc`, `tc-redirect`, `xdp`).
     agent: Option<Agent>,
     /// The agent's flags beyond the topology's and --bpffs.
     agent_args: Vec<String>,
@@ -106,7 +112,7 @@ pub struct Deployment {
 
 impl Deployment {
     /// `bpffs`: a directory on a bpffs the agent pins its maps in (one per deployment), so the
-    /// bench can read them. `agent_args`: more flags for the agent (`tc` and `xdp` only).
+    /// bench can read them. `agent_args`: more flags for the agent (its variants only).
     pub fn new(variant: Variant, bpffs: &Path, agent_args: &[&str]) -> Result<Self> {
         let topology = BenchTopology::new()?;
         if variant == Variant::Xdp {
@@ -183,7 +189,7 @@ impl Deployment {
                 )?;
                 Ok(start.elapsed())
             }
-            Variant::Tc | Variant::Xdp => {
+            Variant::Tc | Variant::TcRedirect | Variant::Xdp => {
                 let yaml = set.yaml();
                 match &mut self.agent {
                     None => {
@@ -206,8 +212,10 @@ impl Deployment {
     /// attached.
     fn start_agent(&self, yaml: &str) -> Result<Agent> {
         let mut args = vec!["--bpffs", self.bpffs.to_str().expect("utf-8 path")];
-        if self.variant == Variant::Xdp {
-            args.push("--xdp");
+        match self.variant {
+            Variant::TcRedirect => args.extend(["--forwarding", "redirect"]),
+            Variant::Xdp => args.push("--xdp"),
+            _ => {}
         }
         args.extend(self.agent_args.iter().map(String::as_str));
         Agent::start(&self.topology.inner, yaml, &args).context("start the agent")

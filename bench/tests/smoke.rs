@@ -1,5 +1,5 @@
-//! The bench's smoke run (direct and tc at one service, tiny counts, every section), so the
-//! harness cannot rot. Run as root.
+//! The bench's smoke run (direct, tc and tc-redirect at one service, tiny counts, every
+//! section), so the harness cannot rot. Run as root.
 use std::process::Command;
 
 #[test]
@@ -16,20 +16,29 @@ fn smoke_run_writes_results_report_and_plots() {
         serde_json::from_str(&std::fs::read_to_string(dir.path().join("results.json")).unwrap())
             .unwrap();
     let points = results["points"].as_array().unwrap();
-    assert_eq!(points.len(), 2, "direct and tc");
+    assert_eq!(points.len(), 3, "direct, tc and tc-redirect");
     for point in points {
         assert!(point["error"].is_null(), "{point}");
         assert!(point["connections"]["per_second"].as_f64().unwrap() > 0.0);
         assert!(point["requests"]["p99_us"].as_f64().unwrap() > 0.0);
     }
-    assert!(!results["datapath"].as_array().unwrap().is_empty());
+    // B1: both forwarding modes.
+    let datapath = results["datapath"].as_array().unwrap();
+    for forwarding in ["stack", "redirect"] {
+        assert!(
+            datapath.iter().any(|c| c["forwarding"] == forwarding),
+            "no B1 {forwarding} cost"
+        );
+    }
 
-    // B4: tc only (the smoke run has no iptables); frames reached the backend.
+    // B4: tc and tc-redirect (the smoke run has no iptables); frames reached the backend.
     let flood = results["flood"].as_array().unwrap();
-    assert_eq!(flood.len(), 1, "{flood:?}");
-    assert!(flood[0]["error"].is_null(), "{}", flood[0]);
-    assert!(flood[0]["forwarded"].as_u64().unwrap() > 0);
-    assert!(flood[0]["forwarded"].as_u64() <= flood[0]["sent"].as_u64());
+    assert_eq!(flood.len(), 2, "{flood:?}");
+    for point in flood {
+        assert!(point["error"].is_null(), "{point}");
+        assert!(point["forwarded"].as_u64().unwrap() > 0);
+        assert!(point["forwarded"].as_u64() <= point["sent"].as_u64());
+    }
 
     // B5: 0%, 50%, 100%, ports exhausted; the fills are in the map, every flow to the exhausted
     // NodePort was a counted drop, and pod connections went on.

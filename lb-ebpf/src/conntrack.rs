@@ -328,23 +328,24 @@ impl Connection {
     /// entry, or that one's replies would come back translated as this one's (Linux's NAT
     /// remaps such a clash). An expired entry is taken over, and so is one of this same flow: a
     /// connection it reopens, or the one another CPU seeing its first packet at the same time
-    /// wrote. `Ok(None)`: the source is another connection's.
-    // A frame of its own: masquerade::claim_source's loop runs deepest on the 512-byte stack.
+    /// wrote. `Ok(false)`: the source is another connection's; `Ok(true)`: claimed, the
+    /// connection is translated to `translated(src_addr, port)`.
+    // A frame of its own: masquerade::claim_source's loop runs deepest on the 512-byte stack,
+    // and a bool rather than the tuple keeps its callers' frames small.
     #[inline(never)]
-    pub fn claim_reply(&self, src_addr: u32, port: u16) -> Result<Option<ConntrackKey>, Counter> {
-        let to = self.translated(src_addr, port);
-        let key = reversed(&to);
+    pub fn claim_reply(&self, src_addr: u32, port: u16) -> Result<bool, Counter> {
+        let key = reversed(&self.translated(src_addr, port));
         let mut slot = MaybeUninit::uninit();
         // Replies come back as if from the frontend.
         let entry = self.entry(&reversed(&self.tuple), self.flags | CT_F_REPLY, &mut slot);
         if maps::conntrack_insert(&key, entry, BPF_NOEXIST) {
-            return Ok(Some(to));
+            return Ok(true);
         }
         match maps::conntrack(&key) {
-            Some(held) if !self.outlived(held) && !same_rewrite(held, entry) => Ok(None),
+            Some(held) if !self.outlived(held) && !same_rewrite(held, entry) => Ok(false),
             Some(ours) => {
                 *ours = *entry;
-                Ok(Some(to))
+                Ok(true)
             }
             // The insert failed for want of room, not because the source was taken.
             None => Err(Counter::DropConntrackFull),

@@ -7,7 +7,8 @@ use aya_ebpf::{
         BPF_FIB_LKUP_RET_FRAG_NEEDED, BPF_FIB_LKUP_RET_SUCCESS, BPF_FIB_LOOKUP_SKIP_NEIGH,
         BPF_FIB_LOOKUP_SRC, bpf_fib_lookup,
     },
-    helpers::bpf_fib_lookup,
+    cty::c_void,
+    helpers::{bpf_fib_lookup, bpf_loop},
 };
 use lb_common::{
     Backend, CONFIG_F_MASQUERADE_ALL, Config, ConntrackKey, Counter, FRONTEND_F_MASQUERADE,
@@ -86,6 +87,11 @@ pub fn source<P: PacketAccess>(ctx: &P, config: &Config, client: u32, backend: u
 /// tuple is another connection's (as Linux's NAT remaps a clashing source port). Starts at a
 /// random point of the range so that concurrent connections rarely contend for the same port.
 /// `Ok(None)`: no free port found.
+///
+/// The tries run as a `bpf_loop` callback: the verifier follows its body once rather than each
+/// try, and what comes after the search (the intermediate claim, the original entry) once per
+/// outcome rather than per try.
+#[inline(always)]
 pub fn claim_source(
     config: &Config,
     connection: &Connection,
@@ -101,15 +107,63 @@ pub fn claim_source(
     let Some(start) = maps::random().checked_rem(span) else {
         return Ok(None);
     };
-    for i in 0..PORT_TRIES.min(span) {
-        let mut offset = start + i;
-        if offset >= span {
-            offset -= span;
+    let mut search = PortSearch {
+        connection,
+        src_addr,
+        min,
+        span,
+        start,
+        port: 0,
+        conntrack_full: false,
+    };
+    // SAFETY: `try_port` is a bpf_loop callback, and `search` outlives the loop.
+    unsafe {
+        bpf_loop(
+            PORT_TRIES.min(span),
+            try_port as *const () as *mut c_void,
+            (&raw mut search).cast(),
+            0,
+        );
+    }
+    if search.conntrack_full {
+        return Err(Counter::DropConntrackFull);
+    }
+    Ok((search.port != 0).then(|| connection.translated(src_addr, search.port)))
+}
+
+/// The state of `claim_source`'s search, shared with each try. Its outcome is kept small, a
+/// port rather than a tuple: it is on the stack of the programs' deepest path.
+struct PortSearch<'a> {
+    connection: &'a Connection,
+    src_addr: u32,
+    min: u32,
+    span: u32,
+    /// The offset in the range of the first port tried.
+    start: u32,
+    /// The port claimed (network byte order); 0: none yet (the range starts above 0).
+    port: u16,
+    /// A try found the conntrack table full.
+    conntrack_full: bool,
+}
+
+/// Try `index` of a `PortSearch` (`search`): 1 (stop) once it has an outcome.
+extern "C" fn try_port(index: u64, search: *mut c_void) -> i64 {
+    // SAFETY: bpf_loop passes claim_source's `search`, live and not otherwise borrowed.
+    let search = unsafe { &mut *search.cast::<PortSearch>() };
+    let mut offset = search.start + index as u32;
+    if offset >= search.span {
+        offset -= search.span;
+    }
+    let port = ((search.min + offset) as u16).to_be();
+    match search.connection.claim_reply(search.src_addr, port) {
+        Ok(false) => 0,
+        Ok(true) => {
+            search.port = port;
+            1
         }
-        let port = ((min + offset) as u16).to_be();
-        if let Some(to) = connection.claim_reply(src_addr, port)? {
-            return Ok(Some(to));
+        Err(_) => {
+            search.conntrack_full = true;
+            1
         }
     }
-    Ok(None)
 }

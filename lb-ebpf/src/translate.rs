@@ -117,7 +117,9 @@ fn connect<P: PacketAccess>(
             None,
         )
     } else {
-        let own = connection.claim_reply(tuple.src_addr, tuple.src_port)?;
+        let own = connection
+            .claim_reply(tuple.src_addr, tuple.src_port)?
+            .then(|| connection.translated(tuple.src_addr, tuple.src_port));
         (tuple.src_addr, own)
     };
     let to = match own_source {

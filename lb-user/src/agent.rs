@@ -55,10 +55,7 @@ const COMPLETE_SETTLE: Duration = Duration::from_millis(5);
 const RETRY: Duration = Duration::from_secs(5);
 
 pub async fn run(args: AgentArgs) -> Result<()> {
-    anyhow::ensure!(
-        !args.xdp || args.forwarding == Forwarding::Redirect,
-        "--xdp redirects past netfilter: it requires --forwarding redirect"
-    );
+    let forwarding = args.forwarding()?;
     let metrics = Arc::new(Metrics::new());
     // kube-proxy's health timeout is twice its sync period.
     let health = Arc::new(Mutex::new(Health::new(2 * args.sync_period)));
@@ -120,7 +117,7 @@ pub async fn run(args: AgentArgs) -> Result<()> {
             } else {
                 0
             }
-            | match args.forwarding {
+            | match forwarding {
                 Forwarding::Stack => CONFIG_F_STACK_FORWARDING,
                 Forwarding::Redirect => 0,
             },

@@ -185,19 +185,20 @@ pub struct AgentArgs {
     /// Interface where traffic from outside the node enters.
     #[arg(long, value_name = "IFNAME")]
     pub external_interface: String,
-    /// How translated service traffic is forwarded. `stack`: through the kernel's forwarding
-    /// path, as under kube-proxy, so netfilter's FORWARD and POSTROUTING rules (NetworkPolicy of
-    /// an iptables/nftables CNI, host firewalls) apply to it. `redirect`: straight to the egress
-    /// interface, bypassing netfilter; faster, and safe only when no netfilter rule is meant to
-    /// filter Service traffic.
-    #[arg(long, value_enum, default_value_t = Forwarding::Redirect)]
-    pub forwarding: Forwarding,
+    /// How translated service traffic is forwarded. `stack` (the default): through the
+    /// kernel's forwarding path, as under kube-proxy, so netfilter's FORWARD and POSTROUTING
+    /// rules (NetworkPolicy of an iptables/nftables CNI, host firewalls) apply to it.
+    /// `redirect`: straight to the egress interface, bypassing netfilter; faster, and safe only
+    /// when no netfilter rule is meant to filter Service traffic. With `--xdp` the default is
+    /// `redirect`, and `stack` is refused.
+    #[arg(long, value_enum)]
+    pub forwarding: Option<Forwarding>,
     /// Also attach the XDP fast path to the external interface, in native (driver) mode: external
     /// service traffic is translated and forwarded before the kernel builds an skb. tc stays
     /// attached for what XDP passes on. Fails if the driver has no native XDP. lb_xdp redirects
     /// only into interfaces whose XDP features take redirects (a veth: while its pod-side end
     /// has GRO or an XDP program on), and leaves the rest to tc. XDP bypasses netfilter: it
-    /// requires `--forwarding redirect`.
+    /// implies `--forwarding redirect`.
     #[arg(long)]
     pub xdp: bool,
     /// Pod-side interfaces (shell globs, comma-separated), also those created later: where pods'
@@ -301,6 +302,20 @@ pub struct AgentArgs {
 }
 
 impl AgentArgs {
+    /// `--forwarding`, or its default: `stack`, `redirect` with `--xdp`. Err for `--forwarding
+    /// stack --xdp`: XDP redirects past netfilter.
+    pub fn forwarding(&self) -> anyhow::Result<Forwarding> {
+        match (self.forwarding, self.xdp) {
+            (Some(Forwarding::Stack), true) => anyhow::bail!(
+                "--xdp redirects past netfilter: it cannot be combined with --forwarding stack \
+                 (leave --forwarding out or set it to redirect)"
+            ),
+            (Some(forwarding), _) => Ok(forwarding),
+            (None, true) => Ok(Forwarding::Redirect),
+            (None, false) => Ok(Forwarding::Stack),
+        }
+    }
+
     /// The `--conntrack-*-timeout*` flags, in whole seconds (rounded up), "0" as Linux's
     /// default, as kube-proxy leaves the kernel's setting then.
     pub fn conntrack_timeouts(&self) -> ConntrackTimeouts {
@@ -549,7 +564,7 @@ mod tests {
             a.masquerade_port_range,
             lb_common::SNAT_PORT_MIN..=lb_common::SNAT_PORT_MAX
         );
-        assert_eq!(a.forwarding, Forwarding::Redirect);
+        assert_eq!(a.forwarding().unwrap(), Forwarding::Stack);
         assert_eq!(
             a.healthz_bind_address,
             BindAddress(Some("0.0.0.0:10256".parse().unwrap()))
@@ -586,6 +601,26 @@ mod tests {
             ]);
             assert!(parsed.is_err(), "{bad} accepted");
         }
+    }
+
+    #[test]
+    fn forwarding_defaults_to_the_stack_and_to_redirect_with_xdp() {
+        let forwarding = |extra: &[&str]| manifest_agent(extra).forwarding();
+        assert_eq!(forwarding(&[]).unwrap(), Forwarding::Stack);
+        assert_eq!(forwarding(&["--xdp"]).unwrap(), Forwarding::Redirect);
+        assert_eq!(
+            forwarding(&["--forwarding", "redirect"]).unwrap(),
+            Forwarding::Redirect
+        );
+        assert_eq!(
+            forwarding(&["--forwarding", "redirect", "--xdp"]).unwrap(),
+            Forwarding::Redirect
+        );
+        let refused = forwarding(&["--forwarding", "stack", "--xdp"]).unwrap_err();
+        assert!(
+            refused.to_string().contains("--forwarding stack"),
+            "{refused}"
+        );
     }
 
     #[test]

@@ -53,7 +53,8 @@ const SKB_INGRESS_IFINDEX: usize = 36;
 /// What `lb trace -o json` prints.
 #[derive(Debug, Serialize)]
 struct Trace {
-    /// "forwarded", "passed", "REJECT" or "drop".
+    /// "forwarded" (translated and sent on: redirected, or with stack forwarding handed to the
+    /// stack to route), "passed" (untranslated), "REJECT" or "drop".
     verdict: &'static str,
     /// The frontend matched ("IP:PORT", or "IP:*" for a ClusterIP's catch-all), null for none.
     frontend: Option<String>,
@@ -181,6 +182,8 @@ fn trace(dir: &Path, args: &TraceArgs, ingress_ifindex: u32) -> Result<Trace> {
             trace.reason = drop_reason.unwrap_or("dropped").into();
         }
         TC_ACT_OK | TC_ACT_REDIRECT => {
+            // Translated: by its connection, or by one it opened (or, racing, joined).
+            let translated = moved(Counter::Translated) || moved(Counter::NewConnection);
             if let Some(entry) = &entry {
                 let dnat = socket(entry.dst_addr, entry.dst_port);
                 let masqueraded = entry.src_addr != tuple.src_addr
@@ -218,7 +221,8 @@ fn trace(dir: &Path, args: &TraceArgs, ingress_ifindex: u32) -> Result<Trace> {
                 };
                 trace.interface = if entry.hop_len != 0 {
                     interface_name(entry.hop.ifindex)
-                } else if result.return_value == TC_ACT_REDIRECT {
+                } else if translated {
+                    // Redirected, or routed by the stack: the same route either way.
                     route_interface(*dnat.ip())?
                 } else {
                     None
@@ -229,7 +233,7 @@ fn trace(dir: &Path, args: &TraceArgs, ingress_ifindex: u32) -> Result<Trace> {
                     .map_or("not service traffic", |c| c.meaning())
                     .into();
             }
-            trace.verdict = if result.return_value == TC_ACT_REDIRECT {
+            trace.verdict = if result.return_value == TC_ACT_REDIRECT || translated {
                 "forwarded"
             } else {
                 "passed"

@@ -1,4 +1,4 @@
-//! `--forwarding stack` (the path kube-proxy's traffic takes) against `--forwarding redirect`:
+//! `--forwarding stack` (the default: the path kube-proxy's traffic takes) against `--forwarding redirect`:
 //! a netfilter FORWARD rule of the node applies to Service traffic only in the first; and
 //! endpoints on the node's own address (hostNetwork) work in both, from a pod, a container and
 //! outside, as under kube-proxy: the client sees the service address as its peer, the server
@@ -202,8 +202,8 @@ fn node_endpoint_udp_redirect() -> Result<()> {
 }
 
 /// A restart with another `--forwarding` swaps the programs into the pinned links and the mode
-/// takes effect: masqueraded traffic (container → ClusterIP) keeps working, its source now
-/// translated by `lb_egress`.
+/// takes effect: masqueraded traffic (container → ClusterIP) keeps working, its source
+/// translated by `lb_egress` in the default stack mode and no longer once redirected.
 #[test]
 fn a_restart_switches_the_forwarding_mode() -> Result<()> {
     let bpffs = Bpffs::mount()?;
@@ -213,17 +213,17 @@ fn a_restart_switches_the_forwarding_mode() -> Result<()> {
     let egress_translated =
         || -> Result<u64> { Ok(stats_at(&node.topology.node, &bpffs.arg())?["egress_translated"]) };
     check_container_to_service(&node.topology, Proto::Tcp, vip())?;
-    let redirected = egress_translated()?;
+    let stacked = egress_translated()?;
+    ensure!(stacked > 0, "stack mode: lb_egress translated nothing");
+
+    let status = node.agent.stop()?;
+    ensure!(status.success(), "agent exit status {status}");
+    node.agent.restart(&["--forwarding", "redirect"], true)?;
+    check_container_to_service(&node.topology, Proto::Tcp, vip())?;
+    let redirected = egress_translated()? - stacked;
     ensure!(
         redirected == 0,
         "redirect mode: lb_egress translated {redirected}"
     );
-
-    let status = node.agent.stop()?;
-    ensure!(status.success(), "agent exit status {status}");
-    node.agent.restart(&["--forwarding", "stack"], true)?;
-    check_container_to_service(&node.topology, Proto::Tcp, vip())?;
-    let stacked = egress_translated()?;
-    ensure!(stacked > 0, "stack mode: lb_egress translated nothing");
     Ok(())
 }
