@@ -314,7 +314,7 @@ fn path_mtu_discovery_through_a_service() -> Result<()> {
 const NODE_LINK_MTU: u32 = 1280;
 
 /// PMTU discovery where the narrow link is the node's own: pod-b's veth has MTU NODE_LINK_MTU on
-/// both ends, and pod-b's route advertises a 1500-byte link's MSS (`advmss 1460`, so that its
+/// both ends, and pod-b's routes advertise a 1500-byte link's MSS (`advmss 1460`, so that its
 /// MSS does not reveal the link), so a full-size segment can only be dropped there. The node
 /// answers the clients' DF segments with fragmentation needed quoting them as they were sent
 /// (the stack's error, reverse-translated by lb_egress, with `--forwarding stack`; the
@@ -334,9 +334,14 @@ fn path_mtu_of_the_nodes_link_to_a_backend(forwarding: &str) -> Result<()> {
         .node
         .ip(&["link", "set", &backend.host_interface, "mtu", &mtu])?;
     backend.ns.ip(&["link", "set", "eth0", "mtu", &mtu])?;
+    // Both routes: a connection masqueraded to the gateway's address (the source routing picks
+    // towards pod-b) is answered over the gateway's own route.
     let gateway = POD_GATEWAY.to_string();
     backend.ns.ip(&[
         "route", "change", "default", "via", &gateway, "advmss", "1460",
+    ])?;
+    backend.ns.ip(&[
+        "route", "change", &gateway, "dev", "eth0", "scope", "link", "advmss", "1460",
     ])?;
     let service = ServiceManifest::new("upload", CLUSTER_IP, Proto::Tcp, PORT, CLOSED_PORT)
         .node_port(NODE_PORT)
