@@ -88,8 +88,9 @@ pub async fn run(args: AgentArgs) -> Result<()> {
             Source::Api(Box::new(api), Specs::default())
         }
     };
-    let node_ip = match args.node_ip {
-        Some(ip) => ip,
+    // Changes the wait for the Node consumed still wait for their sync.
+    let (node_ip, changed_meanwhile) = match args.node_ip {
+        Some(ip) => (ip, false),
         None => source.node_ip().await,
     };
 
@@ -189,6 +190,9 @@ pub async fn run(args: AgentArgs) -> Result<()> {
         state.sync(&mut source, &mut coalescer);
     } else {
         coalescer.queue(Instant::now(), Duration::ZERO);
+        if changed_meanwhile {
+            state.queued(&source);
+        }
     }
     let pins = LinkPins::open(&args.bpffs)?;
     // Before the interfaces, so "attached to the existing interfaces" means everything is.
@@ -527,16 +531,17 @@ impl Source {
         }
     }
 
-    /// Waits for this node's Node and its address.
-    async fn node_ip(&mut self) -> std::net::Ipv4Addr {
+    /// Waits for this node's Node and its address; also whether the desired state changed
+    /// meanwhile.
+    async fn node_ip(&mut self) -> (std::net::Ipv4Addr, bool) {
         let Source::Api(api, _) = self else {
             unreachable!("--manifests requires --node-ip")
         };
         info!("no --node-ip: waiting for this node's Node for its address before attaching");
-        let mut logged = false;
+        let (mut logged, mut changed) = (false, false);
         loop {
-            if let Some(ip) = api.node().as_deref().and_then(apiserver::node_ip) {
-                return ip;
+            if let Some(ip) = api.node().and_then(apiserver::node_ip) {
+                return (ip, changed);
             }
             if !logged && api.node_listed() {
                 warn!(
@@ -544,7 +549,7 @@ impl Source {
                 );
                 logged = true;
             }
-            api.next().await;
+            changed |= api.next().await == Next::Changed;
         }
     }
 
@@ -561,8 +566,7 @@ impl Source {
         let Source::Api(api, _) = self else {
             return String::new();
         };
-        let node = api.node();
-        let zone = node.as_deref().and_then(apiserver::node_zone);
+        let zone = api.node().and_then(apiserver::node_zone);
         zone.unwrap_or_default().to_string()
     }
 
