@@ -666,6 +666,19 @@ fn manifest_event_settle(
     })
 }
 
+/// A sync that joined this many services followed a bulk change (the first lists, a relist
+/// after an outage): the memory the change's objects took is freed by then.
+const BULK_SYNC: usize = 1000;
+
+/// Hands the allocator's free memory back to the system: glibc otherwise keeps what a bulk
+/// change freed (at 50k Services, hundreds of MB) in its arenas.
+fn release_free_memory() {
+    // SAFETY: malloc_trim only walks the allocator's own free lists.
+    unsafe {
+        nix::libc::malloc_trim(0);
+    }
+}
+
 struct State {
     /// The desired state joined, as of the last sync.
     model: Model,
@@ -819,6 +832,9 @@ impl State {
         if desired.changed.is_none() || health_checked {
             self.service_health
                 .update(service_health::wanted(&model, self.reconciler.node_name()));
+        }
+        if previous.len() >= BULK_SYNC {
+            release_free_memory();
         }
         let took = start.elapsed();
         let now = Timestamp::now();

@@ -40,6 +40,11 @@ pub const TO_BE_DELETED_TAINT: &str = "ToBeDeletedByClusterAutoscaler";
 pub const PROXY_LABEL_SELECTOR: &str =
     "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless";
 
+/// The reports the watchers may queue ahead of the agent's loop: enough to keep a list streaming
+/// while the loop converts, few enough that a list's objects never wait in memory all at once
+/// (unbounded, a 50k-Service cold start queued them all: their memory stayed with the agent).
+const REPORTS_QUEUED: usize = 1024;
+
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {
     #[error("kubeconfig {path}: {source}")]
@@ -160,7 +165,7 @@ pub struct ApiSource {
     uids: HashMap<ServiceName, String>,
     pending: Pending,
     node_name: String,
-    reports: mpsc::UnboundedReceiver<(Resource, Report)>,
+    reports: mpsc::Receiver<(Resource, Report)>,
     lists: [ListState; 3],
     started: Timestamp,
     /// The last trigger time seen per slice: a relist replays unchanged slices, which are no
@@ -190,7 +195,7 @@ impl ApiSource {
         };
         info!(apiserver = %config.cluster_url, node = node_name, "watching the apiserver");
         let client = Client::try_from(config)?;
-        let (tx, reports) = mpsc::unbounded_channel();
+        let (tx, reports) = mpsc::channel(REPORTS_QUEUED);
         let proxied = || watcher::Config::default().labels(PROXY_LABEL_SELECTOR);
 
         spawn_watch(
@@ -518,7 +523,7 @@ fn spawn_watch<K>(
     api: Api<K>,
     config: watcher::Config,
     resource: Resource,
-    tx: mpsc::UnboundedSender<(Resource, Report)>,
+    tx: mpsc::Sender<(Resource, Report)>,
     service_of: fn(&K) -> Option<ServiceName>,
 ) where
     K: kube::Resource<DynamicType = ()>
@@ -551,7 +556,7 @@ fn spawn_watch<K>(
                 },
                 Err(err) => Report::Failed(crate::error_chain(&err)),
             };
-            if tx.send((resource, report)).is_err() {
+            if tx.send((resource, report)).await.is_err() {
                 break;
             }
         }
