@@ -213,6 +213,21 @@ mod tests {
     }
 
     #[test]
+    fn only_a_new_version_is_converted_and_a_deleted_object_is_unknown() {
+        let mut tracker = ChangeTracker::default();
+        assert!(tracker.applied(Kind::Service, service("web", "1")));
+        assert!(!tracker.applied(Kind::Service, service("web", "1")));
+        assert!(tracker.applied(Kind::Service, service("web", "2")));
+        assert!(tracker.knows(Kind::Service, "shop/web"));
+        assert!(!tracker.knows(Kind::EndpointSlice, "shop/web"));
+
+        tracker.relisting(Kind::Service);
+        tracker.relisted(Kind::Service);
+        assert!(!tracker.knows(Kind::Service, "shop/web"));
+        assert_eq!(tracker.take_changed(), names(&["web"]));
+    }
+
+    #[test]
     fn a_slice_that_changes_service_marks_both() {
         let mut tracker = ChangeTracker::default();
         tracker.applied(Kind::EndpointSlice, slice("s", "1", "web"));
