@@ -6,7 +6,8 @@
 //!   probe: a new connection every 200 µs from a client pod);
 //! - a relist after every watch expired (410 Gone): expiry → every store listed again, and
 //!   what the sync after it joined;
-//! - the agent's RSS after the start and after the changes.
+//! - the agent's RSS after the start and after the changes;
+//! - SIGTERM → the agent's exit.
 use std::{
     net::Ipv4Addr,
     time::{Duration, Instant},
@@ -45,6 +46,9 @@ pub struct ApiControlPoint {
     /// Agent spawn → the sync of every Service.
     pub cold_start_s: f64,
     pub services_per_s: f64,
+    /// The `took_ms` of the sync that programmed every Service: the cold start beyond the
+    /// lists' transfer.
+    pub first_sync_s: f64,
     #[serde(flatten)]
     pub changes: Latencies,
     /// Every watch expired → every store listed again.
@@ -53,6 +57,8 @@ pub struct ApiControlPoint {
     pub relist_sync: Option<String>,
     pub rss_start_kib: u64,
     pub rss_after_changes_kib: u64,
+    /// SIGTERM → exit.
+    pub stop_s: f64,
     pub error: Option<String>,
 }
 
@@ -68,11 +74,13 @@ pub fn run(
             services,
             cold_start_s: 0.0,
             services_per_s: 0.0,
+            first_sync_s: 0.0,
             changes: Latencies::default(),
             relist_s: 0.0,
             relist_sync: None,
             rss_start_kib: 0,
             rss_after_changes_kib: 0,
+            stop_s: 0.0,
             error: None,
         };
         if let Err(err) = measure(plan, bpffs, &mut point) {
@@ -114,9 +122,17 @@ fn measure(plan: &Plan, bpffs: &std::path::Path, point: &mut ApiControlPoint) ->
     ];
     let start = Instant::now();
     let mut agent = Agent::start_api(&topology.inner, &api, &args, false)?;
-    agent.wait_for_log(&format!(" services={} ", point.services), START_TIMEOUT)?;
+    let programmed = format!(" services={} ", point.services);
+    agent.wait_for_log(&programmed, START_TIMEOUT)?;
     point.cold_start_s = start.elapsed().as_secs_f64();
     point.services_per_s = point.services as f64 / point.cold_start_s;
+    point.first_sync_s = agent
+        .log()
+        .lines()
+        .find(|l| l.contains("sync done") && l.contains(&programmed))
+        .and_then(took_ms)
+        .context("the first sync's took_ms")?
+        / 1000.0;
     point.rss_start_kib = agent.rss_kib()?;
 
     let steps: [(Vec<Ipv4Addr>, Shows); 4] = [
@@ -165,8 +181,16 @@ fn measure(plan: &Plan, bpffs: &std::path::Path, point: &mut ApiControlPoint) ->
         .filter(|l| l.contains("sync done"))
         .nth(syncs)
         .map(str::to_owned);
+    let stopping = Instant::now();
     agent.stop()?;
+    point.stop_s = stopping.elapsed().as_secs_f64();
     Ok(())
+}
+
+/// The `took_ms="…"` of a `sync done` line.
+fn took_ms(line: &str) -> Option<f64> {
+    let (_, rest) = line.split_once("took_ms=\"")?;
+    rest.split('"').next()?.parse().ok()
 }
 
 /// The YAML documents of `yaml` as apiserver objects.
@@ -187,17 +211,19 @@ fn measured_slice(set: &ServiceSet) -> Result<Value> {
 impl ApiControlPoint {
     pub fn summary(&self) -> String {
         let mut text = format!(
-            "  apiserver {:>6} services: cold start {:.2} s ({:.0}/s), {} changes: p50 {:.1} ms \
-             p99 {:.1} ms, relist {:.2} s, RSS {} → {} KiB",
+            "  apiserver {:>6} services: cold start {:.2} s ({:.0}/s, first sync {:.2} s), {} \
+             changes: p50 {:.1} ms p99 {:.1} ms, relist {:.2} s, RSS {} → {} KiB, exit {:.2} s",
             self.services,
             self.cold_start_s,
             self.services_per_s,
+            self.first_sync_s,
             self.changes.latencies_ms.len(),
             self.changes.p50_ms,
             self.changes.p99_ms,
             self.relist_s,
             self.rss_start_kib,
             self.rss_after_changes_kib,
+            self.stop_s,
         );
         if let Some(e) = &self.error {
             text += &format!(" ERROR {e}");

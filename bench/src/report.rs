@@ -373,22 +373,24 @@ fn write_control_api(md: &mut String, results: &Results) {
          every 200 µs) that shows it. Relist: every watch expired (410) → every store listed \
          again. Goals: cold start ≥ 50k Services/s beyond the list's transfer, change p99 ≤ \
          100 ms, a change's cost flat in N, RSS ≤ 2 KiB per Service + 200 B per endpoint.\n\n\
-         | services | cold start s | Services/s | changes | p50 ms | p99 ms | relist s | RSS start KiB | RSS after KiB | error |\n\
-         | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |\n",
+         | services | cold start s | Services/s | first sync s | changes | p50 ms | p99 ms | relist s | RSS start KiB | RSS after KiB | exit s | error |\n\
+         | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |\n",
     );
     for p in &results.control_api {
         let _ = writeln!(
             md,
-            "| {} | {:.2} | {:.0} | {} | {:.1} | {:.1} | {:.2} | {} | {} | {} |",
+            "| {} | {:.2} | {:.0} | {:.2} | {} | {:.1} | {:.1} | {:.2} | {} | {} | {:.2} | {} |",
             p.services,
             p.cold_start_s,
             p.services_per_s,
+            p.first_sync_s,
             p.changes.latencies_ms.len(),
             p.changes.p50_ms,
             p.changes.p99_ms,
             p.relist_s,
             p.rss_start_kib,
             p.rss_after_changes_kib,
+            p.stop_s,
             p.error.as_deref().unwrap_or("")
         );
     }

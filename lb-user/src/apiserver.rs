@@ -1,24 +1,25 @@
 //! The apiserver as a source: kube-runtime watchers (with backoff) on Services, EndpointSlices
-//! and this node's Node feed reflector stores; a snapshot of the stores converts to the same specs
-//! as the manifest source, through k8s.rs.
+//! and this node's Node. Each new version of a Service or slice is converted through k8s.rs as
+//! it arrives and the object dropped: the specs are the only copy of the cluster's state kept
+//! (k8s objects cost ~10× their specs: 3.4 KB per slice of 10 endpoints), and the change tracker
+//! keeps each object's resourceVersion and owner.
 //!
 //! Services whose map writes failed get an Event (events.rs).
 //!
-//! A store is only used whole: from its first complete list on, and never while it relists (the
-//! reflector swaps a relist in atomically at its end, and we do not sync until then), so a watch
-//! that fails halfway never deletes a live service.
+//! The specs are only brought up to date whole: from the first complete lists on, and never
+//! while one relists (converted changes wait in `pending` until then), so a watch that fails
+//! halfway never deletes a live service.
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::{IpAddr, Ipv4Addr};
 use std::path::Path;
-use std::sync::Arc;
 
 use futures::StreamExt as _;
 use jiff::Timestamp;
-use k8s_openapi::api::core::v1::{Node, NodeStatus, Service, ServiceStatus};
+use k8s_openapi::api::core::v1::ObjectReference;
+use k8s_openapi::api::core::v1::{Node, NodeStatus, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
-use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::WatchStreamExt as _;
 use kube::runtime::watcher::{self, Event};
-use kube::runtime::{WatchStreamExt as _, reflector::store::Writer};
 use kube::{Api, Client, Resource as _, ResourceExt as _};
 use serde::de::DeserializeOwned;
 use tokio::sync::mpsc;
@@ -27,7 +28,7 @@ use tracing::{debug, info, warn};
 use crate::change_tracker::{ChangeTracker, Kind, ObjectVersion};
 use crate::events::WriteFailureEvents;
 use crate::k8s::{self, InvalidField};
-use crate::model::{ServiceName, Specs};
+use crate::model::{ServiceName, ServiceSpec, SliceSpec, Specs};
 use crate::reconcile::WriteFailure;
 
 /// The EndpointSlice annotation network programming latency is measured from.
@@ -38,6 +39,11 @@ pub const TO_BE_DELETED_TAINT: &str = "ToBeDeletedByClusterAutoscaler";
 /// filtered out by the apiserver already.
 pub const PROXY_LABEL_SELECTOR: &str =
     "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless";
+
+/// The reports the watchers may queue ahead of the agent's loop: enough to keep a list streaming
+/// while the loop converts, few enough that a list's objects never wait in memory all at once
+/// (unbounded, a 50k-Service cold start queued them all: their memory stayed with the agent).
+const REPORTS_QUEUED: usize = 1024;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {
@@ -74,14 +80,41 @@ impl Resource {
     }
 }
 
+/// An object a watcher received.
+#[derive(Debug)]
+enum Object {
+    Service(Box<Service>),
+    Slice(Box<EndpointSlice>),
+    Node(Box<Node>),
+}
+
+impl From<Service> for Object {
+    fn from(svc: Service) -> Self {
+        Object::Service(Box::new(svc))
+    }
+}
+
+impl From<EndpointSlice> for Object {
+    fn from(slice: EndpointSlice) -> Self {
+        Object::Slice(Box::new(slice))
+    }
+}
+
+impl From<Node> for Object {
+    fn from(node: Node) -> Self {
+        Object::Node(Box::new(node))
+    }
+}
+
 /// What a watcher reported.
 #[derive(Debug)]
 enum Report {
     Relisting,
     Listed,
     Applied {
-        object: ObjectVersion,
+        version: ObjectVersion,
         trigger: Option<Timestamp>,
+        object: Object,
     },
     Deleted {
         key: String,
@@ -114,12 +147,25 @@ pub struct Update {
     pub triggers: Vec<Timestamp>,
 }
 
+/// Converted changes not yet in the specs; None: the object has no spec (ignored or invalid).
+#[derive(Debug, Default)]
+struct Pending {
+    services: HashMap<ServiceName, Option<ServiceSpec>>,
+    /// By slice key, `namespace/name`.
+    slices: HashMap<String, Option<SliceSpec>>,
+}
+
 pub struct ApiSource {
-    services: Store<Service>,
-    slices: Store<EndpointSlice>,
-    nodes: Store<Node>,
+    /// This node's Node, trimmed to what is used.
+    node: Option<Node>,
+    /// While the Node relists: what the relist has listed so far (it replaces `node` when
+    /// complete, as a reflector's store would).
+    node_relist: Option<Option<Node>>,
+    /// The uid of each Service, which its Events name.
+    uids: HashMap<ServiceName, String>,
+    pending: Pending,
     node_name: String,
-    reports: mpsc::UnboundedReceiver<(Resource, Report)>,
+    reports: mpsc::Receiver<(Resource, Report)>,
     lists: [ListState; 3],
     started: Timestamp,
     /// The last trigger time seen per slice: a relist replays unchanged slices, which are no
@@ -149,44 +195,36 @@ impl ApiSource {
         };
         info!(apiserver = %config.cluster_url, node = node_name, "watching the apiserver");
         let client = Client::try_from(config)?;
-        let (tx, reports) = mpsc::unbounded_channel();
+        let (tx, reports) = mpsc::channel(REPORTS_QUEUED);
         let proxied = || watcher::Config::default().labels(PROXY_LABEL_SELECTOR);
 
-        let (services, writer) = reflector::store();
         spawn_watch(
             Api::<Service>::all(client.clone()),
             proxied(),
-            writer,
             Resource::Services,
             tx.clone(),
-            trim_service,
             service_of_service,
         );
-        let (slices, writer) = reflector::store();
         spawn_watch(
             Api::<EndpointSlice>::all(client.clone()),
             proxied(),
-            writer,
             Resource::EndpointSlices,
             tx.clone(),
-            trim_slice,
             service_of_slice,
         );
         let write_failure_events = WriteFailureEvents::start(client.clone(), node_name);
-        let (nodes, writer) = reflector::store();
         spawn_watch(
             Api::<Node>::all(client),
             watcher::Config::default().fields(&format!("metadata.name={node_name}")),
-            writer,
             Resource::Node,
             tx,
-            trim_node,
             |_| None,
         );
         Ok(Self {
-            services,
-            slices,
-            nodes,
+            node: None,
+            node_relist: None,
+            uids: HashMap::new(),
+            pending: Pending::default(),
             node_name: node_name.to_owned(),
             reports,
             lists: [ListState::NeverListed; 3],
@@ -208,8 +246,9 @@ impl ApiSource {
         let tracked = resource.tracked();
         match report {
             Report::Relisting => {
-                if let Some(kind) = tracked {
-                    self.tracker.relisting(kind);
+                match tracked {
+                    Some(kind) => self.tracker.relisting(kind),
+                    None => self.node_relist = Some(None),
                 }
                 if *list == ListState::Whole {
                     info!(
@@ -221,30 +260,38 @@ impl ApiSource {
                 Next::Nothing
             }
             Report::Listed => {
-                if let Some(kind) = tracked {
-                    self.tracker.relisted(kind);
+                match tracked {
+                    Some(kind) => self.tracker.relisted(kind),
+                    None => {
+                        if let Some(listed) = self.node_relist.take() {
+                            self.node = listed;
+                        }
+                    }
                 }
                 let first = *list == ListState::NeverListed;
                 *list = ListState::Whole;
                 info!(?resource, first, "list complete");
                 Next::Changed
             }
-            Report::Applied { object, trigger } => {
+            Report::Applied {
+                version,
+                trigger,
+                object,
+            } => {
                 if let Some(at) = trigger
                     && at >= self.started
-                    && self.trigger_seen.insert(object.key.clone(), at) != Some(at)
+                    && self.trigger_seen.insert(version.key.clone(), at) != Some(at)
                 {
                     self.triggers.push(at);
                 }
-                if let Some(kind) = tracked {
-                    self.tracker.applied(kind, object);
-                }
+                self.applied(version, object);
                 Next::Changed
             }
             Report::Deleted { key } => {
                 self.trigger_seen.remove(&key);
-                if let Some(kind) = tracked {
-                    self.tracker.deleted(kind, &key);
+                match tracked {
+                    Some(kind) => self.tracker.deleted(kind, &key),
+                    None => self.node = None,
                 }
                 Next::Changed
             }
@@ -255,17 +302,53 @@ impl ApiSource {
         }
     }
 
-    /// Every store holds a complete list and none is relisting.
+    /// A new version of `object`: converted if the tracker sees a change (once per version, so
+    /// its warnings are too), else dropped.
+    fn applied(&mut self, version: ObjectVersion, object: Object) {
+        let events = &self.write_failure_events;
+        match object {
+            Object::Node(mut node) => {
+                if node.metadata.name.as_deref() != Some(&self.node_name) {
+                    return;
+                }
+                trim_node(&mut node);
+                match &mut self.node_relist {
+                    Some(listed) => *listed = Some(*node),
+                    None => self.node = Some(*node),
+                }
+            }
+            Object::Service(svc) => {
+                let Some(name) = version.service.clone() else {
+                    return;
+                };
+                if !self.tracker.applied(Kind::Service, version) {
+                    return;
+                }
+                if let Some(uid) = &svc.metadata.uid {
+                    self.uids.insert(name.clone(), uid.clone());
+                }
+                let spec = convert(svc.as_ref(), k8s::service, events);
+                self.pending.services.insert(name, spec);
+            }
+            Object::Slice(slice) => {
+                let key = version.key.clone();
+                if !self.tracker.applied(Kind::EndpointSlice, version) {
+                    return;
+                }
+                let spec = convert(slice.as_ref(), k8s::endpoint_slice, events);
+                self.pending.slices.insert(key, spec);
+            }
+        }
+    }
+
+    /// Every watcher has a complete list and none is relisting.
     pub fn whole(&self) -> bool {
         self.lists.iter().all(|l| *l == ListState::Whole)
     }
 
     /// This node's object, once listed.
-    pub fn node(&self) -> Option<Arc<Node>> {
-        self.nodes
-            .state()
-            .into_iter()
-            .find(|n| n.metadata.name.as_deref() == Some(&self.node_name))
+    pub fn node(&self) -> Option<&Node> {
+        self.node.as_ref()
     }
 
     /// The Node's first list is complete.
@@ -276,7 +359,7 @@ impl ApiSource {
     /// See [`node_eligible`]; a node that does not exist (any more) is not eligible.
     pub fn node_eligible(&self) -> bool {
         match self.node() {
-            Some(node) => node_eligible(&node),
+            Some(node) => node_eligible(node),
             None => !self.node_listed(),
         }
     }
@@ -284,53 +367,71 @@ impl ApiSource {
     /// An Event on each Service of `failed` (whose map writes failed), at most every few
     /// minutes while they keep failing.
     pub fn report_write_failures(&mut self, failed: &BTreeMap<ServiceName, WriteFailure>) {
-        let services = &self.services;
+        let uids = &self.uids;
         self.write_failure_events.report(failed, |name| {
-            let service = services.get(&ObjectRef::new(&name.name).within(&name.namespace))?;
-            let mut reference = service.object_ref(&());
-            // One Event series across the Service's changes.
-            reference.resource_version = None;
-            Some(reference)
+            // No resourceVersion: one Event series across the Service's changes.
+            Some(ObjectReference {
+                api_version: Some(Service::api_version(&()).into_owned()),
+                kind: Some(Service::kind(&()).into_owned()),
+                namespace: Some(name.namespace.clone()),
+                name: Some(name.name.clone()),
+                uid: Some(uids.get(name)?.clone()),
+                ..Default::default()
+            })
         });
     }
 
-    /// Converts the Services whose Service or slices changed since the last update into
-    /// `specs`; objects k8s.rs rejects are skipped with a warning (once per version: unchanged
-    /// objects are not converted again).
+    /// Brings into `specs` the Services whose Service or slices changed since the last update
+    /// (converted as they arrived; objects k8s.rs rejected were warned about then).
     pub fn update(&mut self, specs: &mut Specs) -> Update {
         let changed = self.tracker.take_changed();
         for name in &changed {
-            let service = self
-                .services
-                .get(&ObjectRef::new(&name.name).within(&name.namespace))
-                .and_then(|svc| convert(svc.as_ref(), k8s::service, &self.write_failure_events));
-            match service {
-                Some(spec) => specs.services.insert(name.clone(), spec),
-                None => specs.services.remove(name),
-            };
-            let slices: BTreeMap<_, _> = self
-                .tracker
-                .slices_of(name)
-                .filter_map(|key| {
-                    let (namespace, slice) = key.split_once('/')?;
-                    let object = self.slices.get(&ObjectRef::new(slice).within(namespace))?;
-                    let spec = convert(
-                        object.as_ref(),
-                        k8s::endpoint_slice,
-                        &self.write_failure_events,
-                    )?;
-                    Some(((key.to_owned(), 0), spec))
-                })
-                .collect();
-            if slices.is_empty() {
-                specs.slices.remove(name);
-            } else {
-                specs.slices.insert(name.clone(), slices);
-            }
+            self.update_service(name, specs);
+            self.update_slices(name, specs);
         }
+        // The rest belong to no changed Service: slices of no Service, or gone before this update.
+        self.pending = Pending::default();
         Update {
             changed,
             triggers: std::mem::take(&mut self.triggers),
+        }
+    }
+
+    fn update_service(&mut self, name: &ServiceName, specs: &mut Specs) {
+        let spec = if self.tracker.knows(Kind::Service, &service_key(name)) {
+            match self.pending.services.remove(name) {
+                Some(spec) => spec,
+                // Only its slices changed.
+                None => return,
+            }
+        } else {
+            self.uids.remove(name);
+            None
+        };
+        match spec {
+            Some(spec) => specs.services.insert(name.clone(), spec),
+            None => specs.services.remove(name),
+        };
+    }
+
+    /// The slices of `name` as the tracker has them now: a new version converted, else the
+    /// spec it had.
+    fn update_slices(&mut self, name: &ServiceName, specs: &mut Specs) {
+        let mut before = specs.slices.remove(name).unwrap_or_default();
+        let slices: BTreeMap<_, _> = self
+            .tracker
+            .slices_of(name)
+            .filter_map(|key| {
+                let key = (key.to_owned(), 0);
+                let spec = match self.pending.slices.remove(&key.0) {
+                    Some(spec) => spec,
+                    None => before.remove(&key),
+                }?;
+                Some((key, spec))
+            })
+            .collect();
+        if !slices.is_empty() {
+            specs.slices.insert(name.clone(), slices);
         }
     }
 }
@@ -406,6 +507,10 @@ pub fn node_eligible(node: &Node) -> bool {
     node.metadata.deletion_timestamp.is_none() && !tainted
 }
 
+fn service_key(name: &ServiceName) -> String {
+    format!("{}/{}", name.namespace, name.name)
+}
+
 fn object_key<K: kube::Resource>(object: &K) -> String {
     format!(
         "{}/{}",
@@ -417,10 +522,8 @@ fn object_key<K: kube::Resource>(object: &K) -> String {
 fn spawn_watch<K>(
     api: Api<K>,
     config: watcher::Config,
-    writer: Writer<K>,
     resource: Resource,
-    tx: mpsc::UnboundedSender<(Resource, Report)>,
-    trim: fn(&mut K),
+    tx: mpsc::Sender<(Resource, Report)>,
     service_of: fn(&K) -> Option<ServiceName>,
 ) where
     K: kube::Resource<DynamicType = ()>
@@ -430,31 +533,30 @@ fn spawn_watch<K>(
         + Send
         + Sync
         + 'static,
+    Object: From<K>,
 {
     tokio::spawn(async move {
-        let stream = watcher::watcher(api, config)
-            .default_backoff()
-            .modify(trim)
-            .reflect(writer);
+        let stream = watcher::watcher(api, config).default_backoff();
         let mut stream = std::pin::pin!(stream);
         while let Some(item) = stream.next().await {
             let report = match item {
                 Ok(Event::Init) => Report::Relisting,
                 Ok(Event::InitDone) => Report::Listed,
                 Ok(Event::Apply(object) | Event::InitApply(object)) => Report::Applied {
-                    object: ObjectVersion {
+                    version: ObjectVersion {
                         key: object_key(&object),
                         resource_version: object.resource_version().unwrap_or_default(),
                         service: service_of(&object),
                     },
                     trigger: trigger_time(&object),
+                    object: object.into(),
                 },
                 Ok(Event::Delete(object)) => Report::Deleted {
                     key: object_key(&object),
                 },
                 Err(err) => Report::Failed(crate::error_chain(&err)),
             };
-            if tx.send((resource, report)).is_err() {
+            if tx.send((resource, report)).await.is_err() {
                 break;
             }
         }
@@ -496,27 +598,7 @@ fn trigger_time<K: kube::Resource>(object: &K) -> Option<Timestamp> {
     }
 }
 
-// The stores keep only what the model and health need: a cluster's objects carry much more.
-
-fn trim_service(svc: &mut Service) {
-    svc.metadata.managed_fields = None;
-    if let Some(annotations) = &mut svc.metadata.annotations {
-        annotations.retain(|k, _| k == k8s::SCHEDULER_ANNOTATION);
-    }
-    // The load balancer ingress IPs are served; the conditions are not read.
-    svc.status = svc.status.take().map(|status| ServiceStatus {
-        load_balancer: status.load_balancer,
-        conditions: None,
-    });
-}
-
-fn trim_slice(slice: &mut EndpointSlice) {
-    slice.metadata.managed_fields = None;
-    if let Some(annotations) = &mut slice.metadata.annotations {
-        annotations.retain(|k, _| k == TRIGGER_TIME_ANNOTATION);
-    }
-}
-
+/// The Node keeps only what health and topology read: a node's object carries much more.
 fn trim_node(node: &mut Node) {
     node.metadata.managed_fields = None;
     node.metadata.annotations = None;
@@ -563,27 +645,6 @@ mod tests {
 
     #[test]
     fn trimming_keeps_what_is_used() {
-        let mut slice: EndpointSlice = yaml_serde::from_str(
-            "metadata:\n  name: s\n  annotations: {endpoints.kubernetes.io/last-change-trigger-time: '2025-03-01T10:00:00Z', other: x}\n  managedFields: [{manager: kcm}]\naddressType: IPv4\nendpoints: []\n",
-        )
-        .unwrap();
-        trim_slice(&mut slice);
-        assert!(slice.metadata.managed_fields.is_none());
-        assert_eq!(
-            trigger_time(&slice),
-            Some("2025-03-01T10:00:00Z".parse().unwrap())
-        );
-        assert_eq!(slice.metadata.annotations.unwrap().len(), 1);
-
-        let mut svc: Service = yaml_serde::from_str(
-            "metadata:\n  name: web\n  annotations: {lb.kubernetes.io/scheduler: maglev, other: x}\n",
-        )
-        .unwrap();
-        trim_service(&mut svc);
-        let annotations = svc.metadata.annotations.unwrap();
-        assert_eq!(annotations.len(), 1);
-        assert_eq!(annotations[k8s::SCHEDULER_ANNOTATION], "maglev");
-
         let mut n = node(
             "metadata:\n  name: n1\n  labels: {topology.kubernetes.io/zone: zone-b, other: x}\n",
         );

@@ -43,7 +43,9 @@ pub struct ChangeTracker {
 }
 
 impl ChangeTracker {
-    pub fn applied(&mut self, kind: Kind, object: ObjectVersion) {
+    /// A new version of an object was seen; whether it changed (a relist replays unchanged
+    /// ones).
+    pub fn applied(&mut self, kind: Kind, object: ObjectVersion) -> bool {
         let seen = self.seen(kind);
         if let Some(relisted) = &mut seen.relisted {
             relisted.insert(object.key.clone());
@@ -56,10 +58,20 @@ impl ChangeTracker {
             && *version == object.resource_version
             && *service == object.service
         {
-            return;
+            return false;
         }
         let before = previous.and_then(|(_, service)| service);
         self.moved(kind, &object.key, before, object.service);
+        true
+    }
+
+    /// Whether the object `key` is there (seen and not deleted since).
+    pub fn knows(&self, kind: Kind, key: &str) -> bool {
+        let seen = match kind {
+            Kind::Service => &self.services,
+            Kind::EndpointSlice => &self.slices,
+        };
+        seen.objects.contains_key(key)
     }
 
     pub fn deleted(&mut self, kind: Kind, key: &str) {
@@ -198,6 +210,21 @@ mod tests {
         assert_eq!(tracker.take_changed(), names(&[]));
         tracker.deleted(Kind::Service, "shop/unknown");
         assert_eq!(tracker.take_changed(), names(&[]));
+    }
+
+    #[test]
+    fn only_a_new_version_is_converted_and_a_deleted_object_is_unknown() {
+        let mut tracker = ChangeTracker::default();
+        assert!(tracker.applied(Kind::Service, service("web", "1")));
+        assert!(!tracker.applied(Kind::Service, service("web", "1")));
+        assert!(tracker.applied(Kind::Service, service("web", "2")));
+        assert!(tracker.knows(Kind::Service, "shop/web"));
+        assert!(!tracker.knows(Kind::EndpointSlice, "shop/web"));
+
+        tracker.relisting(Kind::Service);
+        tracker.relisted(Kind::Service);
+        assert!(!tracker.knows(Kind::Service, "shop/web"));
+        assert_eq!(tracker.take_changed(), names(&["web"]));
     }
 
     #[test]

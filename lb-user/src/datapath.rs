@@ -8,9 +8,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use aya::maps::lpm_trie::{Key, LpmTrie};
-use aya::maps::{
-    Array, HashMap, IterableMap, Map, MapData, MapError, MapType, PerCpuArray, PerCpuValues,
-};
+use aya::maps::{Array, HashMap, IterableMap, Map, MapData, MapError, MapType, PerCpuArray};
 use aya::programs::{CgroupSockAddr, ProgramError, SchedClassifier, Xdp};
 use aya::{Ebpf, EbpfError, EbpfLoader};
 use bytemuck::Pod;
@@ -460,7 +458,6 @@ fn delete<K: Pod>(map: &MapData, keys: &[K]) -> Vec<(usize, io::Error)> {
 impl MapWriter for ServiceMaps {
     type Error = io::Error;
 
-    // One syscall per slot (aya has no batch for per-CPU maps): slots change only with endpoints.
     fn reset_stats(&mut self, resets: &[StatsReset]) -> Vec<(usize, io::Error)> {
         // Read once (it is a file read), not per slot; without it every reset fails alike.
         let cpus = match aya::util::nr_cpus() {
@@ -470,24 +467,19 @@ impl MapWriter for ServiceMaps {
                 return (0..resets.len()).map(failed).collect();
             }
         };
-        resets
+        let slots: Vec<u32> = resets.iter().map(|r| u32::from(r.slot)).collect();
+        // A per-CPU map's batch takes each slot's values on every possible CPU in a row.
+        let values: Vec<BackendStats> = resets
             .iter()
-            .enumerate()
-            .filter_map(|(i, reset)| {
+            .flat_map(|reset| {
                 let value = BackendStats {
                     owner: reset.owner,
                     ..BackendStats::default()
                 };
-                PerCpuValues::try_from(vec![value; cpus])
-                    .and_then(|values| {
-                        self.stats
-                            .set(u32::from(reset.slot), values, 0)
-                            .map_err(io::Error::other)
-                    })
-                    .err()
-                    .map(|err| (i, err))
+                std::iter::repeat_n(value, cpus)
             })
-            .collect()
+            .collect();
+        map_batch::update_all_per_cpu(self.stats.map().fd().as_fd(), &slots, &values, cpus)
     }
 
     fn insert_backends(&mut self, entries: &[(BackendKey, Backend)]) -> Vec<(usize, io::Error)> {

@@ -1,6 +1,6 @@
 //! BPF_MAP_UPDATE_BATCH and BPF_MAP_DELETE_BATCH (Linux ≥ 5.6), which aya 0.14 does not expose:
-//! one syscall writes or deletes many hash map entries, in order, instead of one syscall each
-//! (a 50k-Service sync is 150k entries).
+//! one syscall writes or deletes many hash or array map entries, in order, instead of one
+//! syscall each (a 50k-Service sync is 150k entries and 500k counter slots).
 use std::io;
 use std::os::fd::{AsRawFd as _, BorrowedFd};
 
@@ -96,6 +96,29 @@ pub fn update<K: Pod, V: Pod>(
     )
 }
 
+/// [`update`] of a per-CPU map: `values` holds each key's value on every possible CPU in a row,
+/// `cpus` of them (the values' size must be a multiple of 8, as the kernel lays them out).
+pub fn update_per_cpu<K: Pod, V: Pod>(
+    map: BorrowedFd<'_>,
+    keys: &[K],
+    values: &[V],
+    cpus: usize,
+) -> Result<(), BatchError> {
+    assert_eq!(keys.len() * cpus, values.len(), "one value per key and CPU");
+    assert_eq!(
+        std::mem::size_of::<V>() % 8,
+        0,
+        "per-CPU values are 8-byte aligned"
+    );
+    batch(
+        BPF_MAP_UPDATE_BATCH,
+        map,
+        keys,
+        values.as_ptr() as u64,
+        keys.len(),
+    )
+}
+
 /// Deletes `keys` in order, stopping at the first one refused (ENOENT for a missing key).
 pub fn delete<K: Pod>(map: BorrowedFd<'_>, keys: &[K]) -> Result<(), BatchError> {
     batch(BPF_MAP_DELETE_BATCH, map, keys, 0, keys.len())
@@ -110,6 +133,18 @@ pub fn update_all<K: Pod, V: Pod>(
 ) -> Vec<(usize, io::Error)> {
     in_batches(keys.len(), |from| {
         update(map, &keys[from..], &values[from..])
+    })
+}
+
+/// [`update_per_cpu`] of every entry, as [`update_all`].
+pub fn update_all_per_cpu<K: Pod, V: Pod>(
+    map: BorrowedFd<'_>,
+    keys: &[K],
+    values: &[V],
+    cpus: usize,
+) -> Vec<(usize, io::Error)> {
+    in_batches(keys.len(), |from| {
+        update_per_cpu(map, &keys[from..], &values[from * cpus..], cpus)
     })
 }
 
