@@ -8,7 +8,9 @@ use std::path::Path;
 use std::time::Duration;
 
 use aya::maps::lpm_trie::{Key, LpmTrie};
-use aya::maps::{Array, HashMap, IterableMap, Map, MapData, MapError, MapType, PerCpuArray};
+use aya::maps::{
+    Array, HashMap, IterableMap, Map, MapData, MapError, MapType, PerCpuArray, PerCpuValues,
+};
 use aya::programs::{CgroupSockAddr, ProgramError, SchedClassifier, Xdp};
 use aya::{Ebpf, EbpfError, EbpfLoader};
 use bytemuck::Pod;
