@@ -17,7 +17,7 @@ use lb_common::{
     CT_F_MASQUERADE, CT_F_REPLY, ConntrackEntry, ConntrackKey, Counter, IPPROTO_TCP, IPPROTO_UDP,
     SNAT_PORT_MAX, SNAT_PORT_MIN, ipv4_be, map_name, port_be,
 };
-use lb_tests::topology::NODE_IP;
+use lb_tests::topology::{NODE_IP, POD_GATEWAY};
 use lb_user::{datapath::read_counters, map_batch};
 use nix::time::{ClockId, clock_gettime};
 use serde::Serialize;
@@ -195,12 +195,13 @@ fn synthetic_keys(first: usize, count: usize) -> Vec<ConntrackKey> {
 }
 
 /// The reply-direction keys that claim every masquerade port of `backend`'s UDP sink: what the
-/// datapath looks up before it takes a port (backend → node address:port).
+/// datapath looks up before it takes a port (backend → masquerade address:port). The masquerade
+/// address is the one routing picks towards the backend: the node's pod-side address.
 fn snat_ports_taken(backend: Ipv4Addr) -> Vec<ConntrackKey> {
     (SNAT_PORT_MIN..=SNAT_PORT_MAX)
         .map(|port| ConntrackKey {
             src_addr: ipv4_be(backend.octets()),
-            dst_addr: ipv4_be(NODE_IP.octets()),
+            dst_addr: ipv4_be(POD_GATEWAY.octets()),
             src_port: port_be(UDP_TARGET_PORT),
             dst_port: port_be(port),
             proto: IPPROTO_UDP,
