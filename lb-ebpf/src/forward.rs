@@ -83,6 +83,22 @@ fn segments_exceed(ctx: &TcContext, ifindex: u32) -> Option<u16> {
 #[repr(C, align(8))]
 pub struct FibParams(pub bpf_fib_lookup);
 
+/// Asks the FIB with the parameter block `fib` and `flags` (`BPF_FIB_LOOKUP_*`): its
+/// `BPF_FIB_LKUP_RET_*` answer, `None` for a refused call.
+#[inline(always)]
+pub fn fib_lookup<P: PacketAccess>(ctx: &P, fib: &mut bpf_fib_lookup, flags: u32) -> Option<u32> {
+    // SAFETY: `fib` is a valid, exclusively borrowed parameter block of the size passed.
+    let ret = unsafe {
+        bpf_fib_lookup(
+            ctx.as_ptr(),
+            &raw mut *fib,
+            mem::size_of::<bpf_fib_lookup>() as i32,
+            flags,
+        )
+    };
+    u32::try_from(ret).ok()
+}
+
 /// Looks up the route of `packet` translated to `to`. Reads nothing of the packet itself, so it
 /// may come before the rewrite.
 // A frame of its own, as reject::port_unreachable's, for the 512-byte stack.
@@ -100,17 +116,8 @@ pub fn next_hop<P: PacketAccess>(ctx: &P, packet: &Packet, to: &ConntrackKey) ->
     fib.__bindgen_anon_3.ipv4_src = to.src_addr;
     fib.__bindgen_anon_4.ipv4_dst = to.dst_addr;
     fib.ifindex = ctx.ingress_ifindex();
-    // SAFETY: `fib` is a valid, exclusively borrowed parameter block of the size passed.
-    let ret = unsafe {
-        bpf_fib_lookup(
-            ctx.as_ptr(),
-            &raw mut *fib,
-            mem::size_of::<bpf_fib_lookup>() as i32,
-            0,
-        )
-    };
-    match u32::try_from(ret) {
-        Ok(BPF_FIB_LKUP_RET_SUCCESS) => {
+    match fib_lookup(ctx, fib, 0) {
+        Some(BPF_FIB_LKUP_RET_SUCCESS) => {
             let mut macs = [0u8; 12];
             macs[..6].copy_from_slice(&fib.dmac);
             macs[6..].copy_from_slice(&fib.smac);
@@ -119,13 +126,13 @@ pub fn next_hop<P: PacketAccess>(ctx: &P, packet: &Packet, to: &ConntrackKey) ->
                 macs,
             }
         }
-        Ok(BPF_FIB_LKUP_RET_NO_NEIGH) => NextHop::Unresolved {
+        Some(BPF_FIB_LKUP_RET_NO_NEIGH) => NextHop::Unresolved {
             ifindex: fib.ifindex,
             // SAFETY: for an AF_INET lookup the FIB wrote the IPv4 next hop into ipv4_dst.
             addr: unsafe { fib.__bindgen_anon_4.ipv4_dst },
         },
-        Ok(BPF_FIB_LKUP_RET_NOT_FWDED) => NextHop::Local,
-        Ok(BPF_FIB_LKUP_RET_FRAG_NEEDED) => NextHop::TooBig {
+        Some(BPF_FIB_LKUP_RET_NOT_FWDED) => NextHop::Local,
+        Some(BPF_FIB_LKUP_RET_FRAG_NEEDED) => NextHop::TooBig {
             // SAFETY: for a lookup without a length the kernel writes the egress MTU here.
             mtu: unsafe { fib.__bindgen_anon_1.mtu_result },
         },

@@ -1,14 +1,14 @@
 //! When a connection is masqueraded (SNAT to a node address), to which source address, and which
 //! source port it gets.
-use core::mem::{self, MaybeUninit};
+use core::mem::MaybeUninit;
 
 use aya_ebpf::{
     bindings::{
         BPF_FIB_LKUP_RET_FRAG_NEEDED, BPF_FIB_LKUP_RET_SUCCESS, BPF_FIB_LOOKUP_SKIP_NEIGH,
-        BPF_FIB_LOOKUP_SRC, bpf_fib_lookup,
+        BPF_FIB_LOOKUP_SRC,
     },
     cty::c_void,
-    helpers::{bpf_fib_lookup, bpf_loop},
+    helpers::bpf_loop,
 };
 use lb_common::{
     Backend, CONFIG_F_MASQUERADE_ALL, Config, ConntrackKey, Counter, FRONTEND_F_MASQUERADE,
@@ -17,7 +17,7 @@ use lb_common::{
 
 use crate::{
     conntrack::Connection,
-    forward::{AF_INET, FibParams},
+    forward::{AF_INET, FibParams, fib_lookup},
     maps,
     packet::PacketAccess,
     zero,
@@ -56,20 +56,11 @@ pub fn source<P: PacketAccess>(ctx: &P, config: &Config, client: u32, backend: u
     fib.__bindgen_anon_3.ipv4_src = client;
     fib.__bindgen_anon_4.ipv4_dst = backend;
     fib.ifindex = ctx.ingress_ifindex();
-    // SAFETY: `fib` is a valid, exclusively borrowed parameter block of the size passed.
-    let ret = unsafe {
-        bpf_fib_lookup(
-            ctx.as_ptr(),
-            &raw mut *fib,
-            mem::size_of::<bpf_fib_lookup>() as i32,
-            BPF_FIB_LOOKUP_SRC | BPF_FIB_LOOKUP_SKIP_NEIGH,
-        )
-    };
     // Frag-needed: tc checks the packet against the egress MTU once the route, and with it the
     // source, is found; that is the forwarding's business, not the source's.
-    let source = match u32::try_from(ret) {
+    let source = match fib_lookup(ctx, fib, BPF_FIB_LOOKUP_SRC | BPF_FIB_LOOKUP_SKIP_NEIGH) {
         // SAFETY: with BPF_FIB_LOOKUP_SRC the FIB wrote the route's IPv4 source into ipv4_src.
-        Ok(BPF_FIB_LKUP_RET_SUCCESS | BPF_FIB_LKUP_RET_FRAG_NEEDED) => unsafe {
+        Some(BPF_FIB_LKUP_RET_SUCCESS | BPF_FIB_LKUP_RET_FRAG_NEEDED) => unsafe {
             fib.__bindgen_anon_3.ipv4_src
         },
         _ => 0,

@@ -490,8 +490,8 @@ mod tests {
     }
 
     /// `lb agent` in manifest mode with its required flags (pod interfaces `lbp*,veth*`) and
-    /// `extra`.
-    fn manifest_agent(extra: &[&str]) -> AgentArgs {
+    /// `extra`, parsed.
+    fn parse_manifest_agent(extra: &[&str]) -> Result<Cli, clap::Error> {
         let required = [
             "lb",
             "agent",
@@ -506,7 +506,12 @@ mod tests {
             "--pod-interfaces",
             "lbp*,veth*",
         ];
-        let cli = Cli::try_parse_from(required.iter().chain(extra)).unwrap();
+        Cli::try_parse_from(required.iter().chain(extra))
+    }
+
+    /// [`parse_manifest_agent`]'s arguments, which must parse.
+    fn manifest_agent(extra: &[&str]) -> AgentArgs {
+        let cli = parse_manifest_agent(extra).unwrap();
         let Command::Agent(a) = cli.command else {
             panic!("not agent")
         };
@@ -583,22 +588,7 @@ mod tests {
         let a = manifest_agent(&["--masquerade-port-range", "20000-29999"]);
         assert_eq!(a.masquerade_port_range, 20000..=29999);
         for bad in ["0-100", "30000-20000", "61000", "61000-70000"] {
-            let parsed = Cli::try_parse_from([
-                "lb",
-                "agent",
-                "--manifests",
-                "/m",
-                "--node-ip",
-                "198.51.100.1",
-                "--cluster-cidr",
-                "10.244.0.0/16",
-                "--external-interface",
-                "ext0",
-                "--pod-interfaces",
-                "lbp*",
-                "--masquerade-port-range",
-                bad,
-            ]);
+            let parsed = parse_manifest_agent(&["--masquerade-port-range", bad]);
             assert!(parsed.is_err(), "{bad} accepted");
         }
     }
