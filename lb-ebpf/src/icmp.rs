@@ -27,21 +27,16 @@ use lb_common::{ConntrackKey, Counter, IPPROTO_ICMP, IPPROTO_TCP, IPPROTO_UDP};
 use crate::{
     nat::{IP_CHECK_OFFSET, IP_DST_OFFSET, IP_SRC_OFFSET},
     packet::{Change, PacketAccess, updated},
-    parse::{ETH_HLEN, Ipv4Header, Packet, Ports},
+    parse::{
+        ETH_HLEN, ICMP_CHECK, ICMP_DEST_UNREACH, ICMP_HLEN, IP_CHECK, IP_DST, IP_SRC, Ipv4Header,
+        Packet, Ports, TCP_CHECK, UDP_CHECK,
+    },
 };
 
-const ICMP_DEST_UNREACH: u8 = 3;
 const ICMP_TIME_EXCEEDED: u8 = 11;
 const ICMP_PARAMETER_PROBLEM: u8 = 12;
-const ICMP_HLEN: usize = 8;
-const ICMP_CHECK_OFFSET: usize = 2;
 /// What RFC 792 guarantees of the quoted packet's payload: the ports, and UDP's checksum.
 const QUOTED_L4_MIN: usize = 8;
-const IP_CHECK: usize = 10;
-const IP_SRC: usize = 12;
-const IP_DST: usize = 16;
-const TCP_CHECK: usize = 16;
-const UDP_CHECK: usize = 6;
 
 /// Reverse-translates the ICMP message `outer` if it is an error about a tracked connection:
 /// `original_of` gives the packet a quote is of as its sender sent it (`None`: not of a live
@@ -86,7 +81,7 @@ pub fn reverse_error<P: PacketAccess>(
         l4 + TCP_CHECK
     };
     let quote_at = QuoteOffsets {
-        icmp_check: outer.l4 + ICMP_CHECK_OFFSET,
+        icmp_check: outer.l4 + ICMP_CHECK,
         ip: quote,
         l4,
         // A TCP checksum is beyond the 8 bytes a router must quote; Linux quotes more.

@@ -9,14 +9,12 @@ use lb_common::{ConntrackKey, Counter, IPPROTO_UDP};
 
 use crate::{
     packet::{Change, L4Checksum, PacketAccess},
-    parse::{ETH_HLEN, Fragment, Packet},
+    parse::{ETH_HLEN, Fragment, IP_CHECK, IP_DST, IP_SRC, Packet, TCP_CHECK, UDP_CHECK},
 };
 
-pub const IP_CHECK_OFFSET: usize = ETH_HLEN + 10;
-pub const IP_SRC_OFFSET: usize = ETH_HLEN + 12;
-pub const IP_DST_OFFSET: usize = ETH_HLEN + 16;
-const TCP_CHECK_OFFSET: usize = 16;
-const UDP_CHECK_OFFSET: usize = 6;
+pub const IP_CHECK_OFFSET: usize = ETH_HLEN + IP_CHECK;
+pub const IP_SRC_OFFSET: usize = ETH_HLEN + IP_SRC;
+pub const IP_DST_OFFSET: usize = ETH_HLEN + IP_DST;
 
 /// Where the TCP/UDP checksum of the packet is, and how it treats zero.
 struct L4 {
@@ -33,12 +31,7 @@ pub fn rewrite<P: PacketAccess>(
     let from = &packet.tuple;
     let udp = from.proto == IPPROTO_UDP;
     let l4 = L4 {
-        check_offset: packet.l4
-            + if udp {
-                UDP_CHECK_OFFSET
-            } else {
-                TCP_CHECK_OFFSET
-            },
+        check_offset: packet.l4 + if udp { UDP_CHECK } else { TCP_CHECK },
         udp,
     };
     let later_fragment = packet.fragment == Fragment::Later;

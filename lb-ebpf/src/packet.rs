@@ -226,6 +226,12 @@ pub fn updated(check: u16, change: Change) -> u16 {
     if size == 4 {
         sum += (!old >> 16) + (new >> 16);
     }
+    folded(sum)
+}
+
+/// The checksum of the 32-bit sum of 16-bit words `sum`: the ones' complement of its 16-bit
+/// ones' complement sum (in the words' byte order).
+pub fn folded(sum: u32) -> u16 {
     let sum = (sum & 0xffff) + (sum >> 16);
     let sum = (sum & 0xffff) + (sum >> 16);
     !(sum as u16)

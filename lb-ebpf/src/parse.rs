@@ -22,7 +22,16 @@ const IP_OFFSET: u16 = 0x1fff;
 const IPV4_OPTION_WORDS: usize = 10;
 const TCP_MIN_HLEN: usize = 20;
 const UDP_HLEN: usize = 8;
-const ICMP_HLEN: usize = 8;
+pub const ICMP_HLEN: usize = 8;
+pub const ICMP_DEST_UNREACH: u8 = 3;
+pub const ICMP_CHECK: usize = 2;
+/// Field offsets within an IPv4 header.
+pub const IP_CHECK: usize = 10;
+pub const IP_SRC: usize = 12;
+pub const IP_DST: usize = 16;
+/// The checksum's offset within a TCP and a UDP header.
+pub const TCP_CHECK: usize = 16;
+pub const UDP_CHECK: usize = 6;
 /// The data offset (high nibble) and the flags byte after it.
 const TCP_OFFSET_AND_FLAGS: usize = 12;
 const UDP_LEN_OFFSET: usize = 4;

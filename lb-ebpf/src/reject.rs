@@ -19,15 +19,13 @@ use aya_ebpf::{
 use lb_common::{Counter, IPPROTO_ICMP};
 
 use crate::{
-    packet::PacketAccess,
-    parse::{ETH_HLEN, Packet},
+    packet::{PacketAccess, folded},
+    parse::{ETH_HLEN, ICMP_CHECK, ICMP_DEST_UNREACH, ICMP_HLEN, IP_CHECK, IP_DST, IP_SRC, Packet},
 };
 
-const ICMP_DEST_UNREACH: u8 = 3;
 const ICMP_PORT_UNREACH: u8 = 3;
 const ICMP_FRAG_NEEDED: u8 = 4;
 const IP_HLEN: usize = 20;
-const ICMP_HLEN: usize = 8;
 const QUOTED_PAYLOAD: usize = 8;
 /// The longest IPv4 header (IHL 15) and the payload bytes quoted after it.
 const QUOTE_MAX: usize = 60 + QUOTED_PAYLOAD;
@@ -96,7 +94,7 @@ fn unreachable(
         )
     };
     let sum = u32::try_from(sum).map_err(|_| Counter::DropRewriteFailed)?;
-    icmp[2..4].copy_from_slice(&fold(sum).to_ne_bytes());
+    icmp[ICMP_CHECK..ICMP_CHECK + 2].copy_from_slice(&folded(sum).to_ne_bytes());
 
     let macs: [u8; 12] = ctx.load(0).map_err(|_| Counter::DropRewriteFailed)?;
     let mut swapped = [0u8; 12];
@@ -147,19 +145,12 @@ fn ip_header(tot_len: u16, src_addr: u32, dst_addr: u32) -> [u8; IP_HLEN] {
     ip[2..4].copy_from_slice(&tot_len.to_be_bytes());
     ip[8] = TTL;
     ip[9] = IPPROTO_ICMP;
-    ip[12..16].copy_from_slice(&src_addr.to_ne_bytes());
-    ip[16..20].copy_from_slice(&dst_addr.to_ne_bytes());
+    ip[IP_SRC..IP_SRC + 4].copy_from_slice(&src_addr.to_ne_bytes());
+    ip[IP_DST..IP_DST + 4].copy_from_slice(&dst_addr.to_ne_bytes());
     let mut sum = 0u32;
     for word in ip.chunks_exact(2) {
         sum += u32::from(u16::from_ne_bytes([word[0], word[1]]));
     }
-    ip[10..12].copy_from_slice(&fold(sum).to_ne_bytes());
+    ip[IP_CHECK..IP_CHECK + 2].copy_from_slice(&folded(sum).to_ne_bytes());
     ip
-}
-
-/// The ones' complement of the 16-bit ones' complement sum `sum` (in memory byte order).
-fn fold(sum: u32) -> u16 {
-    let sum = (sum & 0xffff) + (sum >> 16);
-    let sum = (sum & 0xffff) + (sum >> 16);
-    !(sum as u16)
 }
