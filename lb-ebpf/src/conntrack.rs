@@ -338,7 +338,9 @@ impl Connection {
         let mut slot = MaybeUninit::uninit();
         // Replies come back as if from the frontend.
         let entry = self.entry(&reversed(&self.tuple), self.flags | CT_F_REPLY, &mut slot);
-        if maps::conntrack_insert(&key, entry, BPF_NOEXIST) {
+        // Looked up before the insert: an insert into a full LRU map evicts an entry whether or
+        // not it succeeds, and probing a live connection's port must not evict another.
+        if maps::conntrack(&key).is_none() && maps::conntrack_insert(&key, entry, BPF_NOEXIST) {
             return Ok(true);
         }
         match maps::conntrack(&key) {

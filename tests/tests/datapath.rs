@@ -284,7 +284,7 @@ impl Datapath {
             // Small maps: many copies are loaded at once.
             .map_max_entries(map_name::FRONTENDS, 64)
             .map_max_entries(map_name::BACKENDS, 64)
-            .map_max_entries(map_name::CONNTRACK, 16_384)
+            .map_max_entries(map_name::CONNTRACK, CONNTRACK_MAX)
             .load(lb_user::datapath::EBPF_OBJECT)
             .expect("load the object (run as root)");
         let program: &mut SchedClassifier = ebpf
@@ -2035,6 +2035,69 @@ fn snat_ports_exhausted_drops() {
             .conntrack(&ct_key(Proto::Tcp, second, CLUSTER_IP))
             .is_none()
     );
+}
+
+/// The datapath's size of the conntrack map (`Datapath::new`).
+const CONNTRACK_MAX: u32 = 16_384;
+
+/// Runs the rest of the calling thread on `cpu`.
+fn pin_to_cpu(cpu: usize) {
+    let mut cpus = nix::sched::CpuSet::new();
+    cpus.set(cpu).unwrap();
+    nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &cpus).unwrap();
+}
+
+/// New connections probing the one masquerade port, which a live connection holds, in a full
+/// conntrack map: each is dropped, and no live entry is evicted for them. An insert into a full
+/// LRU map evicts an entry whether or not it succeeds, so the allocator must look before it
+/// inserts. The probes run on another CPU than the fill, whose LRU free list is empty.
+#[test]
+fn probing_a_held_port_evicts_no_live_connection() {
+    let mut datapath = Datapath::new(Config {
+        snat_port_min: 62_000,
+        snat_port_max: 62_000,
+        ..config()
+    });
+    datapath.service(Proto::Tcp, CLUSTER_IP, 0, SERVICE_ID, &[ENDPOINTS[0]]);
+    let probing_cpu =
+        usize::from(std::thread::available_parallelism().is_ok_and(|cpus| cpus.get() > 1));
+    pin_to_cpu(0);
+    let now = monotonic_ns();
+    let mut conntrack: HashMap<_, ConntrackKey, ConntrackEntry> = datapath.map(map_name::CONNTRACK);
+    for i in 0..CONNTRACK_MAX + 1_000 {
+        let [_, _, hi, lo] = i.to_be_bytes();
+        let client = SocketAddrV4::new(Ipv4Addr::new(198, 51, hi, lo), 5353);
+        let live = ConntrackEntry {
+            last_seen_ns: now,
+            state: CT_UDP_UNREPLIED,
+            ..Default::default()
+        };
+        conntrack
+            .insert(ct_key(Proto::Udp, client, CLUSTER_IP), live, 0)
+            .unwrap();
+    }
+    let holder = datapath.translate(&Packet::new(Proto::Tcp, DOCKER_CONTAINER, CLUSTER_IP));
+    assert_eq!(holder.src, SocketAddrV4::new(NODE, 62_000));
+    let conntrack: HashMap<_, ConntrackKey, ConntrackEntry> = datapath.map(map_name::CONNTRACK);
+    let live: Vec<ConntrackKey> = conntrack.keys().map(Result::unwrap).collect();
+
+    pin_to_cpu(probing_cpu);
+    const PROBES: u16 = 200;
+    for i in 0..PROBES {
+        let client = SocketAddrV4::new(*DOCKER_CONTAINER.ip(), 40_001 + i);
+        let packet = Packet::new(Proto::Tcp, client, CLUSTER_IP).build();
+        assert_eq!(datapath.run(&packet).0, TC_ACT_SHOT);
+    }
+    assert_eq!(
+        datapath.counter(Counter::DropSnatPortsExhausted),
+        u64::from(PROBES)
+    );
+    let conntrack: HashMap<_, ConntrackKey, ConntrackEntry> = datapath.map(map_name::CONNTRACK);
+    let evicted = live
+        .iter()
+        .filter(|key| conntrack.get(key, 0).is_err())
+        .count();
+    assert_eq!(evicted, 0, "live entries evicted by the probes");
 }
 
 #[test]
