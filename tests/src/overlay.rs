@@ -19,8 +19,9 @@ use std::net::Ipv4Addr;
 
 use anyhow::{Context as _, Result};
 
+use crate::multinode::{Segment, node_with_pods, pod_cidr, pod_named};
 use crate::netns::{Netns, unique_prefix};
-use crate::topology::{AgentNode, EXTERNAL_INTERFACE, Pod, add_pod, node_sysctls};
+use crate::topology::{AgentNode, EXTERNAL_INTERFACE, Pod};
 
 pub const CLIENT_IP: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 100);
 /// The underlay's only addresses.
@@ -71,19 +72,10 @@ impl OverlayCluster {
     /// [`Cluster`](crate::multinode::Cluster).
     pub fn new(pods: [usize; 2]) -> Result<Self> {
         let prefix = unique_prefix();
-        let underlay = Netns::new(format!("{prefix}underlay"))?;
-        underlay.ip(&["link", "add", "br0", "type", "bridge"])?;
-        underlay.ip(&["link", "set", "br0", "up"])?;
-        strict_underlay(&underlay)?;
-        let plug = |ns: &Netns, inside: &str, port: &str, addr: Ipv4Addr| -> Result<()> {
-            underlay.add_veth(port, ns, inside)?;
-            underlay.ip(&["link", "set", port, "master", "br0", "up"])?;
-            ns.ip(&["addr", "add", &format!("{addr}/24"), "dev", inside])?;
-            ns.ip(&["link", "set", inside, "up"])
-        };
-
+        let underlay = Segment::new(format!("{prefix}underlay"))?;
+        strict_underlay(&underlay.ns)?;
         let client = Netns::new(format!("{prefix}client"))?;
-        plug(&client, "eth0", "c0", CLIENT_IP)?;
+        underlay.plug(&client, "eth0", "c0", &format!("{CLIENT_IP}/24"))?;
 
         let ips = [
             Ipv4Addr::new(203, 0, 113, 1),
@@ -93,9 +85,13 @@ impl OverlayCluster {
         let mut letter = 0;
         for (i, count) in pods.into_iter().enumerate() {
             let n = i as u8 + 1;
-            let ns = Netns::new(format!("{prefix}node{n}"))?;
-            node_sysctls(&ns)?;
-            plug(&ns, EXTERNAL_INTERFACE, &format!("n{n}"), ips[i])?;
+            let (ns, pods) = node_with_pods(&prefix, n, count, &mut letter)?;
+            underlay.plug(
+                &ns,
+                EXTERNAL_INTERFACE,
+                &format!("n{n}"),
+                &format!("{}/24", ips[i]),
+            )?;
             let tunnel_ip = Ipv4Addr::new(10, 244, n, 0);
             ns.ip(&[
                 "link",
@@ -122,20 +118,13 @@ impl OverlayCluster {
                 TUNNEL_INTERFACE,
             ])?;
             ns.ip(&["link", "set", TUNNEL_INTERFACE, "up"])?;
-            let gateway = Ipv4Addr::new(10, 244, n, 1);
-            let mut node_pods = Vec::new();
-            for k in 0..count {
-                let pod_ip = Ipv4Addr::new(10, 244, n, 2 + k as u8);
-                node_pods.push(add_pod(&ns, &prefix, letter, pod_ip, gateway)?);
-                letter += 1;
-            }
             nodes.push(Node {
                 name: format!("node-{n}"),
                 ip: ips[i],
                 tunnel_ip,
-                pod_cidr: format!("10.244.{n}.0/24"),
+                pod_cidr: pod_cidr(n),
                 ns,
-                pods: node_pods,
+                pods,
             });
         }
         for (node, other) in [(0, 1), (1, 0)] {
@@ -154,16 +143,12 @@ impl OverlayCluster {
         Ok(OverlayCluster {
             nodes,
             client,
-            underlay,
+            underlay: underlay.ns,
         })
     }
 
     pub fn pod(&self, name: &str) -> &Pod {
-        self.nodes
-            .iter()
-            .flat_map(|n| &n.pods)
-            .find(|p| p.name == name)
-            .unwrap_or_else(|| panic!("no pod {name}"))
+        pod_named(self.nodes.iter().flat_map(|n| &n.pods), name)
     }
 }
 
