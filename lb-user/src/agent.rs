@@ -230,6 +230,7 @@ pub async fn run(args: AgentArgs) -> Result<()> {
         state.datapath.migrate_conntrack(&args.bpffs, true)?;
     }
     map_pins::remove_stale(&args.bpffs);
+    hooks.log_attached();
     state.health.lock().expect("health lock").attached();
     let mut links_open = true;
     // 0s: no audit (an interval of zero would spin).
@@ -442,12 +443,17 @@ impl Hooks {
         if self.tc.is_empty() {
             warn!("no interface matches --external-interface or --pod-interfaces yet");
         }
+        Ok(())
+    }
+
+    /// The line tests and operators wait for: logged once the start is complete (programs
+    /// attached, migrations done, stale pins gone).
+    fn log_attached(&self) {
         info!(
             interfaces = self.tc.len(),
             xdp = self.xdp.as_ref().map_or(0, |xdp| xdp.attachments.len()),
             "attached to the existing interfaces"
         );
-        Ok(())
     }
 
     /// Unpins the links this agent does not hold: interfaces gone or no longer matching while
