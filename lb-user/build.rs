@@ -1,7 +1,7 @@
 use anyhow::{Context as _, anyhow};
 
 /// Builds lb-ebpf for bpfel-unknown-none with the nightly toolchain; the object lands in OUT_DIR
-/// and src/datapath.rs embeds it.
+/// and src/datapath/mod.rs embeds it.
 fn main() -> anyhow::Result<()> {
     // aya-build forwards every line of the inner cargo's stderr as a cargo warning: quiet, that
     // cargo prints no progress ("Compiling ..."), only what rustc says (real warnings and errors,

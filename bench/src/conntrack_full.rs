@@ -18,7 +18,7 @@ use lb_common::{
     SNAT_PORT_MAX, SNAT_PORT_MIN, ipv4_be, map_name, port_be,
 };
 use lb_tests::topology::{NODE_IP, POD_GATEWAY};
-use lb_user::{datapath::read_counters, map_batch};
+use lb_user::{datapath::read_counters, maps::map_batch};
 use nix::time::{ClockId, clock_gettime};
 use serde::Serialize;
 

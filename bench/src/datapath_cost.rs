@@ -289,7 +289,7 @@ impl Datapath {
             .context("backend stats")?
             .try_into()?;
         let claim = BackendStats {
-            owner: lb_user::stats_slots::PortEndpoint::new(measured, &endpoint).owner(),
+            owner: lb_user::maps::stats_slots::PortEndpoint::new(measured, &endpoint).owner(),
             ..BackendStats::default()
         };
         let cpus = aya::util::nr_cpus().map_err(|(_, err)| err)?;

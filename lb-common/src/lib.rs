@@ -383,7 +383,7 @@ pub struct ServiceStatus {
     pub cluster_ip: u32,
     /// `IPPROTO_*`.
     pub proto: u32,
-    /// A checksum of the port's desired entries (computed by the agent, `lb_user::sync_status`).
+    /// A checksum of the port's desired entries (computed by the agent, `lb_user::reconcile::sync_status`).
     pub digest: u32,
     /// How many entries of each map the port's desired entries are.
     pub frontends: u32,

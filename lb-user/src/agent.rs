@@ -15,35 +15,35 @@ use lb_common::{
     CONFIG_F_MASQUERADE_ALL, CONFIG_F_READY, CONFIG_F_STACK_FORWARDING, Config, RejectLimit,
     ipv4_be,
 };
-use lb_user::apiserver::{self, ApiSource, Next};
-use lb_user::bpffs;
-use lb_user::cgroup_hooks;
-use lb_user::cgroup_mount;
-use lb_user::coalesce::Coalescer;
-use lb_user::datapath::{self, Datapath, MapSizes};
-use lb_user::error_chain;
-use lb_user::health::{self, Health};
-use lb_user::link_pins::LinkPins;
-use lb_user::links::{
+use lb_user::datapath::bpffs;
+use lb_user::datapath::cgroup_hooks;
+use lb_user::datapath::cgroup_mount;
+use lb_user::datapath::link_pins::LinkPins;
+use lb_user::datapath::links::{
     Attachments, InterfaceFilter, LinkEvent, LinkWatcher, TcEgress, TcIngress, XdpNative,
 };
-use lb_user::manifests::{self, ManifestCache};
-use lb_user::map_pins;
-use lb_user::metrics::{Metrics, TrafficPolicyLabel};
+use lb_user::datapath::map_pins;
+use lb_user::datapath::node_sysctls::{self, IcmpRateLimit};
+use lb_user::datapath::xdp_targets::XdpTargets;
+use lb_user::datapath::{self, Datapath, MapSizes};
+use lb_user::error_chain;
+use lb_user::model::node_addresses;
+use lb_user::model::nodeport::NodePortAllocator;
 use lb_user::model::{Endpoint, Model, Service, ServiceName, ServicePort, Specs};
-use lb_user::node_addresses;
-use lb_user::node_sysctls::{self, IcmpRateLimit};
-use lb_user::nodeport::NodePortAllocator;
+use lb_user::reconcile::coalesce::Coalescer;
+use lb_user::reconcile::udp_flush::UdpEndpoint;
 use lb_user::reconcile::{Reconciler, SyncReport, WriteFailure};
-use lb_user::service_health::{self, ServiceHealth};
-use lb_user::udp_flush::UdpEndpoint;
-use lb_user::xdp_targets::XdpTargets;
+use lb_user::serve::health::{self, Health};
+use lb_user::serve::metrics::{Metrics, TrafficPolicyLabel};
+use lb_user::serve::service_health::{self, ServiceHealth};
+use lb_user::source::apiserver::{self, ApiSource, Next};
+use lb_user::source::manifests::{self, ManifestCache};
 use notify::Watcher as _;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::mpsc;
 use tracing::{error, info, warn};
 
-use crate::args::{AgentArgs, Forwarding};
+use crate::cli::args::{AgentArgs, Forwarding};
 
 /// Editors write a file in several steps: while a manifest file is being written (created or
 /// modified and not yet closed), a change waits this long for more.

@@ -1,34 +1,12 @@
-//! The agent: desired state from manifests, one reconciler into the eBPF maps.
-pub mod apiserver;
-pub mod bpf_link;
-pub mod bpffs;
-pub mod cgroup_hooks;
-pub mod cgroup_mount;
-pub mod change_tracker;
-pub mod coalesce;
-pub mod connections;
+//! The agent: desired state from a source (the apiserver or a manifest directory), one
+//! reconciler into the eBPF maps. The flow is source → model → reconcile → maps → datapath;
+//! serve answers health and metrics beside it.
 pub mod datapath;
-pub mod events;
-pub mod health;
-pub mod k8s;
-pub mod link_pins;
-pub mod links;
-pub mod maglev;
-pub mod manifests;
-pub mod map_batch;
-pub mod map_pins;
-pub mod metrics;
+pub mod maps;
 pub mod model;
-pub mod node_addresses;
-pub mod node_sysctls;
-pub mod nodeport;
-pub mod pins;
 pub mod reconcile;
-pub mod service_health;
-pub mod stats_slots;
-pub mod sync_status;
-pub mod udp_flush;
-pub mod xdp_targets;
+pub mod serve;
+pub mod source;
 
 /// `error: cause: cause`: aya's errors keep the OS error in their source, not their message.
 pub fn error_chain(err: &dyn std::error::Error) -> String {

@@ -1,19 +1,13 @@
-//! `lb`: see args.rs for the commands.
+//! `lb`: see cli/args.rs for the commands.
 mod agent;
-mod args;
-mod cleanup;
-mod conntrack;
-mod kube_proxy_config;
-mod services;
-mod stats;
-mod status;
-mod trace;
+mod cli;
 
 use std::io::IsTerminal as _;
 
 use tracing_subscriber::EnvFilter;
 
-use crate::args::{Cli, Command, LogFormat};
+use crate::cli::args::{Cli, Command, LogFormat};
+use crate::cli::{cleanup, conntrack, services, stats, status, trace};
 
 fn main() -> anyhow::Result<()> {
     let (cli, ignored) = Cli::parse_with_config(std::env::args_os().collect())?;

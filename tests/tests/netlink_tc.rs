@@ -26,7 +26,7 @@ fn attach_as_an_agent_would() -> Result<u32> {
         .expect("lb_ingress")
         .try_into()?;
     lb_user::datapath::load_program(|| program.load())?;
-    lb_user::links::attach_netlink_filter(program, INTERFACE, TcAttachType::Ingress)?;
+    lb_user::datapath::links::attach_netlink_filter(program, INTERFACE, TcAttachType::Ingress)?;
     Ok(program.info()?.id())
 }
 

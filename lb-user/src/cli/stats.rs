@@ -2,10 +2,11 @@
 use anyhow::Result;
 use comfy_table::{Table, presets};
 use lb_common::{Counter, map_name};
-use lb_user::{datapath, pins};
+use lb_user::datapath;
+use lb_user::maps::pins;
 use serde::Serialize;
 
-use crate::args::{Output, StatsArgs};
+use crate::cli::args::{Output, StatsArgs};
 
 pub fn run(args: StatsArgs) -> Result<()> {
     let dir = pins::find(&args.bpffs, map_name::COUNTERS)?;

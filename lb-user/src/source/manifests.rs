@@ -17,8 +17,8 @@ use serde::Deserialize as _;
 use serde::de::DeserializeOwned;
 use tracing::{debug, warn};
 
-use crate::k8s::{self, InvalidField};
 use crate::model::{ServiceName, ServiceSpec, SliceSpec, Specs};
+use crate::source::k8s::{self, InvalidField};
 
 /// Where in the directory: a file name and a 1-based document index.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]

@@ -12,9 +12,9 @@ use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
 use crate::error_chain;
-use crate::k8s::InvalidField;
 use crate::model::ServiceName;
 use crate::reconcile::WriteFailure;
+use crate::source::k8s::InvalidField;
 
 /// The reason of the Events on Services whose map writes failed.
 pub const MAP_WRITE_FAILED: &str = "MapWriteFailed";

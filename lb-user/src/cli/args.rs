@@ -12,7 +12,7 @@ use ipnet::Ipv4Net;
 use lb_common::{ConntrackTimeouts, default_size};
 use lb_user::model::Scheduler;
 
-use crate::kube_proxy_config::{self, FileFlags};
+use crate::cli::kube_proxy_config::{self, FileFlags};
 
 pub const DEFAULT_BPFFS: &str = "/sys/fs/bpf/lb";
 /// `lb_common::SNAT_PORT_MIN`-`SNAT_PORT_MAX`, above Linux's default ephemeral range.
@@ -537,7 +537,8 @@ mod tests {
         let Command::Agent(a) = cli.command else {
             panic!("not agent")
         };
-        let filter = lb_user::links::InterfaceFilter::new("eth0", &a.pod_interfaces).unwrap();
+        let filter =
+            lb_user::datapath::links::InterfaceFilter::new("eth0", &a.pod_interfaces).unwrap();
         for name in [
             "cali0123456789a",
             "vxlan.calico",

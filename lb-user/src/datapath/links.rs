@@ -25,9 +25,9 @@ use rtnetlink::packet_route::link::{LinkAttribute, LinkMessage};
 use rtnetlink::{Handle, MulticastGroup};
 use tracing::{info, warn};
 
-use crate::bpf_link::LinkTarget;
+use crate::datapath::bpf_link::LinkTarget;
+use crate::datapath::link_pins::{LinkPinError, LinkPins};
 use crate::error_chain;
-use crate::link_pins::{LinkPinError, LinkPins};
 
 #[derive(Debug, thiserror::Error)]
 pub enum LinkError {

@@ -1,5 +1,10 @@
 //! The one reconciler: model → desired map contents → the difference against what the maps hold
 //! → writes, in an order where no packet sees a half-written service.
+pub mod coalesce;
+pub mod maglev;
+pub mod sync_status;
+pub mod udp_flush;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::Ipv4Addr;
 
@@ -13,11 +18,9 @@ use lb_common::{
 use tracing::{debug, error, warn};
 
 use crate::error_chain;
-use crate::maglev;
+use crate::maps::stats_slots::{PortEndpoint, StatsReset, StatsSlots};
 use crate::model::{Endpoint, Model, Protocol, Scheduler, Service, ServiceName, ServicePortId};
-use crate::stats_slots::{PortEndpoint, StatsReset, StatsSlots};
-use crate::sync_status;
-use crate::udp_flush::{self, UdpEndpoint};
+use crate::reconcile::udp_flush::UdpEndpoint;
 
 /// The service maps, as the reconciler writes them: the aya maps, or a fake in tests. Each
 /// call writes one phase of a sync, in order (one batch syscall on the aya maps), and returns

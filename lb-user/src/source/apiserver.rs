@@ -25,11 +25,11 @@ use serde::de::DeserializeOwned;
 use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 
-use crate::change_tracker::{ChangeTracker, Kind, ObjectVersion};
-use crate::events::WriteFailureEvents;
-use crate::k8s::{self, InvalidField};
 use crate::model::{ServiceName, ServiceSpec, SliceSpec, Specs};
 use crate::reconcile::WriteFailure;
+use crate::source::change_tracker::{ChangeTracker, Kind, ObjectVersion};
+use crate::source::events::WriteFailureEvents;
+use crate::source::k8s::{self, InvalidField};
 
 /// The EndpointSlice annotation network programming latency is measured from.
 pub const TRIGGER_TIME_ANNOTATION: &str = "endpoints.kubernetes.io/last-change-trigger-time";

@@ -12,8 +12,8 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tracing::{info, warn};
 
-use crate::health;
 use crate::model::{Model, ServiceName};
+use crate::serve::health;
 
 /// What one healthCheckNodePort reports.
 #[derive(Clone, Debug, PartialEq, Eq)]

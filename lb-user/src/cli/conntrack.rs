@@ -4,14 +4,15 @@ use std::net::SocketAddrV4;
 use anyhow::{Context as _, Result};
 use comfy_table::{Table, presets};
 use lb_common::map_name;
-use lb_user::connections::{
+use lb_user::error_chain;
+use lb_user::maps::connections::{
     self, Connection, ConntrackMap, Filter, datapath_now, expires_in_s, pinned_timeouts,
     protocol_name, state_name,
 };
-use lb_user::{error_chain, pins};
+use lb_user::maps::pins;
 use serde::Serialize;
 
-use crate::args::{ConntrackArgs, ConntrackCommand, ConntrackQuery, Output};
+use crate::cli::args::{ConntrackArgs, ConntrackCommand, ConntrackQuery, Output};
 
 pub fn run(args: ConntrackArgs) -> Result<()> {
     match args.command {

@@ -1,4 +1,14 @@
 //! Loading the embedded eBPF object with pinned maps, and the agent's handles on its maps.
+pub mod bpf_link;
+pub mod bpffs;
+pub mod cgroup_hooks;
+pub mod cgroup_mount;
+pub mod link_pins;
+pub mod links;
+pub mod map_pins;
+pub mod node_sysctls;
+pub mod xdp_targets;
+
 use std::collections::BTreeSet;
 use std::io;
 use std::net::Ipv4Addr;
@@ -23,11 +33,10 @@ use lb_common::{
 use nix::libc::EAGAIN;
 use nix::time::{ClockId, clock_getres};
 
-use crate::map_batch;
-use crate::map_pins;
+use crate::maps::map_batch;
+use crate::maps::stats_slots::{self, StatsReset};
+use crate::reconcile::udp_flush::{self, UdpEndpoint};
 use crate::reconcile::{MapContents, MapWriter, SourceRange};
-use crate::stats_slots::{self, StatsReset};
-use crate::udp_flush::{self, UdpEndpoint};
 
 /// The compiled lb-ebpf object, built by build.rs.
 pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lb"));

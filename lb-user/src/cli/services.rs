@@ -12,12 +12,13 @@ use lb_common::{
     FRONTEND_F_PRESERVE_SOURCE, FRONTEND_F_SOURCE_RANGES, Frontend, FrontendKey, FrontendOrigin,
     LOCAL_SLOT, SCHED_FLOW_HASH, SCHED_RANDOM, SCHED_ROUND_ROBIN, SCHED_SOURCE_HASH, map_name,
 };
-use lb_user::connections::protocol_name;
-use lb_user::stats_slots::{self, PortEndpoint};
-use lb_user::{error_chain, pins};
+use lb_user::error_chain;
+use lb_user::maps::connections::protocol_name;
+use lb_user::maps::pins;
+use lb_user::maps::stats_slots::{self, PortEndpoint};
 use serde::Serialize;
 
-use crate::args::{Output, StatsArgs};
+use crate::cli::args::{Output, StatsArgs};
 
 pub fn run(args: StatsArgs) -> Result<()> {
     let dir = pins::find(&args.bpffs, map_name::FRONTENDS)?;

@@ -29,7 +29,7 @@ use jiff::Timestamp;
 use tokio::net::TcpListener;
 use tracing::{error, info};
 
-use crate::metrics::{CodeLabel, Metrics};
+use crate::serve::metrics::{CodeLabel, Metrics};
 
 #[derive(Debug, Clone)]
 pub struct Health {

@@ -2,10 +2,10 @@
 use std::path::Path;
 
 use anyhow::{Context as _, Result};
-use lb_user::link_pins::{self, LINKS_DIR};
-use lb_user::links;
+use lb_user::datapath::link_pins::{self, LINKS_DIR};
+use lb_user::datapath::links;
 
-use crate::args::CleanupArgs;
+use crate::cli::args::CleanupArgs;
 
 pub fn run(args: CleanupArgs) -> Result<()> {
     // Kernels before TCX: the tc filters are not pinned, they are found by program name.

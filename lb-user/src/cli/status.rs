@@ -1,5 +1,5 @@
 //! `lb status`: per Service, whether the datapath holds what the agent wants (from the records
-//! the agent pins next to the maps, `lb_user::sync_status`); how full every map is; the last sync
+//! the agent pins next to the maps, `lb_user::reconcile::sync_status`); how full every map is; the last sync
 //! and the agent. Fails (exits non-zero) when a Service is not in sync.
 use std::collections::BTreeMap;
 
@@ -7,14 +7,14 @@ use anyhow::{Context as _, Result};
 use comfy_table::{Table, presets};
 use jiff::Timestamp;
 use lb_common::{AgentInfo, ServiceStatus, field_text, map_name};
-use lb_user::connections::protocol_name;
 use lb_user::datapath::{self, MapFill, ServiceMaps};
-use lb_user::pins;
+use lb_user::maps::connections::protocol_name;
+use lb_user::maps::pins;
 use lb_user::reconcile::MapContents;
-use lb_user::sync_status::{self, PortStatus, SyncState, Tally};
+use lb_user::reconcile::sync_status::{self, PortStatus, SyncState, Tally};
 use serde::Serialize;
 
-use crate::args::{Output, StatsArgs};
+use crate::cli::args::{Output, StatsArgs};
 
 pub fn run(args: StatsArgs) -> Result<()> {
     let dir = pins::find(&args.bpffs, map_name::SERVICE_STATUS)?;

@@ -11,7 +11,7 @@ use aya::programs::ProgramError;
 use aya::programs::links::{FdLink, LinkError};
 use tracing::{info, warn};
 
-use crate::bpf_link::{self, LinkTarget};
+use crate::datapath::bpf_link::{self, LinkTarget};
 use crate::error_chain;
 
 /// The directory under the bpffs directory that holds the link pins.

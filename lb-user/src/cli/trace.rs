@@ -23,12 +23,13 @@ use lb_common::{
     IPPROTO_TCP, IPPROTO_UDP, LOCAL_SLOT, SCHED_FLOW_HASH, SCHED_ROUND_ROBIN, SCHED_SOURCE_HASH,
     StickyBackend, ipv4_be, map_name, port_be, program_name,
 };
-use lb_user::{datapath, pins};
+use lb_user::datapath;
+use lb_user::maps::pins;
 use rtnetlink::RouteMessageBuilder;
 use rtnetlink::packet_route::route::RouteAttribute;
 use serde::Serialize;
 
-use crate::args::{Output, Proto, TraceArgs};
+use crate::cli::args::{Output, Proto, TraceArgs};
 
 /// The pinned maps the datapath only reads: the trace instance uses the pinned ones. (XDP
 /// egress, never pinned, is only `lb_xdp`'s; `lb_ingress` is the one traced.)

@@ -2,6 +2,9 @@
 //!
 //! A source (the manifest directory now, the apiserver later) produces [`ServiceSpec`]s and
 //! [`SliceSpec`]s; [`Model::join`] joins them the way kube-proxy does. Everything here is pure.
+pub mod node_addresses;
+pub mod nodeport;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::net::Ipv4Addr;
@@ -9,7 +12,7 @@ use std::net::Ipv4Addr;
 use ipnet::Ipv4Net;
 use lb_common::{IPPROTO_TCP, IPPROTO_UDP};
 
-use crate::nodeport::NodePortAllocator;
+use crate::model::nodeport::NodePortAllocator;
 
 /// `namespace/name` of a Service.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -113,7 +116,7 @@ impl ExternalAddresses {
 }
 
 /// How a service port's new connections pick an endpoint (IPVS's scheduler model); the
-/// annotation [`crate::k8s::SCHEDULER_ANNOTATION`] chooses it per service, `--scheduler`
+/// annotation [`crate::source::k8s::SCHEDULER_ANNOTATION`] chooses it per service, `--scheduler`
 /// otherwise.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum Scheduler {

@@ -11,10 +11,10 @@ use aya::programs::CgroupAttachMode;
 use aya::programs::links::FdLink;
 use lb_common::program_name;
 
-use crate::bpf_link::LinkTarget;
+use crate::datapath::bpf_link::LinkTarget;
+use crate::datapath::link_pins::LinkPins;
 use crate::datapath::{self, Datapath};
 use crate::error_chain;
-use crate::link_pins::LinkPins;
 
 const PROGRAMS: [&str; 4] = [
     program_name::CONNECT4,

@@ -1,0 +1,6 @@
+//! The pinned maps from user space: batch operations, counter slots, conntrack walks, and
+//! finding the pins from another process.
+pub mod connections;
+pub mod map_batch;
+pub mod pins;
+pub mod stats_slots;
