@@ -9,8 +9,8 @@ use jiff::Timestamp;
 use lb_common::{AgentInfo, ServiceStatus, field_text, map_name};
 use lb_user::datapath::{self, MapFill, ServiceMaps};
 use lb_user::maps::connections::protocol_name;
+use lb_user::maps::contents::MapContents;
 use lb_user::maps::pins;
-use lb_user::reconcile::MapContents;
 use lb_user::reconcile::sync_status::{self, PortStatus, SyncState, Tally};
 use serde::Serialize;
 

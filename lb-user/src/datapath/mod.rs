@@ -33,10 +33,11 @@ use lb_common::{
 use nix::libc::EAGAIN;
 use nix::time::{ClockId, clock_getres};
 
+use crate::maps::contents::{MapContents, SourceRange};
 use crate::maps::map_batch;
 use crate::maps::stats_slots::{self, StatsReset};
+use crate::maps::writer::MapWriter;
 use crate::reconcile::udp_flush::{self, UdpEndpoint};
-use crate::reconcile::{MapContents, MapWriter, SourceRange};
 
 /// The compiled lb-ebpf object, built by build.rs.
 pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lb"));

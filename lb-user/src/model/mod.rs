@@ -2,70 +2,17 @@
 //!
 //! A source (the manifest directory now, the apiserver later) produces [`ServiceSpec`]s and
 //! [`SliceSpec`]s; [`Model::join`] joins them the way kube-proxy does. Everything here is pure.
+pub mod id;
 pub mod node_addresses;
 pub mod nodeport;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::fmt;
 use std::net::Ipv4Addr;
 
 use ipnet::Ipv4Net;
-use lb_common::{IPPROTO_TCP, IPPROTO_UDP};
 
+pub use crate::model::id::{Protocol, ServiceName, ServicePortId};
 use crate::model::nodeport::NodePortAllocator;
-
-/// `namespace/name` of a Service.
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct ServiceName {
-    pub namespace: String,
-    pub name: String,
-}
-
-impl fmt::Display for ServiceName {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}/{}", self.namespace, self.name)
-    }
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Protocol {
-    Tcp,
-    Udp,
-}
-
-impl Protocol {
-    pub const fn ipproto(self) -> u8 {
-        match self {
-            Protocol::Tcp => IPPROTO_TCP,
-            Protocol::Udp => IPPROTO_UDP,
-        }
-    }
-}
-
-impl fmt::Display for Protocol {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Protocol::Tcp => "TCP",
-            Protocol::Udp => "UDP",
-        })
-    }
-}
-
-/// One port of one service: the identity that keeps its service id (and allocated nodePort)
-/// stable across syncs.
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct ServicePortId {
-    pub service: ServiceName,
-    /// The ServicePort name; "" when unnamed (only allowed for single-port services).
-    pub port_name: String,
-    pub protocol: Protocol,
-}
-
-impl fmt::Display for ServicePortId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}:{}/{}", self.service, self.port_name, self.protocol)
-    }
-}
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum TargetPort {

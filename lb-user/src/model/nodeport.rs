@@ -9,7 +9,7 @@ use std::ops::RangeInclusive;
 
 use tracing::warn;
 
-use crate::model::ServicePortId;
+use crate::model::id::ServicePortId;
 
 #[derive(Debug)]
 pub struct NodePortAllocator {
@@ -81,7 +81,7 @@ fn fnv1a(s: &str) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{Protocol, ServiceName};
+    use crate::model::id::{Protocol, ServiceName};
 
     fn id(name: &str) -> ServicePortId {
         ServicePortId {

@@ -8,7 +8,6 @@ pub mod udp_flush;
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::Ipv4Addr;
 
-use ipnet::Ipv4Net;
 use lb_common::{
     Backend, BackendKey, FRONTEND_F_LOCAL, FRONTEND_F_MASQUERADE, FRONTEND_F_PRESERVE_SOURCE,
     FRONTEND_F_SOURCE_RANGES, Frontend, FrontendKey, FrontendOrigin, KIND_CLUSTER_IP,
@@ -18,77 +17,14 @@ use lb_common::{
 use tracing::{debug, error, warn};
 
 use crate::error_chain;
+use crate::maps::contents::{MapContents, SourceRange};
 use crate::maps::stats_slots::{PortEndpoint, StatsReset, StatsSlots};
+use crate::maps::writer::{MapWriter, WriteFailure};
 use crate::model::{Endpoint, Model, Protocol, Scheduler, Service, ServiceName, ServicePortId};
 use crate::reconcile::udp_flush::UdpEndpoint;
 
-/// The service maps, as the reconciler writes them: the aya maps, or a fake in tests. Each
-/// call writes one phase of a sync, in order (one batch syscall on the aya maps), and returns
-/// the entries that failed, by index; the others are written. Removing a key that is not there
-/// is no failure. Source ranges, few, are written one by one.
 /// Failed map writes of one sync logged as errors; the rest at debug level.
 const LOGGED_FAILURES_PER_SYNC: usize = 10;
-
-pub trait MapWriter {
-    type Error: std::error::Error;
-    /// Writes each slot of `BACKEND_STATS` zeroed with its owner, on every CPU.
-    fn reset_stats(&mut self, resets: &[StatsReset]) -> Vec<(usize, Self::Error)>;
-    fn insert_backends(&mut self, entries: &[(BackendKey, Backend)]) -> Vec<(usize, Self::Error)>;
-    fn remove_backends(&mut self, keys: &[BackendKey]) -> Vec<(usize, Self::Error)>;
-    fn insert_frontends(
-        &mut self,
-        entries: &[(FrontendKey, Frontend)],
-    ) -> Vec<(usize, Self::Error)>;
-    fn remove_frontends(&mut self, keys: &[FrontendKey]) -> Vec<(usize, Self::Error)>;
-    fn insert_origins(
-        &mut self,
-        entries: &[(FrontendKey, FrontendOrigin)],
-    ) -> Vec<(usize, Self::Error)>;
-    fn remove_origins(&mut self, keys: &[FrontendKey]) -> Vec<(usize, Self::Error)>;
-    fn insert_statuses(&mut self, entries: &[(u32, ServiceStatus)]) -> Vec<(usize, Self::Error)>;
-    fn remove_statuses(&mut self, service_ids: &[u32]) -> Vec<(usize, Self::Error)>;
-    fn insert_source_range(&mut self, range: SourceRange) -> Result<(), Self::Error>;
-    fn remove_source_range(&mut self, range: SourceRange) -> Result<(), Self::Error>;
-}
-
-/// An entry of `SOURCE_RANGES`: sources in `net` may reach the load balancer IPs of service
-/// port `service_id`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub struct SourceRange {
-    pub service_id: u32,
-    pub net: Ipv4Net,
-}
-
-/// Desired contents of the service maps.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct MapContents {
-    pub frontends: BTreeMap<FrontendKey, Frontend>,
-    pub backends: BTreeMap<BackendKey, Backend>,
-    pub source_ranges: BTreeSet<SourceRange>,
-    /// The Service port and kind of each frontend but the catch-alls (for `lb services`).
-    pub origins: BTreeMap<FrontendKey, FrontendOrigin>,
-    /// What each service port wants the other maps to hold, by service id (for `lb status`);
-    /// written after them at each sync.
-    pub statuses: BTreeMap<u32, ServiceStatus>,
-}
-
-impl MapContents {
-    /// How many entries of `self` and `other` differ: in one only, or with other values.
-    fn differences(&self, other: &MapContents) -> usize {
-        fn differing<K: Ord, V: PartialEq>(a: &BTreeMap<K, V>, b: &BTreeMap<K, V>) -> usize {
-            let changed_or_lost = a.iter().filter(|(k, v)| b.get(k) != Some(*v)).count();
-            changed_or_lost + b.keys().filter(|k| !a.contains_key(k)).count()
-        }
-        differing(&self.frontends, &other.frontends)
-            + differing(&self.backends, &other.backends)
-            + differing(&self.origins, &other.origins)
-            + differing(&self.statuses, &other.statuses)
-            + self
-                .source_ranges
-                .symmetric_difference(&other.source_ranges)
-                .count()
-    }
-}
 
 /// What one sync did.
 #[derive(Debug, Default, PartialEq, Eq)]
@@ -114,14 +50,6 @@ pub struct SyncReport {
     /// Endpoints of the services synced that have no counter slot (all in use): their traffic
     /// is not counted.
     pub uncounted: usize,
-}
-
-/// A service's failed map writes in one sync.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct WriteFailure {
-    pub writes: usize,
-    /// The first one: the operation and the error.
-    pub error: String,
 }
 
 impl SyncReport {
@@ -1220,6 +1148,7 @@ fn frontend_key(addr: Ipv4Addr, port: u16, proto: u8) -> FrontendKey {
 mod tests {
     use super::*;
     use crate::model::{Conditions, Protocol, Service, ServiceName, ServicePort, TargetPort};
+    use ipnet::Ipv4Net;
 
     #[derive(Debug, Clone, Copy, PartialEq, Eq)]
     enum Op {

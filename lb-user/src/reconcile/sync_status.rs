@@ -9,8 +9,9 @@ use std::net::Ipv4Addr;
 use bytemuck::bytes_of as bytes;
 use lb_common::{FrontendKey, ServiceStatus, field_text, ipv4_be, text_field};
 
+use crate::maps::contents::MapContents;
+use crate::maps::writer::WriteFailure;
 use crate::model::ServicePortId;
-use crate::reconcile::{MapContents, WriteFailure};
 
 /// A service port's entries in a [`MapContents`], summed up: a checksum and how many of each.
 /// A port's entries are its frontends, the catch-all of its ClusterIP, its backend slots, its
@@ -227,8 +228,8 @@ mod tests {
     };
 
     use super::*;
+    use crate::maps::contents::SourceRange;
     use crate::model::{Protocol, ServiceName};
-    use crate::reconcile::SourceRange;
 
     const WEB: u32 = 7;
     const DNS: u32 = 8;

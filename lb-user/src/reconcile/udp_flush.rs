@@ -7,7 +7,7 @@ use lb_common::{
     Backend, BackendKey, CT_F_REPLY, ConntrackEntry, ConntrackKey, FrontendKey, IPPROTO_UDP,
 };
 
-use crate::reconcile::MapContents;
+use crate::maps::contents::MapContents;
 
 /// An endpoint of one UDP service port.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]

@@ -25,8 +25,8 @@ use serde::de::DeserializeOwned;
 use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 
+use crate::maps::writer::WriteFailure;
 use crate::model::{ServiceName, ServiceSpec, SliceSpec, Specs};
-use crate::reconcile::WriteFailure;
 use crate::source::change_tracker::{ChangeTracker, Kind, ObjectVersion};
 use crate::source::events::WriteFailureEvents;
 use crate::source::k8s::{self, InvalidField};

@@ -12,8 +12,8 @@ use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
 use crate::error_chain;
+use crate::maps::writer::WriteFailure;
 use crate::model::ServiceName;
-use crate::reconcile::WriteFailure;
 use crate::source::k8s::InvalidField;
 
 /// The reason of the Events on Services whose map writes failed.
