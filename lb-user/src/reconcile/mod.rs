@@ -141,6 +141,87 @@ impl Scope {
     }
 }
 
+/// The keys of one map that a sync diffs: all of them (`None`), or the changed services' keys.
+#[derive(Clone, Copy)]
+struct Keys<'a, K>(Option<&'a BTreeSet<K>>);
+
+/// The keys of each map that a sync diffs, from its scope (None: every key).
+struct DiffKeys<'a> {
+    frontends: Keys<'a, FrontendKey>,
+    backends: Keys<'a, BackendKey>,
+    source_ranges: Keys<'a, SourceRange>,
+    /// The service ids whose status records may go.
+    status_ids: Keys<'a, u32>,
+}
+
+impl<'a> DiffKeys<'a> {
+    fn of(scope: Option<&'a Scope>) -> Self {
+        DiffKeys {
+            frontends: Keys(scope.map(|s| &s.frontends)),
+            backends: Keys(scope.map(|s| &s.backends)),
+            source_ranges: Keys(scope.map(|s| &s.source_ranges)),
+            status_ids: Keys(scope.map(|s| &s.old_ids)),
+        }
+    }
+}
+
+/// A map's or a set's keys.
+trait KeySet<K> {
+    fn holds(&self, key: &K) -> bool;
+    fn all<'s>(&'s self) -> Box<dyn Iterator<Item = &'s K> + 's>
+    where
+        K: 's;
+}
+
+impl<K: Ord, V> KeySet<K> for BTreeMap<K, V> {
+    fn holds(&self, key: &K) -> bool {
+        self.contains_key(key)
+    }
+    fn all<'s>(&'s self) -> Box<dyn Iterator<Item = &'s K> + 's>
+    where
+        K: 's,
+    {
+        Box::new(self.keys())
+    }
+}
+
+impl<K: Ord> KeySet<K> for BTreeSet<K> {
+    fn holds(&self, key: &K) -> bool {
+        self.contains(key)
+    }
+    fn all<'s>(&'s self) -> Box<dyn Iterator<Item = &'s K> + 's>
+    where
+        K: 's,
+    {
+        Box::new(self.iter())
+    }
+}
+
+impl<'a, K: Ord + Copy> Keys<'a, K> {
+    /// The entries of `desired` among these keys that `written` does not hold as they are.
+    fn changed<V: PartialEq + Copy>(
+        self,
+        desired: &BTreeMap<K, V>,
+        written: &BTreeMap<K, V>,
+    ) -> Vec<(K, V)> {
+        match self.0 {
+            None => changed(desired, written),
+            Some(keys) => changed_in(keys, desired, written),
+        }
+    }
+
+    /// These keys that `held` holds, in order.
+    fn held_by<'b>(self, held: &'b impl KeySet<K>) -> Box<dyn Iterator<Item = &'b K> + 'b>
+    where
+        'a: 'b,
+    {
+        match self.0 {
+            None => held.all(),
+            Some(keys) => Box::new(keys.iter().filter(|k| held.holds(k))),
+        }
+    }
+}
+
 pub struct Reconciler {
     /// The node addresses NodePorts are served on.
     node_port_addrs: Vec<Ipv4Addr>,
@@ -647,41 +728,69 @@ impl Reconciler {
     }
 
     /// Writes the difference between `desired` and the maps, for the keys in `scope` (None:
-    /// every key; else `desired` holds what the keys of the scope are to hold).
+    /// every key; else `desired` holds what the keys of the scope are to hold). Inserts first
+    /// (counter slots, backends, source ranges, then frontends), removals after, so that no
+    /// packet meets a frontend whose backends are not written yet.
     fn apply<W: MapWriter>(
         &mut self,
         desired: &MapContents,
         scope: Option<&Scope>,
         maps: &mut W,
     ) -> SyncReport {
+        let keys = DiffKeys::of(scope);
         let mut report = SyncReport::default();
+        // The services some of whose inserts failed: their frontends keep what they had.
+        let mut broken = self.claim_slots(&mut report, maps);
+        self.insert_backends(desired, &keys, &mut broken, &mut report, maps);
+        self.insert_source_ranges(desired, &keys, &mut broken, &mut report, maps);
+        self.insert_frontends(desired, &keys, &broken, &mut report, maps);
+        self.remove_frontends(desired, &keys, &mut report, maps);
+        self.remove_source_ranges(desired, &keys, &mut report, maps);
+        self.remove_backends(desired, &keys, &mut report, maps);
+        report
+    }
 
-        // Counter slots are claimed before any backend refers to them: a new connection takes
-        // its slot's owner as it finds it.
+    /// Claims the new counter slots, before any backend refers to them: a new connection takes
+    /// its slot's owner as it finds it. Returns the services whose claims failed.
+    fn claim_slots<W: MapWriter>(
+        &mut self,
+        report: &mut SyncReport,
+        maps: &mut W,
+    ) -> BTreeSet<u32> {
         let claims = self.stats.unclaimed();
         let failures = maps.reset_stats(&claims);
         let failed = self.failures(
-            &mut report,
+            report,
             "backend stats claim",
             &claims,
             failures,
             |_, reset| reset.service_id,
         );
-        let mut broken: BTreeSet<u32> = failed.iter().map(|&i| claims[i].service_id).collect();
         for claim in skip_indices(&claims, &failed) {
             self.stats.claimed(claim.slot);
         }
+        failed.iter().map(|&i| claims[i].service_id).collect()
+    }
 
-        let backends: Vec<(BackendKey, Backend)> = match scope {
-            None => changed(&desired.backends, &self.written.backends),
-            Some(scope) => changed_in(&scope.backends, &desired.backends, &self.written.backends),
-        }
-        .into_iter()
-        .filter(|(key, _)| !broken.contains(&key.service_id))
-        .collect();
+    /// Writes the backends that changed, but those of `broken` services; adds the services whose
+    /// writes failed to `broken`.
+    fn insert_backends<W: MapWriter>(
+        &mut self,
+        desired: &MapContents,
+        keys: &DiffKeys,
+        broken: &mut BTreeSet<u32>,
+        report: &mut SyncReport,
+        maps: &mut W,
+    ) {
+        let backends: Vec<(BackendKey, Backend)> = keys
+            .backends
+            .changed(&desired.backends, &self.written.backends)
+            .into_iter()
+            .filter(|(key, _)| !broken.contains(&key.service_id))
+            .collect();
         let failures = maps.insert_backends(&backends);
         let failed = self.failures(
-            &mut report,
+            report,
             "backend insert",
             &backends,
             failures,
@@ -694,65 +803,68 @@ impl Reconciler {
                 None => report.backends_added += 1,
             }
         }
+    }
 
-        let wanted_ranges: Vec<SourceRange> = match scope {
-            None => desired.source_ranges.iter().copied().collect(),
-            Some(scope) => scope
-                .source_ranges
-                .intersection(&desired.source_ranges)
-                .copied()
-                .collect(),
-        };
-        for range in &wanted_ranges {
-            if self.written.source_ranges.contains(range) {
-                continue;
-            }
-            match maps.insert_source_range(*range) {
+    /// Writes the source ranges the maps lack; adds the services whose writes failed to
+    /// `broken`.
+    fn insert_source_ranges<W: MapWriter>(
+        &mut self,
+        desired: &MapContents,
+        keys: &DiffKeys,
+        broken: &mut BTreeSet<u32>,
+        report: &mut SyncReport,
+        maps: &mut W,
+    ) {
+        let missing: Vec<SourceRange> = keys
+            .source_ranges
+            .held_by(&desired.source_ranges)
+            .filter(|range| !self.written.source_ranges.contains(range))
+            .copied()
+            .collect();
+        for range in missing {
+            match maps.insert_source_range(range) {
                 Ok(()) => {
-                    self.written.source_ranges.insert(*range);
+                    self.written.source_ranges.insert(range);
                     report.source_ranges_added += 1;
                 }
                 Err(err) => {
-                    self.failed(
-                        &mut report,
-                        range.service_id,
-                        "source range insert",
-                        &format!("{range:?}"),
-                        &err,
-                    );
+                    let key = format!("{range:?}");
+                    self.failed(report, range.service_id, "source range insert", &key, &err);
                     broken.insert(range.service_id);
                 }
             }
         }
+    }
 
-        // Catch-alls last: a new service's ports are not rejected while it is being written.
-        let frontends = match scope {
-            None => changed(&desired.frontends, &self.written.frontends),
-            Some(scope) => changed_in(
-                &scope.frontends,
-                &desired.frontends,
-                &self.written.frontends,
-            ),
-        };
-        let (ports, catch_alls): (Vec<_>, Vec<_>) = frontends
+    /// Writes the frontends that changed, but those of `broken` services, each after its
+    /// origin (so that `lb services` names every frontend it shows); the catch-alls last, so
+    /// that a new service's ports are not rejected while it is being written.
+    fn insert_frontends<W: MapWriter>(
+        &mut self,
+        desired: &MapContents,
+        keys: &DiffKeys,
+        broken: &BTreeSet<u32>,
+        report: &mut SyncReport,
+        maps: &mut W,
+    ) {
+        let (ports, catch_alls): (Vec<_>, Vec<_>) = keys
+            .frontends
+            .changed(&desired.frontends, &self.written.frontends)
             .into_iter()
             .filter(|(_, value)| !broken.contains(&value.service_id))
             .partition(|(key, _)| key.port != 0);
         let frontends: Vec<(FrontendKey, Frontend)> = ports.into_iter().chain(catch_alls).collect();
 
-        // A frontend's origin is written before it and removed after it, so that `lb services`
-        // names every frontend it shows.
         let service_of = |key: &FrontendKey| desired.frontends.get(key).map_or(0, |f| f.service_id);
-        let origins: Vec<(FrontendKey, FrontendOrigin)> = match scope {
-            None => changed(&desired.origins, &self.written.origins),
-            Some(scope) => changed_in(&scope.frontends, &desired.origins, &self.written.origins),
-        }
-        .into_iter()
-        .filter(|(key, _)| !broken.contains(&service_of(key)))
-        .collect();
+        let origins: Vec<(FrontendKey, FrontendOrigin)> = keys
+            .frontends
+            .changed(&desired.origins, &self.written.origins)
+            .into_iter()
+            .filter(|(key, _)| !broken.contains(&service_of(key)))
+            .collect();
         let failures = maps.insert_origins(&origins);
         let failed = self.failures(
-            &mut report,
+            report,
             "frontend origin insert",
             &origins,
             failures,
@@ -764,7 +876,7 @@ impl Reconciler {
 
         let failures = maps.insert_frontends(&frontends);
         let failed = self.failures(
-            &mut report,
+            report,
             "frontend insert",
             &frontends,
             failures,
@@ -776,101 +888,97 @@ impl Reconciler {
                 None => report.frontends_added += 1,
             }
         }
+    }
 
-        let gone: Vec<FrontendKey> = match scope {
-            None => gone(&desired.frontends, self.written.frontends.keys()),
-            Some(scope) => gone(
-                &desired.frontends,
-                scope
-                    .frontends
-                    .iter()
-                    .filter(|k| self.written.frontends.contains_key(k)),
-            ),
-        };
-        let failures = maps.remove_frontends(&gone);
+    /// Removes the frontends no longer wanted, then their origins.
+    fn remove_frontends<W: MapWriter>(
+        &mut self,
+        desired: &MapContents,
+        keys: &DiffKeys,
+        report: &mut SyncReport,
+        maps: &mut W,
+    ) {
+        let stale = gone(
+            &desired.frontends,
+            keys.frontends.held_by(&self.written.frontends),
+        );
+        let failures = maps.remove_frontends(&stale);
         let failed = self.failures(
-            &mut report,
+            report,
             "frontend remove",
-            &gone,
+            &stale,
             failures,
             |written, key| written.frontends.get(key).map_or(0, |f| f.service_id),
         );
-        for key in skip_indices(&gone, &failed) {
+        for key in skip_indices(&stale, &failed) {
             self.written.frontends.remove(key);
             report.frontends_removed += 1;
         }
-        let gone_origins: Vec<FrontendKey> = match scope {
-            // `self::`: `gone` here is the list of removed frontends.
-            None => self::gone(&desired.origins, self.written.origins.keys()),
-            Some(scope) => self::gone(
-                &desired.origins,
-                scope
-                    .frontends
-                    .iter()
-                    .filter(|k| self.written.origins.contains_key(k)),
-            ),
-        }
+
+        let stale_origins: Vec<FrontendKey> = gone(
+            &desired.origins,
+            keys.frontends.held_by(&self.written.origins),
+        )
         .into_iter()
         .filter(|key| !self.written.frontends.contains_key(key))
         .collect();
-        let failures = maps.remove_origins(&gone_origins);
+        let failures = maps.remove_origins(&stale_origins);
         let failed = self.failures(
-            &mut report,
+            report,
             "frontend origin remove",
-            &gone_origins,
+            &stale_origins,
             failures,
             |_, _| 0,
         );
-        for key in skip_indices(&gone_origins, &failed) {
+        for key in skip_indices(&stale_origins, &failed) {
             self.written.origins.remove(key);
         }
+    }
 
-        // A range that is no longer wanted only narrows who is served: removed even while a
-        // frontend of its service could not be updated.
-        let stale: Vec<SourceRange> = match scope {
-            None => self
-                .written
-                .source_ranges
-                .difference(&desired.source_ranges)
-                .copied()
-                .collect(),
-            Some(scope) => scope
-                .source_ranges
-                .iter()
-                .filter(|r| {
-                    self.written.source_ranges.contains(r) && !desired.source_ranges.contains(r)
-                })
-                .copied()
-                .collect(),
-        };
+    /// Removes the source ranges no longer wanted. A range that is no longer wanted only
+    /// narrows who is served: removed even while a frontend of its service could not be updated.
+    fn remove_source_ranges<W: MapWriter>(
+        &mut self,
+        desired: &MapContents,
+        keys: &DiffKeys,
+        report: &mut SyncReport,
+        maps: &mut W,
+    ) {
+        let stale: Vec<SourceRange> = keys
+            .source_ranges
+            .held_by(&self.written.source_ranges)
+            .filter(|range| !desired.source_ranges.contains(range))
+            .copied()
+            .collect();
         for range in stale {
             match maps.remove_source_range(range) {
                 Ok(()) => {
                     self.written.source_ranges.remove(&range);
                     report.source_ranges_removed += 1;
                 }
-                Err(err) => self.failed(
-                    &mut report,
-                    range.service_id,
-                    "source range remove",
-                    &format!("{range:?}"),
-                    &err,
-                ),
+                Err(err) => {
+                    let key = format!("{range:?}");
+                    self.failed(report, range.service_id, "source range remove", &key, &err);
+                }
             }
         }
+    }
 
-        // A slot stays while any frontend we could not update still counts it. A service
-        // port's frontends are all in the scope when its slots are.
-        let written_frontends: Box<dyn Iterator<Item = &Frontend>> = match scope {
-            None => Box::new(self.written.frontends.values()),
-            Some(scope) => Box::new(
-                scope
-                    .frontends
-                    .iter()
-                    .filter_map(|k| self.written.frontends.get(k)),
-            ),
-        };
+    /// Removes the backends no longer wanted. A slot stays while any frontend we could not
+    /// update still counts it. A service port's frontends are all in the scope when its slots
+    /// are.
+    fn remove_backends<W: MapWriter>(
+        &mut self,
+        desired: &MapContents,
+        keys: &DiffKeys,
+        report: &mut SyncReport,
+        maps: &mut W,
+    ) {
         let mut counted: BTreeMap<u32, (u32, u32)> = BTreeMap::new();
+        let written_frontends = keys
+            .frontends
+            .held_by(&self.written.frontends)
+            .filter_map(|k| self.written.frontends.get(k));
         for f in written_frontends {
             let c = counted.entry(f.service_id).or_default();
             *c = (c.0.max(f.backend_count), c.1.max(f.local_count));
@@ -885,28 +993,20 @@ impl Reconciler {
                 k.slot & !LOCAL_SLOT < count
             })
         };
-        let candidates: Box<dyn Iterator<Item = &BackendKey>> = match scope {
-            None => Box::new(self.written.backends.keys()),
-            Some(scope) => Box::new(
-                scope
-                    .backends
-                    .iter()
-                    .filter(|k| self.written.backends.contains_key(k)),
-            ),
-        };
-        let stale: Vec<BackendKey> = candidates
+        let stale: Vec<BackendKey> = keys
+            .backends
+            .held_by(&self.written.backends)
             .filter(|k| !desired.backends.contains_key(k) && !still_counted(k))
             .copied()
             .collect();
         let failures = maps.remove_backends(&stale);
-        let failed = self.failures(&mut report, "backend remove", &stale, failures, |_, key| {
+        let failed = self.failures(report, "backend remove", &stale, failures, |_, key| {
             key.service_id
         });
         for key in skip_indices(&stale, &failed) {
             self.written.backends.remove(key);
             report.backends_removed += 1;
         }
-        report
     }
 
     /// The status record of every port in `scope` (None: every port), from its entries in
@@ -961,12 +1061,10 @@ impl Reconciler {
         for (sid, record) in skip_indices(&records, &failed) {
             self.written.statuses.insert(*sid, *record);
         }
-        let candidates: Box<dyn Iterator<Item = &u32>> = match scope {
-            None => Box::new(self.written.statuses.keys()),
-            Some(scope) => Box::new(scope.old_ids.iter()),
-        };
-        let gone: Vec<u32> = candidates
-            .filter(|sid| !wanted.contains_key(sid) && self.written.statuses.contains_key(sid))
+        let gone: Vec<u32> = DiffKeys::of(scope)
+            .status_ids
+            .held_by(&self.written.statuses)
+            .filter(|sid| !wanted.contains_key(sid))
             .copied()
             .collect();
         let failures = maps.remove_statuses(&gone);
