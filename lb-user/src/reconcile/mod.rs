@@ -20,7 +20,9 @@ use crate::error_chain;
 use crate::maps::contents::{MapContents, SourceRange};
 use crate::maps::stats_slots::{PortEndpoint, StatsReset, StatsSlots};
 use crate::maps::writer::{MapWriter, WriteFailure};
-use crate::model::{Endpoint, Model, Protocol, Scheduler, Service, ServiceName, ServicePortId};
+use crate::model::{
+    Endpoint, Model, Protocol, Scheduler, Service, ServiceName, ServicePort, ServicePortId,
+};
 use crate::reconcile::udp_flush::UdpEndpoint;
 
 /// Failed map writes of one sync logged as errors; the rest at debug level.
@@ -415,108 +417,135 @@ impl Reconciler {
         };
         let mut conflicted = false;
         for port in &service.ports {
-            let id = ServicePortId {
-                service: name.clone(),
-                port_name: port.name.clone(),
-                protocol: port.protocol,
-            };
-            let service_id = self.ids[&id];
-            let traffic = &service.traffic;
-            let external = &service.external;
-            // kube-proxy applies externalTrafficPolicy to externally accessible services only.
-            let external_local =
-                traffic.external_local && (port.node_port.is_some() || !external.is_empty());
-            let scheduler = service.scheduler.unwrap_or(self.default_scheduler);
-            let maglev = scheduler == Scheduler::Maglev;
-            let (cluster, local) = port.policy_endpoints(&self.node_name, &self.zone);
-            let backend_count = self.list(service_id, 0, &cluster, maglev, desired);
-            // The Local list is only written for a port whose traffic uses it.
-            let local_count = if traffic.internal_local || external_local {
-                self.list(service_id, LOCAL_SLOT, &local, maglev, desired)
-            } else {
-                0
-            };
-            contribution.backends.extend(
-                (0..backend_count)
-                    .chain((0..local_count).map(|slot| LOCAL_SLOT + slot))
-                    .map(|slot| BackendKey { service_id, slot }),
-            );
-            let proto = port.protocol.ipproto();
-            let cluster_ip_flags = if traffic.internal_local {
-                FRONTEND_F_LOCAL
-            } else {
-                0
-            };
-            let mut frontends = vec![(
-                frontend_key(service.cluster_ip, port.port, proto),
-                cluster_ip_flags,
-                KIND_CLUSTER_IP,
-            )];
-            // NodePorts, externalIPs and load balancer IPs are kube-proxy's external
-            // destinations: one policy, one set of flags.
-            let external_flags = if external_local {
-                FRONTEND_F_LOCAL | FRONTEND_F_PRESERVE_SOURCE
-            } else {
-                FRONTEND_F_MASQUERADE
-            };
-            if let Some(node_port) = port.node_port {
-                for addr in &self.node_port_addrs {
-                    frontends.push((
-                        frontend_key(*addr, node_port, proto),
-                        external_flags,
-                        KIND_NODE_PORT,
-                    ));
-                }
-            }
-            for addr in &external.external_ips {
-                frontends.push((
-                    frontend_key(*addr, port.port, proto),
-                    external_flags,
-                    KIND_EXTERNAL_IP,
-                ));
-            }
-            let firewalled = !external.source_ranges.is_empty();
-            let load_balancer_flags = if firewalled {
-                external_flags | FRONTEND_F_SOURCE_RANGES
-            } else {
-                external_flags
-            };
-            for addr in &external.load_balancer_ips {
-                frontends.push((
-                    frontend_key(*addr, port.port, proto),
-                    load_balancer_flags,
-                    KIND_LOAD_BALANCER,
-                ));
-            }
-            if firewalled && !external.load_balancer_ips.is_empty() {
-                for &net in &external.source_ranges {
-                    let range = SourceRange { service_id, net };
-                    if desired.source_ranges.insert(range) {
-                        contribution.source_ranges.push(range);
-                    }
-                }
-            }
-            for (key, flags, kind) in frontends {
-                let value = Frontend {
-                    service_id,
-                    backend_count,
-                    local_count,
-                    flags,
-                    affinity_timeout_s: service.affinity_timeout_s.unwrap_or(0),
-                    scheduler: scheduler.datapath(),
-                };
-                if let Some(other) = desired.frontends.get(&key) {
-                    warn!(service_port = %id, addr = %Ipv4Addr::from(key.addr.to_ne_bytes()), port = u16::from_be(key.port), proto = key.proto, other_service_id = other.service_id, "frontend already taken by another service port: skipped");
-                    conflicted = true;
-                    continue;
-                }
-                desired.frontends.insert(key, value);
-                let origin = FrontendOrigin::new(&name.namespace, &name.name, &port.name, kind);
-                desired.origins.insert(key, origin);
-                contribution.frontends.push(key);
-            }
+            conflicted |= self.put_port(name, service, port, desired, &mut contribution);
         }
         (contribution, conflicted)
+    }
+
+    /// Puts one port's backend lists, frontends and source ranges into `desired`; whether a
+    /// frontend of it was taken by another service port (then skipped).
+    fn put_port(
+        &mut self,
+        name: &ServiceName,
+        service: &Service,
+        port: &ServicePort,
+        desired: &mut MapContents,
+        contribution: &mut Contribution,
+    ) -> bool {
+        let id = ServicePortId {
+            service: name.clone(),
+            port_name: port.name.clone(),
+            protocol: port.protocol,
+        };
+        let service_id = self.ids[&id];
+        let traffic = &service.traffic;
+        let external = &service.external;
+        // kube-proxy applies externalTrafficPolicy to externally accessible services only.
+        let external_local =
+            traffic.external_local && (port.node_port.is_some() || !external.is_empty());
+        let scheduler = service.scheduler.unwrap_or(self.default_scheduler);
+        let maglev = scheduler == Scheduler::Maglev;
+        let (cluster, local) = port.policy_endpoints(&self.node_name, &self.zone);
+        let backend_count = self.list(service_id, 0, &cluster, maglev, desired);
+        // The Local list is only written for a port whose traffic uses it.
+        let local_count = if traffic.internal_local || external_local {
+            self.list(service_id, LOCAL_SLOT, &local, maglev, desired)
+        } else {
+            0
+        };
+        contribution.backends.extend(
+            (0..backend_count)
+                .chain((0..local_count).map(|slot| LOCAL_SLOT + slot))
+                .map(|slot| BackendKey { service_id, slot }),
+        );
+        if !external.source_ranges.is_empty() && !external.load_balancer_ips.is_empty() {
+            for &net in &external.source_ranges {
+                let range = SourceRange { service_id, net };
+                if desired.source_ranges.insert(range) {
+                    contribution.source_ranges.push(range);
+                }
+            }
+        }
+        let mut conflicted = false;
+        for (key, flags, kind) in self.port_frontends(service, port, external_local) {
+            let value = Frontend {
+                service_id,
+                backend_count,
+                local_count,
+                flags,
+                affinity_timeout_s: service.affinity_timeout_s.unwrap_or(0),
+                scheduler: scheduler.datapath(),
+            };
+            if let Some(other) = desired.frontends.get(&key) {
+                warn!(service_port = %id, addr = %Ipv4Addr::from(key.addr.to_ne_bytes()), port = u16::from_be(key.port), proto = key.proto, other_service_id = other.service_id, "frontend already taken by another service port: skipped");
+                conflicted = true;
+                continue;
+            }
+            desired.frontends.insert(key, value);
+            let origin = FrontendOrigin::new(&name.namespace, &name.name, &port.name, kind);
+            desired.origins.insert(key, origin);
+            contribution.frontends.push(key);
+        }
+        conflicted
+    }
+
+    /// The frontends of one port, with their flags and kinds: its ClusterIP, then its
+    /// NodePorts, externalIPs and load balancer IPs.
+    fn port_frontends(
+        &self,
+        service: &Service,
+        port: &ServicePort,
+        external_local: bool,
+    ) -> Vec<(FrontendKey, u32, u32)> {
+        let traffic = &service.traffic;
+        let external = &service.external;
+        let proto = port.protocol.ipproto();
+        let cluster_ip_flags = if traffic.internal_local {
+            FRONTEND_F_LOCAL
+        } else {
+            0
+        };
+        let mut frontends = vec![(
+            frontend_key(service.cluster_ip, port.port, proto),
+            cluster_ip_flags,
+            KIND_CLUSTER_IP,
+        )];
+        // NodePorts, externalIPs and load balancer IPs are kube-proxy's external
+        // destinations: one policy, one set of flags.
+        let external_flags = if external_local {
+            FRONTEND_F_LOCAL | FRONTEND_F_PRESERVE_SOURCE
+        } else {
+            FRONTEND_F_MASQUERADE
+        };
+        if let Some(node_port) = port.node_port {
+            for addr in &self.node_port_addrs {
+                frontends.push((
+                    frontend_key(*addr, node_port, proto),
+                    external_flags,
+                    KIND_NODE_PORT,
+                ));
+            }
+        }
+        for addr in &external.external_ips {
+            frontends.push((
+                frontend_key(*addr, port.port, proto),
+                external_flags,
+                KIND_EXTERNAL_IP,
+            ));
+        }
+        let load_balancer_flags = if external.source_ranges.is_empty() {
+            external_flags
+        } else {
+            external_flags | FRONTEND_F_SOURCE_RANGES
+        };
+        for addr in &external.load_balancer_ips {
+            frontends.push((
+                frontend_key(*addr, port.port, proto),
+                load_balancer_flags,
+                KIND_LOAD_BALANCER,
+            ));
+        }
+        frontends
     }
 
     /// Updates `last` to `model`, where only the services in `changed` differ from the last
