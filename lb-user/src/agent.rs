@@ -27,6 +27,7 @@ use lb_user::datapath::node_sysctls::{self, IcmpRateLimit};
 use lb_user::datapath::xdp_targets::XdpTargets;
 use lb_user::datapath::{self, Datapath, MapSizes};
 use lb_user::error_chain;
+use lb_user::maps::contents::MapContents;
 use lb_user::maps::writer::WriteFailure;
 use lb_user::model::node_addresses;
 use lb_user::model::nodeport::NodePortAllocator;
@@ -60,6 +61,53 @@ pub async fn run(args: AgentArgs) -> Result<()> {
     let metrics = Arc::new(Metrics::new());
     // kube-proxy's health timeout is twice its sync period.
     let health = Arc::new(Mutex::new(Health::new(2 * args.sync_period)));
+    serve_health_and_metrics(&args, &health, &metrics).await?;
+    let mut source = open_source(&args).await?;
+    // Changes the wait for the Node consumed still wait for their sync.
+    let (node_ip, changed_meanwhile) = match args.node_ip {
+        Some(ip) => (ip, false),
+        None => source.node_ip().await,
+    };
+    let loaded = load_datapath(&args, forwarding, node_ip)?;
+    let links = LinkWatcher::start()?;
+    let node_port_addrs = node_addresses::node_port_addresses(
+        &links.ipv4_addresses().await?,
+        node_ip,
+        &args.nodeport_addresses,
+    );
+    info!(addresses = ?node_port_addrs, "NodePorts served on");
+    let migrated = loaded.migrated;
+    let mut state = State::new(&args, node_ip, node_port_addrs, loaded, metrics, health)?;
+
+    let sigterm = signal(SignalKind::terminate())?;
+    let sigint = signal(SignalKind::interrupt())?;
+
+    let mut coalescer = Coalescer::new(args.min_sync_period, RETRY);
+    first_sync(&mut state, &mut source, &mut coalescer, changed_meanwhile);
+    let hooks = attach(&args, &mut state, &links, migrated).await?;
+    let agent = Agent {
+        audit: audit_interval(args.sync_period),
+        args,
+        node_ip,
+        state,
+        source,
+        coalescer,
+        hooks,
+        links,
+        links_open: true,
+        sigterm,
+        sigint,
+    };
+    agent.run_until_signal().await
+}
+
+/// The HTTP servers of `/healthz` and `/livez`, and of `/metrics` and `/proxyMode`, those that
+/// are asked for.
+async fn serve_health_and_metrics(
+    args: &AgentArgs,
+    health: &Arc<Mutex<Health>>,
+    metrics: &Arc<Metrics>,
+) -> Result<()> {
     if let Some(addr) = args.healthz_bind_address.0 {
         let routes = health::health_routes(health.clone(), metrics.clone());
         health::serve(addr, "/healthz, /livez", routes)
@@ -72,8 +120,12 @@ pub async fn run(args: AgentArgs) -> Result<()> {
             .await
             .with_context(|| format!("--metrics-bind-address {addr}"))?;
     }
+    Ok(())
+}
 
-    let mut source = match &args.manifests {
+/// The manifest directory of `--manifests`, else the apiserver.
+async fn open_source(args: &AgentArgs) -> Result<Source> {
+    match &args.manifests {
         Some(dir) => {
             anyhow::ensure!(
                 dir.is_dir(),
@@ -81,19 +133,27 @@ pub async fn run(args: AgentArgs) -> Result<()> {
                 dir.display()
             );
             anyhow::ensure!(args.node_ip.is_some(), "--manifests needs --node-ip");
-            Source::manifests(dir)?
+            Source::manifests(dir)
         }
         None => {
-            let api = ApiSource::start(args.kubeconfig.as_deref(), &node_name(&args)?).await?;
-            Source::Api(Box::new(api), Specs::default())
+            let api = ApiSource::start(args.kubeconfig.as_deref(), &node_name(args)?).await?;
+            Ok(Source::Api(Box::new(api), Specs::default()))
         }
-    };
-    // Changes the wait for the Node consumed still wait for their sync.
-    let (node_ip, changed_meanwhile) = match args.node_ip {
-        Some(ip) => (ip, false),
-        None => source.node_ip().await,
-    };
+    }
+}
 
+/// The datapath loaded with its maps pinned, and what its maps held at start.
+struct Loaded {
+    datapath: Datapath,
+    /// Conntrack entries the first migration pass converted from an earlier layout.
+    migrated: usize,
+    agent_info: AgentInfo,
+    existing: MapContents,
+}
+
+/// Loads the datapath (pinning its maps, converting conntrack of an earlier layout) and writes
+/// its configuration, REJECT limit and agent record.
+fn load_datapath(args: &AgentArgs, forwarding: Forwarding, node_ip: Ipv4Addr) -> Result<Loaded> {
     bpffs::ensure(&args.bpffs)?;
     let mut datapath = Datapath::load(
         &args.bpffs,
@@ -158,54 +218,40 @@ pub async fn run(args: AgentArgs) -> Result<()> {
         backends = existing.backends.len(),
         "datapath loaded, maps pinned"
     );
-    let proxy_health = health.clone();
-    let service_health = ServiceHealth::new(move || {
-        let health = proxy_health.lock().expect("health lock");
-        health.healthz(Timestamp::now()).status == 200
-    });
-    let mut links = LinkWatcher::start()?;
-    let node_port_addrs = node_addresses::node_port_addresses(
-        &links.ipv4_addresses().await?,
-        node_ip,
-        &args.nodeport_addresses,
-    );
-    info!(addresses = ?node_port_addrs, "NodePorts served on");
-    let mut state = State {
-        model: Model::default(),
-        ready_endpoints: 0,
-        no_local_endpoints: NoLocalEndpoints::default(),
-        zone_flag: args.zone.clone(),
-        reconciler: Reconciler::new(node_ip, existing)
-            .with_stats_slots(datapath.service_maps.stats_capacity())
-            .with_node_port_addresses(node_port_addrs)
-            .with_node_name(node_name(&args)?)
-            .with_default_scheduler(args.scheduler),
-        // The apiserver allocates nodePorts; only manifests may leave them out.
-        node_ports: args
-            .manifests
-            .is_some()
-            .then(|| NodePortAllocator::new(args.nodeport_range.clone())),
+    Ok(Loaded {
         datapath,
+        migrated,
         agent_info,
-        metrics,
-        health,
-        service_health,
-    };
+        existing,
+    })
+}
 
-    let mut sigterm = signal(SignalKind::terminate())?;
-    let mut sigint = signal(SignalKind::interrupt())?;
-
-    let mut coalescer = Coalescer::new(args.min_sync_period, RETRY);
-    // The manifest directory is whole from the start: sync before attaching. The apiserver's
-    // stores are not yet; the pinned maps keep serving what they hold until they are.
+/// The manifest directory is whole from the start: syncs it before attaching. The apiserver's
+/// stores are not yet: the pinned maps keep serving what they hold until they are.
+fn first_sync(
+    state: &mut State,
+    source: &mut Source,
+    coalescer: &mut Coalescer,
+    changed_meanwhile: bool,
+) {
     if source.whole() {
-        state.sync(&mut source, &mut coalescer);
+        state.sync(source, coalescer);
     } else {
         coalescer.queue(Instant::now(), Duration::ZERO);
         if changed_meanwhile {
-            state.queued(&source);
+            state.queued(source);
         }
     }
+}
+
+/// Puts the programs in place: the socket hooks, then every present interface; then removes
+/// what earlier agents left. Logs "attached to the existing interfaces" when all of it is done.
+async fn attach(
+    args: &AgentArgs,
+    state: &mut State,
+    links: &LinkWatcher,
+    migrated: usize,
+) -> Result<Hooks> {
     let pins = LinkPins::open(&args.bpffs)?;
     // Before the interfaces, so "attached to the existing interfaces" means everything is.
     let cgroup_pins = match cgroup_mount::resolve(args.cgroup.as_deref())? {
@@ -216,7 +262,7 @@ pub async fn run(args: AgentArgs) -> Result<()> {
             pins
         }
     };
-    let mut hooks = Hooks::new(&args, &mut state.datapath, pins).await?;
+    let mut hooks = Hooks::new(args, &mut state.datapath, pins).await?;
     let mut present = links.list().await?;
     // The pod-side interfaces first: with --xdp, lb_xdp's redirect targets are then known when
     // it is swapped in on the external one.
@@ -224,7 +270,7 @@ pub async fn run(args: AgentArgs) -> Result<()> {
     for (index, name) in present {
         hooks.add(&mut state.datapath, index, &name).await?;
     }
-    hooks.check_started(&args)?;
+    hooks.check_started(args)?;
     hooks.remove_stale_pins(&cgroup_pins);
     if migrated > 0 {
         // Connections the old programs opened while the first pass ran.
@@ -233,82 +279,122 @@ pub async fn run(args: AgentArgs) -> Result<()> {
     map_pins::remove_stale(&args.bpffs);
     hooks.log_attached();
     state.health.lock().expect("health lock").attached();
-    let mut links_open = true;
-    // 0s: no audit (an interval of zero would spin).
-    let mut audit = (!args.sync_period.is_zero()).then(|| {
-        let period = args.sync_period;
+    Ok(hooks)
+}
+
+/// The `--sync-period` audit's timer; 0s: no audit (an interval of zero would spin).
+fn audit_interval(period: Duration) -> Option<tokio::time::Interval> {
+    (!period.is_zero()).then(|| {
         let mut audit = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
         audit.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         audit
-    });
+    })
+}
 
-    loop {
-        let deadline = source
-            .whole()
-            .then(|| coalescer.due())
-            .flatten()
-            .map(tokio::time::Instant::from_std);
-        tokio::select! {
-            _ = sigterm.recv() => break,
-            _ = sigint.recv() => break,
-            settle = source.next() => {
-                if let Some(settle) = settle {
-                    coalescer.queue(Instant::now(), settle);
-                    state.queued(&source);
-                }
-            }
-            () = async { tokio::time::sleep_until(deadline.expect("guarded")).await }, if deadline.is_some() => {
-                state.sync(&mut source, &mut coalescer);
-            }
-            _ = async { audit.as_mut().expect("guarded").tick().await }, if audit.is_some() => {
-                if state.audit() {
-                    coalescer.queue(Instant::now(), Duration::ZERO);
-                }
-            }
-            (index, accepts) = hooks.next_xdp_target() => {
-                hooks.xdp_target_changed(&mut state.datapath, index, accepts)?;
-            }
-            event = links.next(), if links_open => match event {
-                Some(LinkEvent::Present(index, name)) => {
-                    hooks.add(&mut state.datapath, index, &name).await?;
-                }
-                Some(LinkEvent::Gone(index)) => hooks.remove(&mut state.datapath, index)?,
-                Some(LinkEvent::Addresses) => {
-                    if state.node_addresses_changed(&links, node_ip, &args.nodeport_addresses).await {
-                        coalescer.queue(Instant::now(), Duration::ZERO);
+/// The started agent: what its loop waits on and acts on.
+struct Agent {
+    args: AgentArgs,
+    node_ip: Ipv4Addr,
+    state: State,
+    source: Source,
+    coalescer: Coalescer,
+    hooks: Hooks,
+    links: LinkWatcher,
+    /// Until the netlink connection closes.
+    links_open: bool,
+    audit: Option<tokio::time::Interval>,
+    sigterm: tokio::signal::unix::Signal,
+    sigint: tokio::signal::unix::Signal,
+}
+
+impl Agent {
+    /// The loop: syncs when a change is due, audits, follows the interfaces, until SIGTERM or
+    /// SIGINT; then exits the process.
+    async fn run_until_signal(mut self) -> Result<()> {
+        loop {
+            let deadline = self
+                .source
+                .whole()
+                .then(|| self.coalescer.due())
+                .flatten()
+                .map(tokio::time::Instant::from_std);
+            tokio::select! {
+                _ = self.sigterm.recv() => break,
+                _ = self.sigint.recv() => break,
+                settle = self.source.next() => {
+                    if let Some(settle) = settle {
+                        self.coalescer.queue(Instant::now(), settle);
+                        self.state.queued(&self.source);
                     }
                 }
-                Some(LinkEvent::Lost) => {
-                    warn!("netlink notifications lost: listing interfaces and addresses again");
-                    if state.node_addresses_changed(&links, node_ip, &args.nodeport_addresses).await {
-                        coalescer.queue(Instant::now(), Duration::ZERO);
-                    }
-                    let present = links.list().await?;
-                    for index in hooks.tc.missing_from(&present) {
-                        hooks.remove(&mut state.datapath, index)?;
-                    }
-                    for (index, name) in present {
-                        hooks.add(&mut state.datapath, index, &name).await?;
+                () = async { tokio::time::sleep_until(deadline.expect("guarded")).await }, if deadline.is_some() => {
+                    self.state.sync(&mut self.source, &mut self.coalescer);
+                }
+                _ = async { self.audit.as_mut().expect("guarded").tick().await }, if self.audit.is_some() => {
+                    if self.state.audit() {
+                        self.coalescer.queue(Instant::now(), Duration::ZERO);
                     }
                 }
-                None => {
-                    error!("netlink connection closed: new interfaces are no longer attached");
-                    links_open = false;
+                (index, accepts) = self.hooks.next_xdp_target() => {
+                    self.hooks.xdp_target_changed(&mut self.state.datapath, index, accepts)?;
                 }
-            },
+                event = self.links.next(), if self.links_open => self.link_event(event).await?,
+            }
         }
+
+        info!(
+            interfaces = self.hooks.tc.len(),
+            failed_map_writes = self.state.reconciler.failed_total,
+            bpffs = %self.args.bpffs.display(),
+            "stopped; the datapath stays attached and pinned (`lb cleanup` removes it)"
+        );
+        // Freeing the agent's state one allocation at a time (millions of them at 50k Services)
+        // kept it from exiting for seconds; the exit frees it at once, and nothing it holds needs
+        // a destructor: the datapath stays pinned.
+        std::process::exit(0)
     }
 
-    info!(
-        interfaces = hooks.tc.len(),
-        failed_map_writes = state.reconciler.failed_total,
-        bpffs = %args.bpffs.display(),
-        "stopped; the datapath stays attached and pinned (`lb cleanup` removes it)"
-    );
-    // Freeing the agent's state one allocation at a time (millions of them at 50k Services)
-    // kept it from exiting for seconds; the exit frees it at once, and nothing it holds needs a
-    // destructor: the datapath stays pinned.
-    std::process::exit(0)
+    /// An interface came or went, the node's addresses changed, or netlink lost track.
+    async fn link_event(&mut self, event: Option<LinkEvent>) -> Result<()> {
+        match event {
+            Some(LinkEvent::Present(index, name)) => {
+                self.hooks
+                    .add(&mut self.state.datapath, index, &name)
+                    .await?;
+            }
+            Some(LinkEvent::Gone(index)) => self.hooks.remove(&mut self.state.datapath, index)?,
+            Some(LinkEvent::Addresses) => self.node_addresses_changed().await,
+            Some(LinkEvent::Lost) => {
+                warn!("netlink notifications lost: listing interfaces and addresses again");
+                self.node_addresses_changed().await;
+                let present = self.links.list().await?;
+                for index in self.hooks.tc.missing_from(&present) {
+                    self.hooks.remove(&mut self.state.datapath, index)?;
+                }
+                for (index, name) in present {
+                    self.hooks
+                        .add(&mut self.state.datapath, index, &name)
+                        .await?;
+                }
+            }
+            None => {
+                error!("netlink connection closed: new interfaces are no longer attached");
+                self.links_open = false;
+            }
+        }
+        Ok(())
+    }
+
+    /// Queues a sync when the NodePort addresses changed.
+    async fn node_addresses_changed(&mut self) {
+        let changed = self
+            .state
+            .node_addresses_changed(&self.links, self.node_ip, &self.args.nodeport_addresses)
+            .await;
+        if changed {
+            self.coalescer.queue(Instant::now(), Duration::ZERO);
+        }
+    }
 }
 
 /// The programs' attachments: tc on the external and pod interfaces, and with `--xdp`, XDP on
@@ -729,6 +815,43 @@ struct Sync {
 }
 
 impl State {
+    fn new(
+        args: &AgentArgs,
+        node_ip: Ipv4Addr,
+        node_port_addrs: Vec<Ipv4Addr>,
+        loaded: Loaded,
+        metrics: Arc<Metrics>,
+        health: Arc<Mutex<Health>>,
+    ) -> Result<Self> {
+        let proxy_health = health.clone();
+        let service_health = ServiceHealth::new(move || {
+            let health = proxy_health.lock().expect("health lock");
+            health.healthz(Timestamp::now()).status == 200
+        });
+        let datapath = loaded.datapath;
+        Ok(State {
+            model: Model::default(),
+            ready_endpoints: 0,
+            no_local_endpoints: NoLocalEndpoints::default(),
+            zone_flag: args.zone.clone(),
+            reconciler: Reconciler::new(node_ip, loaded.existing)
+                .with_stats_slots(datapath.service_maps.stats_capacity())
+                .with_node_port_addresses(node_port_addrs)
+                .with_node_name(node_name(args)?)
+                .with_default_scheduler(args.scheduler),
+            // The apiserver allocates nodePorts; only manifests may leave them out.
+            node_ports: args
+                .manifests
+                .is_some()
+                .then(|| NodePortAllocator::new(args.nodeport_range.clone())),
+            datapath,
+            agent_info: loaded.agent_info,
+            metrics,
+            health,
+            service_health,
+        })
+    }
+
     /// The `--sync-period` audit: compares the service maps with what the agent wrote; whether
     /// any entry differs (then a full sync, due now, repairs it). A failed read audits nothing.
     fn audit(&mut self) -> bool {
@@ -796,11 +919,7 @@ impl State {
             return;
         };
         let read = start.elapsed();
-        let zone = match self.zone_flag.as_str() {
-            "" => source.node_zone(),
-            flag => flag.to_string(),
-        };
-        self.reconciler.set_zone(zone);
+        self.follow_zone(source);
         let previous = self.model.update(
             source.specs(),
             desired.changed.as_ref(),
@@ -808,9 +927,59 @@ impl State {
         );
         let model = std::mem::take(&mut self.model);
         let joined = start.elapsed();
+        let changes = self.count_changes(&model, &previous);
+        let report = self.reconcile(&model, &previous);
+        let reconciled = start.elapsed();
+        self.flush_udp(&report.removed_udp);
+        self.warn_of_uncounted(&report);
+        self.update_service_health(&model, &previous, desired.changed.is_none());
+        if previous.len() >= BULK_SYNC {
+            release_free_memory();
+        }
+        let took = start.elapsed();
+        let now = Timestamp::now();
+        self.observe(now, took, &desired, &changes, &report, model.services.len());
+        source.report_write_failures(&report.failed_services);
+        // Failed writes are retried, not a reason to fail /livez (health.rs).
+        self.health
+            .lock()
+            .expect("health lock")
+            .synced(now, report.failed);
+        coalescer.ran(start, report.failed > 0);
+        let endpoints = self.ready_endpoints;
+        self.record_sync(now, &report, model.services.len(), endpoints);
+        log_sync(&Sync {
+            report,
+            services: model.services.len(),
+            joined: previous.len(),
+            endpoints,
+            failed_total: self.reconciler.failed_total,
+            stages: [read, joined - read, reconciled - joined, took - reconciled],
+            took,
+        });
+        self.model = model;
+    }
+
+    /// The zone the reconciler follows for topology hints: --zone, else the Node's label.
+    fn follow_zone(&mut self, source: &Source) {
+        let zone = match self.zone_flag.as_str() {
+            "" => source.node_zone(),
+            flag => flag.to_string(),
+        };
+        self.reconciler.set_zone(zone);
+    }
+
+    /// Updates the running counts (ready endpoints, services without a local endpoint) for the
+    /// services joined again, whose state before is in `previous`; returns kube-proxy's change
+    /// counts of this sync.
+    fn count_changes(
+        &mut self,
+        model: &Model,
+        previous: &BTreeMap<ServiceName, Option<Service>>,
+    ) -> Changes {
         let node_name = self.reconciler.node_name();
         let mut changes = Changes::default();
-        for (name, before) in &previous {
+        for (name, before) in previous {
             let now = model.services.get(name);
             let ready = |s: Option<&Service>| s.map_or(0, Service::ready_endpoints);
             self.ready_endpoints += ready(now);
@@ -819,17 +988,26 @@ impl State {
             self.no_local_endpoints.add(before.as_ref(), node_name, -1);
             changes.count(before.as_ref(), now);
         }
+        changes
+    }
+
+    /// Writes the services that differ from the last sync into the maps.
+    fn reconcile(
+        &mut self,
+        model: &Model,
+        previous: &BTreeMap<ServiceName, Option<Service>>,
+    ) -> SyncReport {
         // Only these differ from what the reconciler synced last.
         let changed: BTreeSet<ServiceName> = previous
             .iter()
             .filter(|(name, before)| model.services.get(*name) != before.as_ref())
             .map(|(name, _)| name.clone())
             .collect();
-        let report =
-            self.reconciler
-                .sync_changed(&model, Some(&changed), &mut self.datapath.service_maps);
-        let reconciled = start.elapsed();
-        self.flush_udp(&report.removed_udp);
+        self.reconciler
+            .sync_changed(model, Some(&changed), &mut self.datapath.service_maps)
+    }
+
+    fn warn_of_uncounted(&self, report: &SyncReport) {
         if report.uncounted > 0 {
             let (slots, in_use) = self.reconciler.stats_slots();
             warn!(
@@ -840,22 +1018,38 @@ impl State {
                  (lb services shows them counted: false; --backend-stats-max)"
             );
         }
-        // Few services have a healthCheckNodePort: the others' changes leave the servers alone.
+    }
+
+    /// The healthCheckNodePort servers, after a full sync or one that touched a service with
+    /// one. Few services have one: the others' changes leave the servers alone.
+    fn update_service_health(
+        &mut self,
+        model: &Model,
+        previous: &BTreeMap<ServiceName, Option<Service>>,
+        full: bool,
+    ) {
         let health_checked = previous.iter().any(|(name, before)| {
             let now = model.services.get(name);
             now.into_iter()
                 .chain(before)
                 .any(Service::has_health_check_node_port)
         });
-        if desired.changed.is_none() || health_checked {
+        if full || health_checked {
             self.service_health
-                .update(service_health::wanted(&model, self.reconciler.node_name()));
+                .update(service_health::wanted(model, self.reconciler.node_name()));
         }
-        if previous.len() >= BULK_SYNC {
-            release_free_memory();
-        }
-        let took = start.elapsed();
-        let now = Timestamp::now();
+    }
+
+    /// The metrics of the sync that ended at `now`, after `took`.
+    fn observe(
+        &self,
+        now: Timestamp,
+        took: Duration,
+        desired: &Desired,
+        changes: &Changes,
+        report: &SyncReport,
+        services: usize,
+    ) {
         let m = &self.metrics;
         m.sync_duration.observe(took.as_secs_f64());
         match desired.changed {
@@ -878,32 +1072,13 @@ impl State {
             m.no_local_endpoints.get_or_create(&label).set(count);
         }
         m.last_sync_timestamp.set(unix_seconds(now));
-        let endpoints = self.ready_endpoints;
-        m.services.set(model.services.len() as i64);
-        m.endpoints.set(endpoints as i64);
+        m.services.set(services as i64);
+        m.endpoints.set(self.ready_endpoints as i64);
         m.map_write_failures.inc_by(report.failed as u64);
-        source.report_write_failures(&report.failed_services);
         for trigger in &desired.triggers {
             let latency = now.duration_since(*trigger).as_secs_f64();
             m.network_programming.observe(latency.max(0.0));
         }
-        // Failed writes are retried, not a reason to fail /livez (health.rs).
-        self.health
-            .lock()
-            .expect("health lock")
-            .synced(now, report.failed);
-        coalescer.ran(start, report.failed > 0);
-        self.record_sync(now, &report, model.services.len(), endpoints);
-        log_sync(&Sync {
-            report,
-            services: model.services.len(),
-            joined: previous.len(),
-            endpoints,
-            failed_total: self.reconciler.failed_total,
-            stages: [read, joined - read, reconciled - joined, took - reconciled],
-            took,
-        });
-        self.model = model;
     }
 
     /// Records the sync that ended at `now` for `lb status`.
