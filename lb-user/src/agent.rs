@@ -1,7 +1,7 @@
 //! `lb agent`: load and pin the datapath, attach it to the node's interfaces, and keep its maps in
 //! sync with the apiserver (or a manifest directory) until SIGTERM/SIGINT.
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, Ipv6Addr};
 use std::ops::RangeInclusive;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -43,7 +43,7 @@ use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::mpsc;
 use tracing::{error, info, warn};
 
-use crate::args::{AgentArgs, Forwarding};
+use crate::args::{AgentArgs, Forwarding, NodeIps};
 
 /// Editors write a file in several steps: while a manifest file is being written (created or
 /// modified and not yet closed), a change waits this long for more.
@@ -88,10 +88,18 @@ pub async fn run(args: AgentArgs) -> Result<()> {
         }
     };
     // Changes the wait for the Node consumed still wait for their sync.
-    let (node_ip, changed_meanwhile) = match args.node_ip {
-        Some(ip) => (ip, false),
-        None => source.node_ip().await,
+    let (node_ips, changed_meanwhile) = match args.node_ip {
+        Some(given) => (source.node_ips_completed(given), false),
+        None => source.node_ips().await,
     };
+    // The datapath serves IPv4 only (docs/ipv6.md): an IPv6-only node programs no IPv4
+    // frontend, and an IPv4 pod network that holds no address.
+    let node_ip = node_ips.v4;
+    let cluster_cidr = args
+        .cluster_cidr
+        .v4
+        .unwrap_or(Ipv4Net::new_assert(Ipv4Addr::UNSPECIFIED, 32));
+    let nodeport_cidrs = args.nodeport_addresses_of::<Ipv4Addr>();
 
     bpffs::ensure(&args.bpffs)?;
     let mut datapath = Datapath::load(
@@ -109,9 +117,9 @@ pub async fn run(args: AgentArgs) -> Result<()> {
     // The programs of a previous agent may be reading it: the values are the same unless the
     // flags changed.
     datapath.write_config(&Config {
-        node_addr: ipv4_be(node_ip.octets()),
-        cluster_cidr_addr: ipv4_be(args.cluster_cidr.network().octets()),
-        cluster_cidr_mask: ipv4_be(args.cluster_cidr.netmask().octets()),
+        node_addr: ipv4_be(node_ip.unwrap_or(Ipv4Addr::UNSPECIFIED).octets()),
+        cluster_cidr_addr: ipv4_be(cluster_cidr.network().octets()),
+        cluster_cidr_mask: ipv4_be(cluster_cidr.netmask().octets()),
         flags: CONFIG_F_READY
             | if args.masquerade_all {
                 CONFIG_F_MASQUERADE_ALL
@@ -152,7 +160,7 @@ pub async fn run(args: AgentArgs) -> Result<()> {
     let existing = datapath.service_maps.read()?;
     info!(
         bpffs = %args.bpffs.display(),
-        %node_ip,
+        node_ip = %node_ips,
         frontends = existing.frontends.len(),
         backends = existing.backends.len(),
         "datapath loaded, maps pinned"
@@ -166,7 +174,7 @@ pub async fn run(args: AgentArgs) -> Result<()> {
     let node_port_addrs = node_addresses::node_port_addresses(
         &links.ipv4_addresses().await?,
         node_ip,
-        &args.nodeport_addresses,
+        &nodeport_cidrs,
     );
     info!(addresses = ?node_port_addrs, "NodePorts served on");
     let mut state = State {
@@ -174,7 +182,7 @@ pub async fn run(args: AgentArgs) -> Result<()> {
         ready_endpoints: 0,
         no_local_endpoints: NoLocalEndpoints::default(),
         zone_flag: args.zone.clone(),
-        reconciler: Reconciler::new(node_ip, existing)
+        reconciler: Reconciler::new(node_ip.unwrap_or(Ipv4Addr::UNSPECIFIED), existing)
             .with_stats_slots(datapath.service_maps.stats_capacity())
             .with_node_port_addresses(node_port_addrs)
             .with_node_name(node_name(&args)?)
@@ -189,6 +197,8 @@ pub async fn run(args: AgentArgs) -> Result<()> {
         metrics,
         health,
         service_health,
+        ipv6_node_ips: usize::from(node_ips.v6.is_some()),
+        ipv6_frontends_logged: 0,
     };
 
     let mut sigterm = signal(SignalKind::terminate())?;
@@ -273,13 +283,13 @@ pub async fn run(args: AgentArgs) -> Result<()> {
                 }
                 Some(LinkEvent::Gone(index)) => hooks.remove(&mut state.datapath, index)?,
                 Some(LinkEvent::Addresses) => {
-                    if state.node_addresses_changed(&links, node_ip, &args.nodeport_addresses).await {
+                    if state.node_addresses_changed(&links, node_ip, &nodeport_cidrs).await {
                         coalescer.queue(Instant::now(), Duration::ZERO);
                     }
                 }
                 Some(LinkEvent::Lost) => {
                     warn!("netlink notifications lost: listing interfaces and addresses again");
-                    if state.node_addresses_changed(&links, node_ip, &args.nodeport_addresses).await {
+                    if state.node_addresses_changed(&links, node_ip, &nodeport_cidrs).await {
                         coalescer.queue(Instant::now(), Duration::ZERO);
                     }
                     let present = links.list().await?;
@@ -551,25 +561,48 @@ impl Source {
         }
     }
 
-    /// Waits for this node's Node and its address; also whether the desired state changed
-    /// meanwhile.
-    async fn node_ip(&mut self) -> (std::net::Ipv4Addr, bool) {
+    /// Waits for this node's Node and its addresses (one of either family at least); also
+    /// whether the desired state changed meanwhile.
+    async fn node_ips(&mut self) -> (NodeIps, bool) {
         let Source::Api(api, _) = self else {
             unreachable!("--manifests requires --node-ip")
         };
         info!("no --node-ip: waiting for this node's Node for its address before attaching");
         let (mut logged, mut changed) = (false, false);
         loop {
-            if let Some(ip) = api.node().and_then(apiserver::node_ip) {
-                return (ip, changed);
+            if let Some(node) = api.node() {
+                let ips = NodeIps {
+                    v4: apiserver::node_ip::<Ipv4Addr>(node),
+                    v6: apiserver::node_ip::<Ipv6Addr>(node),
+                };
+                if ips.v4.is_some() || ips.v6.is_some() {
+                    return (ips, changed);
+                }
             }
             if !logged && api.node_listed() {
                 warn!(
-                    "this node's Node has no IPv4 InternalIP or ExternalIP yet (or give --node-ip); waiting"
+                    "this node's Node has no InternalIP or ExternalIP yet (or give --node-ip); waiting"
                 );
                 logged = true;
             }
             changed |= api.next().await == Next::Changed;
+        }
+    }
+
+    /// `given` (--node-ip), with a family it leaves out taken from this node's Node if that is
+    /// known already: start-up does not wait for the apiserver when --node-ip is given.
+    fn node_ips_completed(&self, given: NodeIps) -> NodeIps {
+        let Source::Api(api, _) = self else {
+            return given;
+        };
+        let node = api.node();
+        NodeIps {
+            v4: given
+                .v4
+                .or_else(|| node.and_then(apiserver::node_ip::<Ipv4Addr>)),
+            v6: given
+                .v6
+                .or_else(|| node.and_then(apiserver::node_ip::<Ipv6Addr>)),
         }
     }
 
@@ -712,6 +745,10 @@ struct State {
     metrics: Arc<Metrics>,
     health: Arc<Mutex<Health>>,
     service_health: ServiceHealth,
+    /// The node's IPv6 addresses NodePorts would be served on (its IPv6 node IP).
+    ipv6_node_ips: usize,
+    /// The IPv6 frontends not served that the log last reported.
+    ipv6_frontends_logged: usize,
 }
 
 struct Sync {
@@ -756,7 +793,7 @@ impl State {
     async fn node_addresses_changed(
         &mut self,
         links: &LinkWatcher,
-        node_ip: Ipv4Addr,
+        node_ip: Option<Ipv4Addr>,
         cidrs: &[Ipv4Net],
     ) -> bool {
         match links.ipv4_addresses().await {
@@ -902,7 +939,22 @@ impl State {
             stages: [read, joined - read, reconciled - joined, took - reconciled],
             took,
         });
+        self.log_ipv6_pending(&model);
         self.model = model;
+    }
+
+    /// Says how many IPv6 frontends the model holds that the IPv4-only datapath does not
+    /// serve yet (docs/ipv6.md), once per sync that changes the number.
+    fn log_ipv6_pending(&mut self, model: &Model) {
+        let frontends = model.ipv6_frontends(self.ipv6_node_ips);
+        if frontends == self.ipv6_frontends_logged {
+            return;
+        }
+        self.ipv6_frontends_logged = frontends;
+        info!(
+            services = model.services_v6.len(),
+            frontends, "IPv6 frontends not served (IPv6 datapath pending)"
+        );
     }
 
     /// Records the sync that ended at `now` for `lb status`.
