@@ -92,8 +92,8 @@ pub async fn run(args: AgentArgs) -> Result<()> {
         Some(given) => (source.node_ips_completed(given), false),
         None => source.node_ips().await,
     };
-    // The datapath serves IPv4 only (docs/ipv6.md): an IPv6-only node programs no IPv4
-    // frontend, and an IPv4 pod network that holds no address.
+    // The datapath serves IPv4 only (docs/ipv6.md). An IPv6-only node has no IPv4 node address
+    // (0.0.0.0 in the config) and no IPv4 pod network (0.0.0.0/32: no source is in it).
     let node_ip = node_ips.v4;
     let cluster_cidr = args
         .cluster_cidr

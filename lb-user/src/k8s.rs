@@ -410,13 +410,16 @@ fn object_name(meta: &ObjectMeta) -> Result<ServiceName, InvalidField> {
     })
 }
 
-/// The ClusterIP of each family of spec.ipFamilies (IPv4's, IPv6's): the first of that family
+/// A Service's ClusterIP of each family: IPv4's, IPv6's.
+type ClusterIps = (Option<Ipv4Addr>, Option<Ipv6Addr>);
+
+/// The ClusterIP of each family of spec.ipFamilies: the first of that family
 /// in clusterIP, clusterIPs. Without ipFamilies (manifests may leave it out), the families of
 /// the ClusterIPs. None (ignored) for headless services and services without one.
 fn cluster_ips(
     name: &ServiceName,
     spec: &ServiceSpecK8s,
-) -> Result<Option<(Option<Ipv4Addr>, Option<Ipv6Addr>)>, InvalidField> {
+) -> Result<Option<ClusterIps>, InvalidField> {
     let Some(primary) = spec.cluster_ip.as_deref().or(spec
         .cluster_ips
         .as_ref()
