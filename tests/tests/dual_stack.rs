@@ -1,0 +1,110 @@
+//! Dual-stack configuration (issue 22, step 1): the agent takes one `--node-ip` and one
+//! `--cluster-cidr` per family and a Service of both families, and serves its IPv4 side as an
+//! IPv4-only Service is served, while the datapath does not serve IPv6 yet.
+use std::time::Duration;
+
+use anyhow::{Result, ensure};
+use lb_tests::{
+    echo::Proto,
+    node::{CLUSTER_IP, Node, vip},
+    paths::{check_external_to_node_port, check_pod_to_service},
+    topology::{CLUSTER_CIDR, NODE_IP},
+};
+
+const NODE_PORT: u16 = 30080;
+const NODE_IP_V6: &str = "2001:db8:100::10";
+const CLUSTER_CIDR_V6: &str = "2001:db8:244::/56";
+const CLUSTER_IP_V6: &str = "2001:db8:96::10";
+/// Logged once a sync changes how many IPv6 frontends the model holds.
+const IPV6_PENDING: &str = "IPv6 frontends not served (IPv6 datapath pending)";
+
+/// `service` (an IPv4 Service and its IPv4 slice) made dual-stack: ipFamilies [IPv4, IPv6], a
+/// ClusterIP per family, an IPv6 slice and an FQDN slice (ignored) beside the IPv4 one.
+fn dual_stack(service: &str, proto: Proto) -> Result<String> {
+    let cluster_ip = format!("  clusterIP: {CLUSTER_IP}\n");
+    ensure!(service.contains(&cluster_ip), "{service}");
+    let both = format!(
+        "{cluster_ip}  clusterIPs: [\"{CLUSTER_IP}\", \"{CLUSTER_IP_V6}\"]\n  \
+         ipFamilies: [IPv4, IPv6]\n  ipFamilyPolicy: RequireDualStack\n"
+    );
+    let proto = proto.manifest_name();
+    let slice = |suffix: &str, address_type: &str, addresses: &[&str]| {
+        let endpoints: String = addresses
+            .iter()
+            .map(|a| format!("  - addresses: [\"{a}\"]\n"))
+            .collect();
+        format!(
+            "---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: web-{suffix}
+  namespace: default
+  labels:
+    kubernetes.io/service-name: web
+addressType: {address_type}
+ports:
+  - name: app
+    protocol: {proto}
+    port: 8080
+endpoints:
+{endpoints}"
+        )
+    };
+    Ok(format!(
+        "{}{}{}",
+        service.replacen(&cluster_ip, &both, 1),
+        slice("v6", "IPv6", &["2001:db8:244::b", "2001:db8:244::c"]),
+        slice("fqdn", "FQDN", &["web.example.com"]),
+    ))
+}
+
+/// Both families given to the agent, the Service dual-stack: its IPv4 ClusterIP and NodePort
+/// answer as on an IPv4-only node (who answered, the source the backend saw, the peer the client
+/// saw), and the log counts its IPv6 frontends (the ClusterIP and the NodePort on the IPv6 node
+/// IP) as not served.
+fn dual_stack_service_serves_ipv4(proto: Proto) -> Result<()> {
+    let node_ips = format!("{NODE_IP},{NODE_IP_V6}");
+    let cluster_cidrs = format!("{CLUSTER_CIDR},{CLUSTER_CIDR_V6}");
+    let mut node = Node::start(
+        3,
+        &[],
+        &[
+            "--node-ip",
+            &node_ips,
+            "--cluster-cidr",
+            &cluster_cidrs,
+            "--nodeport-addresses",
+            "198.51.100.0/24,2001:db8:100::/64",
+        ],
+    )?;
+    let service = node
+        .service(proto, &["pod-b", "pod-c"])
+        .node_port(NODE_PORT)
+        .yaml();
+    node.agent.update_manifests(&dual_stack(&service, proto)?)?;
+    check_pod_to_service(&node.topology, proto, vip())?;
+    check_external_to_node_port(&node.topology, proto, vip(), NODE_PORT)?;
+    node.agent
+        .wait_for_log(IPV6_PENDING, Duration::from_secs(5))?;
+    let log = node.agent.log();
+    let pending = log
+        .lines()
+        .find(|line| line.contains(IPV6_PENDING))
+        .unwrap_or_default();
+    ensure!(
+        pending.contains("services=1") && pending.contains("frontends=2"),
+        "{pending}"
+    );
+    Ok(())
+}
+
+#[test]
+fn dual_stack_service_serves_ipv4_tcp() -> Result<()> {
+    dual_stack_service_serves_ipv4(Proto::Tcp)
+}
+
+#[test]
+fn dual_stack_service_serves_ipv4_udp() -> Result<()> {
+    dual_stack_service_serves_ipv4(Proto::Udp)
+}
