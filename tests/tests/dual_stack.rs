@@ -1,10 +1,11 @@
 //! Dual-stack configuration (issue 22, step 1): the agent takes one `--node-ip` and one
 //! `--cluster-cidr` per family and a Service of both families, and serves its IPv4 side as an
 //! IPv4-only Service is served, while the datapath does not serve IPv6 yet.
-use std::time::Duration;
+use std::{net::Ipv4Addr, time::Duration};
 
 use anyhow::{Result, ensure};
 use lb_tests::{
+    agent::SYNC_DONE,
     echo::Proto,
     node::{CLUSTER_IP, Node, vip},
     paths::{check_external_to_node_port, check_pod_to_service},
@@ -15,6 +16,7 @@ const NODE_PORT: u16 = 30080;
 const NODE_IP_V6: &str = "2001:db8:100::10";
 const CLUSTER_CIDR_V6: &str = "2001:db8:244::/56";
 const CLUSTER_IP_V6: &str = "2001:db8:96::10";
+const CLUSTER_IP_V6_ONLY: &str = "2001:db8:96::11";
 /// Logged once a sync changes how many IPv6 frontends the model holds.
 const IPV6_PENDING: &str = "IPv6 frontends not served (IPv6 datapath pending)";
 
@@ -59,10 +61,53 @@ endpoints:
     ))
 }
 
+/// An IPv6-only Service `web6` with a stale IPv4 slice of `pods`, which it ignores.
+fn ipv6_only_with_ipv4_slice(proto: Proto, pods: &[Ipv4Addr]) -> String {
+    let proto = proto.manifest_name();
+    let endpoints: String = pods
+        .iter()
+        .map(|a| format!("  - addresses: [\"{a}\"]\n"))
+        .collect();
+    format!(
+        "---
+apiVersion: v1
+kind: Service
+metadata:
+  name: web6
+  namespace: default
+spec:
+  type: ClusterIP
+  clusterIP: \"{CLUSTER_IP_V6_ONLY}\"
+  clusterIPs: [\"{CLUSTER_IP_V6_ONLY}\"]
+  ipFamilies: [IPv6]
+  ports:
+    - name: app
+      protocol: {proto}
+      port: 80
+      targetPort: app
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: web6-stale
+  namespace: default
+  labels:
+    kubernetes.io/service-name: web6
+addressType: IPv4
+ports:
+  - name: app
+    protocol: {proto}
+    port: 8080
+endpoints:
+{endpoints}"
+    )
+}
+
 /// Both families given to the agent, the Service dual-stack: its IPv4 ClusterIP and NodePort
 /// answer as on an IPv4-only node (who answered, the source the backend saw, the peer the client
-/// saw), and the log counts its IPv6 frontends (the ClusterIP and the NodePort on the IPv6 node
-/// IP) as not served.
+/// saw). An IPv6-only Service beside it gets no IPv4 side from its stale IPv4 slice. The log
+/// counts the IPv6 frontends (the dual-stack Service's ClusterIP and its NodePort on the IPv6
+/// node IP, the IPv6-only Service's ClusterIP) as not served.
 fn dual_stack_service_serves_ipv4(proto: Proto) -> Result<()> {
     let node_ips = format!("{NODE_IP},{NODE_IP_V6}");
     let cluster_cidrs = format!("{CLUSTER_CIDR},{CLUSTER_CIDR_V6}");
@@ -82,7 +127,12 @@ fn dual_stack_service_serves_ipv4(proto: Proto) -> Result<()> {
         .service(proto, &["pod-b", "pod-c"])
         .node_port(NODE_PORT)
         .yaml();
-    node.agent.update_manifests(&dual_stack(&service, proto)?)?;
+    let stale = [node.ip("pod-a")];
+    node.agent.update_manifests(&format!(
+        "{}{}",
+        dual_stack(&service, proto)?,
+        ipv6_only_with_ipv4_slice(proto, &stale)
+    ))?;
     check_pod_to_service(&node.topology, proto, vip())?;
     check_external_to_node_port(&node.topology, proto, vip(), NODE_PORT)?;
     node.agent
@@ -90,11 +140,19 @@ fn dual_stack_service_serves_ipv4(proto: Proto) -> Result<()> {
     let log = node.agent.log();
     let pending = log
         .lines()
-        .find(|line| line.contains(IPV6_PENDING))
+        .rfind(|line| line.contains(IPV6_PENDING))
         .unwrap_or_default();
     ensure!(
-        pending.contains("services=1") && pending.contains("frontends=2"),
+        pending.contains("services=2 ") && pending.contains("frontends=3"),
         "{pending}"
+    );
+    let synced = log
+        .lines()
+        .rfind(|line| line.contains(SYNC_DONE))
+        .unwrap_or_default();
+    ensure!(
+        synced.contains(" services=1 "),
+        "one Service with an IPv4 side: {synced}"
     );
     Ok(())
 }
