@@ -493,6 +493,30 @@ logging: {format: json}
     }
 
     #[test]
+    fn ipv6_node_address_and_the_first_cluster_cidr_of_each_family() {
+        let flags = flags_from(
+            "apiVersion: kubeproxy.config.k8s.io/v1alpha1
+kind: KubeProxyConfiguration
+bindAddress: '2001:db8:100::10'
+detectLocal: {clusterCIDRs: ['fd00:10:244::/56', 10.244.0.0/16, 10.245.0.0/16]}
+nodePortAddresses: [198.51.100.0/24, '2001:db8:100::/64']
+",
+            1,
+        )
+        .unwrap();
+        assert_eq!(value(&flags, "node_ip"), Some("2001:db8:100::10"));
+        assert_eq!(
+            value(&flags, "cluster_cidr"),
+            Some("10.244.0.0/16,fd00:10:244::/56")
+        );
+        assert_eq!(
+            value(&flags, "node_port_addresses"),
+            Some("198.51.100.0/24,2001:db8:100::/64")
+        );
+        assert!(flags.ignored.is_empty(), "{:?}", flags.ignored);
+    }
+
+    #[test]
     fn other_kinds_are_refused() {
         assert!(flags_from("apiVersion: v1\nkind: ConfigMap\n", 1).is_err());
         assert!(flags_from("kind: KubeProxyConfiguration\n", 1).is_err());
