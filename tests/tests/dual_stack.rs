@@ -166,3 +166,34 @@ fn dual_stack_service_serves_ipv4_tcp() -> Result<()> {
 fn dual_stack_service_serves_ipv4_udp() -> Result<()> {
     dual_stack_service_serves_ipv4(Proto::Udp)
 }
+
+/// An IPv6-only node (only IPv6 values given) starts, attaches and syncs an IPv6-only Service
+/// (with a stale IPv4 slice): nothing to serve on IPv4, its ClusterIP counted as pending.
+#[test]
+fn ipv6_only_node_starts_and_counts_its_ipv6_frontends() -> Result<()> {
+    let mut node = Node::start(
+        1,
+        &[],
+        &["--node-ip", NODE_IP_V6, "--cluster-cidr", CLUSTER_CIDR_V6],
+    )?;
+    let stale = [node.ip("pod-a")];
+    node.agent
+        .update_manifests(&ipv6_only_with_ipv4_slice(Proto::Tcp, &stale))?;
+    node.agent
+        .wait_for_log(IPV6_PENDING, Duration::from_secs(5))?;
+    let log = node.agent.log();
+    let pending = log
+        .lines()
+        .rfind(|line| line.contains(IPV6_PENDING))
+        .unwrap_or_default();
+    ensure!(
+        pending.contains("services=1 ") && pending.contains("frontends=1"),
+        "{pending}"
+    );
+    let synced = log
+        .lines()
+        .rfind(|line| line.contains(SYNC_DONE))
+        .unwrap_or_default();
+    ensure!(synced.contains(" services=0 "), "no IPv4 side: {synced}");
+    Ok(())
+}
