@@ -2,8 +2,8 @@
 use std::path::Path;
 
 use anyhow::{Context as _, Result};
-use lb_user::link_pins::{self, LINKS_DIR};
 use lb_user::forward_rules;
+use lb_user::link_pins::{self, LINKS_DIR};
 use lb_user::links;
 
 use crate::args::CleanupArgs;

@@ -88,7 +88,9 @@ fn chain_exists() -> Result<bool> {
 
 /// Runs an iptables query whose exit status 1 means "no".
 fn check(args: &[&str]) -> Result<bool> {
-    let output = run(Command::new("iptables").args(["-w", "-t", "filter"]).args(args))?;
+    let output = run(Command::new("iptables")
+        .args(["-w", "-t", "filter"])
+        .args(args))?;
     match output.status.code() {
         Some(0) => Ok(true),
         Some(1) => Ok(false),
@@ -97,7 +99,9 @@ fn check(args: &[&str]) -> Result<bool> {
 }
 
 fn iptables(args: &[&str]) -> Result<()> {
-    let output = run(Command::new("iptables").args(["-w", "-t", "filter"]).args(args))?;
+    let output = run(Command::new("iptables")
+        .args(["-w", "-t", "filter"])
+        .args(args))?;
     if !output.status.success() {
         bail!(failure("iptables", args, &output));
     }
