@@ -1051,7 +1051,6 @@ fn log_sync(sync: &Sync) {
     );
 }
 
-/// Warns when the masquerade ports are also ports the node's own sockets take.
 /// `--iptables-masquerade-bit` as the mask the datapath sets and LB-FORWARD matches.
 fn masquerade_mark(bit: u32) -> u32 {
     1 << bit
@@ -1086,6 +1085,7 @@ fn ensure_forward_rules(masquerade_mark: u32) {
     }
 }
 
+/// Warns when the masquerade ports are also ports the node's own sockets take.
 fn warn_of_port_range_overlaps(masquerade: &RangeInclusive<u16>) {
     let ranges = node_sysctls::local_port_range()
         .and_then(|local| Ok((local, node_sysctls::local_reserved_ports()?)));

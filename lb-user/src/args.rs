@@ -125,8 +125,8 @@ pub enum Command {
     /// candidates, connection, translation and verdict. Runs the real program on a crafted packet
     /// (BPF_PROG_TEST_RUN) against the pinned service maps; changes no state.
     Trace(TraceArgs),
-    /// Remove the datapath, as kube-proxy's --cleanup removes its rules: detach every hook and
-    /// remove every pin under --bpffs. The datapath stays in the kernel when the agent stops;
+    /// Remove the datapath, as kube-proxy's --cleanup removes its rules: detach every hook,
+    /// remove every pin under --bpffs, and the iptables chain LB-FORWARD with FORWARD's jump. The datapath stays in the kernel when the agent stops;
     /// this is the only way it goes away (uninstall).
     Cleanup(CleanupArgs),
     /// Per Service, whether the datapath holds exactly what the agent wants (in sync, missing,

@@ -1,4 +1,5 @@
-//! `lb cleanup`: detaches every hook and removes every pin under --bpffs.
+//! `lb cleanup`: detaches every hook, removes every pin under --bpffs and the agent's iptables
+//! FORWARD rules.
 use std::path::Path;
 
 use anyhow::{Context as _, Result};
@@ -8,8 +9,14 @@ use lb_user::links;
 
 use crate::args::CleanupArgs;
 
+/// Both removals are tried whether or not the other fails; the first error is returned.
 pub fn run(args: CleanupArgs) -> Result<()> {
-    remove_forward_rules()?;
+    let datapath = remove_datapath(&args);
+    let rules = remove_forward_rules();
+    datapath.and(rules)
+}
+
+fn remove_datapath(args: &CleanupArgs) -> Result<()> {
     // Kernels before TCX: the tc filters are not pinned, they are found by program name.
     for (interface, program) in links::detach_netlink_filters()? {
         println!("detached {program} (tc filter) from {interface}");
