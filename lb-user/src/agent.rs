@@ -22,6 +22,7 @@ use lb_user::cgroup_mount;
 use lb_user::coalesce::Coalescer;
 use lb_user::datapath::{self, Datapath, MapSizes};
 use lb_user::error_chain;
+use lb_user::forward_rules;
 use lb_user::health::{self, Health};
 use lb_user::link_pins::LinkPins;
 use lb_user::links::{
@@ -132,7 +133,7 @@ pub async fn run(args: AgentArgs) -> Result<()> {
             },
         snat_port_min: *args.masquerade_port_range.start(),
         snat_port_max: *args.masquerade_port_range.end(),
-        _pad: 0,
+        masquerade_mark: masquerade_mark(args.iptables_masquerade_bit),
         netns_cookie: cgroup_hooks::netns_cookie()?,
         clock: datapath::kernel_clock()?,
         timeouts: args.conntrack_timeouts(),
@@ -149,6 +150,14 @@ pub async fn run(args: AgentArgs) -> Result<()> {
         "REJECT replies limited as the node's ICMP errors (net.ipv4.icmp_msgs_per_sec, icmp_msgs_burst)"
     );
     warn_of_port_range_overlaps(&args.masquerade_port_range);
+    if args.no_forward_rules {
+        info!(
+            chain = forward_rules::CHAIN,
+            "--no-forward-rules: FORWARD must accept Service traffic by the node's own rules"
+        );
+    } else {
+        ensure_forward_rules(masquerade_mark(args.iptables_masquerade_bit));
+    }
 
     let agent_info = AgentInfo {
         version: text_field(env!("CARGO_PKG_VERSION")),
@@ -1092,6 +1101,40 @@ fn log_sync(sync: &Sync) {
         rest_ms = ms(sync.stages[3]),
         "sync done"
     );
+}
+
+/// `--iptables-masquerade-bit` as the mask the datapath sets and LB-FORWARD matches.
+fn masquerade_mark(bit: u32) -> u32 {
+    1 << bit
+}
+
+/// kube-proxy's KUBE-FORWARD rules, as LB-FORWARD (in both forwarding modes: as kube-proxy,
+/// whatever the mode, and a restart may switch it). A node without iptables, or one whose
+/// iptables fails, gets a warning, not a failed agent: Service traffic works wherever FORWARD
+/// accepts it anyway.
+fn ensure_forward_rules(masquerade_mark: u32) {
+    let consequence = "on a node whose iptables FORWARD policy is DROP, masqueraded Service \
+                       connections (external → NodePort, from outside --cluster-cidr) are \
+                       dropped in --forwarding stack";
+    if !forward_rules::available() {
+        warn!(
+            chain = forward_rules::CHAIN,
+            "iptables not found: FORWARD accept rules not added; {consequence}"
+        );
+        return;
+    }
+    match forward_rules::ensure(masquerade_mark) {
+        Ok(()) => info!(
+            chain = forward_rules::CHAIN,
+            mark = format!("{masquerade_mark:#x}/{masquerade_mark:#x}"),
+            "FORWARD accepts masqueraded Service traffic and established connections"
+        ),
+        Err(err) => warn!(
+            chain = forward_rules::CHAIN,
+            error = %error_chain(err.as_ref()),
+            "FORWARD accept rules not added; {consequence}"
+        ),
+    }
 }
 
 /// Warns when the masquerade ports are also ports the node's own sockets take.

@@ -126,8 +126,8 @@ pub enum Command {
     /// candidates, connection, translation and verdict. Runs the real program on a crafted packet
     /// (BPF_PROG_TEST_RUN) against the pinned service maps; changes no state.
     Trace(TraceArgs),
-    /// Remove the datapath, as kube-proxy's --cleanup removes its rules: detach every hook and
-    /// remove every pin under --bpffs. The datapath stays in the kernel when the agent stops;
+    /// Remove the datapath, as kube-proxy's --cleanup removes its rules: detach every hook,
+    /// remove every pin under --bpffs, and the iptables chain LB-FORWARD with FORWARD's jump. The datapath stays in the kernel when the agent stops;
     /// this is the only way it goes away (uninstall).
     Cleanup(CleanupArgs),
     /// Per Service, whether the datapath holds exactly what the agent wants (in sync, missing,
@@ -228,6 +228,19 @@ pub struct AgentArgs {
     /// ip_local_reserved_ports: the agent warns at start when it is not.
     #[arg(long, value_name = "MIN-MAX", default_value = DEFAULT_MASQUERADE_PORT_RANGE, value_parser = parse_port_range)]
     pub masquerade_port_range: RangeInclusive<u16>,
+    /// kube-proxy's: the bit of the packet mark (skb->mark, 0 to 31) that tells masqueraded
+    /// Service traffic apart, as KUBE-MARK-MASQ sets it: the datapath sets it on the packets of
+    /// masqueraded connections it hands to the stack, and the agent's FORWARD rule (chain
+    /// LB-FORWARD) accepts packets that carry it.
+    #[arg(long, value_name = "BIT", default_value_t = 14, value_parser = clap::value_parser!(u32).range(0..=31))]
+    pub iptables_masquerade_bit: u32,
+    /// Do not add the iptables chain LB-FORWARD (and FORWARD's jump to it), kube-proxy's
+    /// KUBE-FORWARD: accept packets with the masquerade mark, and those of connections netfilter
+    /// already accepted. For nodes whose firewall manager owns FORWARD and accepts Service
+    /// traffic itself; without either, a node whose FORWARD policy is DROP drops masqueraded
+    /// Service connections in `--forwarding stack`.
+    #[arg(long)]
+    pub no_forward_rules: bool,
     /// How new connections pick an endpoint, for services without the
     /// lb.kubernetes.io/scheduler annotation.
     #[arg(long, value_enum, default_value_t = Scheduler::Random)]

@@ -160,6 +160,7 @@ struct ModeSection {
     sync_period: Option<String>,
     min_sync_period: Option<String>,
     masquerade_all: Option<bool>,
+    masquerade_bit: Option<i32>,
     scheduler: Option<String>,
     #[serde(flatten)]
     rest: BTreeMap<String, Value>,
@@ -317,6 +318,9 @@ impl Config {
             if mode.masquerade_all == Some(true) {
                 out.set("masquerade_all", "true");
             }
+            if let Some(bit) = mode.masquerade_bit {
+                out.set("iptables_masquerade_bit", bit.to_string());
+            }
             if let Some(scheduler) = mode.scheduler.as_deref().filter(|s| !s.is_empty()) {
                 // IPVS's mh is consistent hashing, our maglev.
                 match scheduler {
@@ -468,7 +472,7 @@ winkernel:
 kind: KubeProxyConfiguration
 syncPeriod: 45s
 minSyncPeriod: 500ms
-nftables: {syncPeriod: 10s, minSyncPeriod: 3s}
+nftables: {syncPeriod: 10s, minSyncPeriod: 3s, masqueradeBit: 12}
 ipvs: {scheduler: mh}
 bindAddress: 198.51.100.10
 detectLocal: {clusterCIDRs: [10.244.0.0/16]}
@@ -489,6 +493,7 @@ logging: {format: json}
         assert_eq!(value(&flags, "conntrack_max"), Some("16000"));
         assert_eq!(value(&flags, "conntrack_udp_timeout_stream"), Some("3m"));
         assert_eq!(value(&flags, "log_format"), Some("json"));
+        assert_eq!(value(&flags, "iptables_masquerade_bit"), Some("12"));
         assert!(flags.ignored.is_empty(), "{:?}", flags.ignored);
     }
 

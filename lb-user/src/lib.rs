@@ -9,6 +9,7 @@ pub mod coalesce;
 pub mod connections;
 pub mod datapath;
 pub mod events;
+pub mod forward_rules;
 pub mod health;
 pub mod k8s;
 pub mod link_pins;
