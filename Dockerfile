@@ -14,10 +14,11 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
     && install -D -m 0755 target/release/lb /out/lb
 
 # Runtime: the one binary. ca-certificates for an apiserver with a public certificate (the
-# in-cluster config brings its own CA).
+# in-cluster config brings its own CA); iptables (iptables-nft by bookworm's alternatives) for
+# the agent's FORWARD rules (LB-FORWARD).
 FROM debian:bookworm-slim
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends ca-certificates \
+    && apt-get install -y --no-install-recommends ca-certificates iptables \
     && rm -rf /var/lib/apt/lists/*
 COPY --from=build /out/lb /usr/local/bin/lb
 ENTRYPOINT ["/usr/local/bin/lb"]

@@ -839,7 +839,11 @@ pub struct Config {
     /// Masquerade source port range, host byte order, inclusive.
     pub snat_port_min: u16,
     pub snat_port_max: u16,
-    pub _pad: u32,
+    /// `--iptables-masquerade-bit` as a mask (`1 << bit`): set in `skb->mark` of a masqueraded
+    /// connection's client packets handed to the stack, as kube-proxy's KUBE-MARK-MASQ, so that
+    /// the agent's FORWARD rule (`LB-FORWARD`) accepts them on a node whose FORWARD policy is
+    /// DROP. 0 marks nothing. (Was padding: the layout is unchanged.)
+    pub masquerade_mark: u32,
     /// The agent's network namespace (SO_NETNS_COOKIE): the socket hooks translate only sockets
     /// in it, as a cgroup holds processes of every namespace.
     pub netns_cookie: u64,

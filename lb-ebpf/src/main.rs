@@ -40,7 +40,7 @@ use aya_ebpf::{
     macros::{cgroup_sock_addr, classifier, xdp},
     programs::{SockAddrContext, TcContext, XdpContext},
 };
-use lb_common::{CONFIG_F_STACK_FORWARDING, CT_F_REPLY, ConntrackKey, Counter};
+use lb_common::{CONFIG_F_STACK_FORWARDING, CT_F_MASQUERADE, CT_F_REPLY, ConntrackKey, Counter};
 
 use crate::{
     forward::{Caching, NextHop},
@@ -126,7 +126,22 @@ fn to_stack(
 ) -> Result<i32, Counter> {
     let reply = ct_flags & CT_F_REPLY != 0;
     nat::rewrite(ctx, packet, &intermediate::of(&packet.tuple, to, reply))?;
+    if ct_flags & (CT_F_MASQUERADE | CT_F_REPLY) == CT_F_MASQUERADE {
+        mark_masqueraded(ctx);
+    }
     Ok(TC_ACT_OK)
+}
+
+/// Sets the masquerade mark (`Config::masquerade_mark`) as kube-proxy's KUBE-MARK-MASQ does, for
+/// the agent's FORWARD rule (`LB-FORWARD`): on every client packet rather than the first only,
+/// so that a packet netfilter's conntrack sees as new (its entry expired before ours) is still
+/// accepted.
+fn mark_masqueraded(ctx: &TcContext) {
+    if let Some(config) = maps::config() {
+        // SAFETY: the context pointer is the kernel's __sk_buff for this run, readable throughout.
+        let mark = unsafe { (*ctx.skb.skb).mark };
+        ctx.set_mark(mark | config.masquerade_mark);
+    }
 }
 
 #[classifier]

@@ -2,7 +2,9 @@
 //! for a new connection the frontend, its endpoint list, backend selection and tracking. What
 //! the packet becomes is decided here; rewriting and sending it is the programs' part. ICMP is
 //! only told apart here: its errors are tc's (icmp.rs). Fragments follow their first (fragment.rs).
-use lb_common::{CONFIG_F_READY, Config, ConntrackKey, Counter, Frontend, IPPROTO_ICMP};
+use lb_common::{
+    CONFIG_F_READY, CT_F_MASQUERADE, Config, ConntrackKey, Counter, Frontend, IPPROTO_ICMP,
+};
 
 use crate::{
     conntrack::{self, Connection},
@@ -81,19 +83,19 @@ pub fn translation<P: PacketAccess>(ctx: &P) -> Result<Translation, Counter> {
         }
         return Ok(Translation::Reject(packet));
     }
-    let to = connect(ctx, config, &frontend, &backends, &packet, state, now)?;
+    let (to, ct_flags) = connect(ctx, config, &frontend, &backends, &packet, state, now)?;
     conntrack::opened(ctx, &packet);
     Ok(Translation::To {
         packet,
         to,
         route: None,
-        ct_flags: 0,
+        ct_flags,
     })
 }
 
 /// A packet without a live connection to `frontend`: pick a backend of `backends` (not empty)
 /// and track the new connection, opening in `state`. Returns the tuple to rewrite the packet
-/// to.
+/// to, and the `CT_F_*` of its original entry (`CT_F_MASQUERADE` or 0).
 #[inline(always)]
 fn connect<P: PacketAccess>(
     ctx: &P,
@@ -103,7 +105,7 @@ fn connect<P: PacketAccess>(
     packet: &Packet,
     state: u8,
     now: u64,
-) -> Result<ConntrackKey, Counter> {
+) -> Result<(ConntrackKey, u8), Counter> {
     let tuple = &packet.tuple;
     let (_, backend) = service::select_backend(frontend, backends, tuple, now)?;
     let masquerade = masquerade::needed(config, frontend, tuple.src_addr, &backend);
@@ -136,6 +138,8 @@ fn connect<P: PacketAccess>(
         maps::conntrack_remove(&conntrack::reversed(&to));
         return Err(Counter::DropTupleClash);
     }
+    // Also for a race lost to another CPU's entry: the same client, to the same frontend.
+    let ct_flags = if masquerade { CT_F_MASQUERADE } else { 0 };
     match connection.track_original(&to)? {
         None => {
             maps::count(Counter::NewConnection);
@@ -143,11 +147,11 @@ fn connect<P: PacketAccess>(
                 maps::count(Counter::Masqueraded);
             }
             maps::count_backend_connection(u32::from(backend.stats_slot), packet.tot_len);
-            Ok(to)
+            Ok((to, ct_flags))
         }
         Some(theirs) => {
             maps::count(Counter::Translated);
-            Ok(theirs)
+            Ok((theirs, ct_flags))
         }
     }
 }

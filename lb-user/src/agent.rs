@@ -1,7 +1,7 @@
 //! `lb agent`: load and pin the datapath, attach it to the node's interfaces, and keep its maps in
 //! sync with the apiserver (or a manifest directory) until SIGTERM/SIGINT.
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, Ipv6Addr};
 use std::ops::RangeInclusive;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -18,6 +18,7 @@ use lb_common::{
 use lb_user::datapath::bpffs;
 use lb_user::datapath::cgroup_hooks;
 use lb_user::datapath::cgroup_mount;
+use lb_user::datapath::forward_rules;
 use lb_user::datapath::link_pins::LinkPins;
 use lb_user::datapath::links::{
     Attachments, InterfaceFilter, LinkEvent, LinkWatcher, TcEgress, TcIngress, XdpNative,
@@ -45,7 +46,7 @@ use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::mpsc;
 use tracing::{error, info, warn};
 
-use crate::cli::args::{AgentArgs, Forwarding};
+use crate::cli::args::{AgentArgs, Forwarding, NodeIps};
 
 /// Editors write a file in several steps: while a manifest file is being written (created or
 /// modified and not yet closed), a change waits this long for more.
@@ -64,20 +65,28 @@ pub async fn run(args: AgentArgs) -> Result<()> {
     serve_health_and_metrics(&args, &health, &metrics).await?;
     let mut source = open_source(&args).await?;
     // Changes the wait for the Node consumed still wait for their sync.
-    let (node_ip, changed_meanwhile) = match args.node_ip {
-        Some(ip) => (ip, false),
-        None => source.node_ip().await,
+    let (node_ips, changed_meanwhile) = match args.node_ip {
+        Some(given) => (source.node_ips_completed(given), false),
+        None => source.node_ips().await,
     };
-    let loaded = load_datapath(&args, forwarding, node_ip)?;
+    // The datapath serves IPv4 only (docs/ipv6.md). An IPv6-only node has no IPv4 node address
+    // (0.0.0.0 in the config) and no IPv4 pod network (0.0.0.0/32: no source is in it).
+    let node_ip = node_ips.v4;
+    let cluster_cidr = args
+        .cluster_cidr
+        .v4
+        .unwrap_or(Ipv4Net::new_assert(Ipv4Addr::UNSPECIFIED, 32));
+    let nodeport_cidrs = args.nodeport_addresses_of::<Ipv4Addr>();
+    let loaded = load_datapath(&args, forwarding, &node_ips, cluster_cidr)?;
     let links = LinkWatcher::start()?;
     let node_port_addrs = node_addresses::node_port_addresses(
         &links.ipv4_addresses().await?,
         node_ip,
-        &args.nodeport_addresses,
+        &nodeport_cidrs,
     );
     info!(addresses = ?node_port_addrs, "NodePorts served on");
     let migrated = loaded.migrated;
-    let mut state = State::new(&args, node_ip, node_port_addrs, loaded, metrics, health)?;
+    let mut state = State::new(&args, &node_ips, node_port_addrs, loaded, metrics, health)?;
 
     let sigterm = signal(SignalKind::terminate())?;
     let sigint = signal(SignalKind::interrupt())?;
@@ -89,6 +98,7 @@ pub async fn run(args: AgentArgs) -> Result<()> {
         audit: audit_interval(args.sync_period),
         args,
         node_ip,
+        nodeport_cidrs,
         state,
         source,
         coalescer,
@@ -153,7 +163,13 @@ struct Loaded {
 
 /// Loads the datapath (pinning its maps, converting conntrack of an earlier layout) and writes
 /// its configuration, REJECT limit and agent record.
-fn load_datapath(args: &AgentArgs, forwarding: Forwarding, node_ip: Ipv4Addr) -> Result<Loaded> {
+fn load_datapath(
+    args: &AgentArgs,
+    forwarding: Forwarding,
+    node_ips: &NodeIps,
+    cluster_cidr: Ipv4Net,
+) -> Result<Loaded> {
+    let node_ip = node_ips.v4;
     bpffs::ensure(&args.bpffs)?;
     let mut datapath = Datapath::load(
         &args.bpffs,
@@ -170,9 +186,9 @@ fn load_datapath(args: &AgentArgs, forwarding: Forwarding, node_ip: Ipv4Addr) ->
     // The programs of a previous agent may be reading it: the values are the same unless the
     // flags changed.
     datapath.write_config(&Config {
-        node_addr: ipv4_be(node_ip.octets()),
-        cluster_cidr_addr: ipv4_be(args.cluster_cidr.network().octets()),
-        cluster_cidr_mask: ipv4_be(args.cluster_cidr.netmask().octets()),
+        node_addr: ipv4_be(node_ip.unwrap_or(Ipv4Addr::UNSPECIFIED).octets()),
+        cluster_cidr_addr: ipv4_be(cluster_cidr.network().octets()),
+        cluster_cidr_mask: ipv4_be(cluster_cidr.netmask().octets()),
         flags: CONFIG_F_READY
             | if args.masquerade_all {
                 CONFIG_F_MASQUERADE_ALL
@@ -185,7 +201,7 @@ fn load_datapath(args: &AgentArgs, forwarding: Forwarding, node_ip: Ipv4Addr) ->
             },
         snat_port_min: *args.masquerade_port_range.start(),
         snat_port_max: *args.masquerade_port_range.end(),
-        _pad: 0,
+        masquerade_mark: masquerade_mark(args.iptables_masquerade_bit),
         netns_cookie: cgroup_hooks::netns_cookie()?,
         clock: datapath::kernel_clock()?,
         timeouts: args.conntrack_timeouts(),
@@ -202,6 +218,14 @@ fn load_datapath(args: &AgentArgs, forwarding: Forwarding, node_ip: Ipv4Addr) ->
         "REJECT replies limited as the node's ICMP errors (net.ipv4.icmp_msgs_per_sec, icmp_msgs_burst)"
     );
     warn_of_port_range_overlaps(&args.masquerade_port_range);
+    if args.no_forward_rules {
+        info!(
+            chain = forward_rules::CHAIN,
+            "--no-forward-rules: FORWARD must accept Service traffic by the node's own rules"
+        );
+    } else {
+        ensure_forward_rules(masquerade_mark(args.iptables_masquerade_bit));
+    }
 
     let agent_info = AgentInfo {
         version: text_field(env!("CARGO_PKG_VERSION")),
@@ -213,7 +237,7 @@ fn load_datapath(args: &AgentArgs, forwarding: Forwarding, node_ip: Ipv4Addr) ->
     let existing = datapath.service_maps.read()?;
     info!(
         bpffs = %args.bpffs.display(),
-        %node_ip,
+        node_ip = %node_ips,
         frontends = existing.frontends.len(),
         backends = existing.backends.len(),
         "datapath loaded, maps pinned"
@@ -294,7 +318,9 @@ fn audit_interval(period: Duration) -> Option<tokio::time::Interval> {
 /// The started agent: what its loop waits on and acts on.
 struct Agent {
     args: AgentArgs,
-    node_ip: Ipv4Addr,
+    node_ip: Option<Ipv4Addr>,
+    /// The --nodeport-addresses of IPv4.
+    nodeport_cidrs: Vec<Ipv4Net>,
     state: State,
     source: Source,
     coalescer: Coalescer,
@@ -389,7 +415,7 @@ impl Agent {
     async fn node_addresses_changed(&mut self) {
         let changed = self
             .state
-            .node_addresses_changed(&self.links, self.node_ip, &self.args.nodeport_addresses)
+            .node_addresses_changed(&self.links, self.node_ip, &self.nodeport_cidrs)
             .await;
         if changed {
             self.coalescer.queue(Instant::now(), Duration::ZERO);
@@ -638,25 +664,48 @@ impl Source {
         }
     }
 
-    /// Waits for this node's Node and its address; also whether the desired state changed
-    /// meanwhile.
-    async fn node_ip(&mut self) -> (std::net::Ipv4Addr, bool) {
+    /// Waits for this node's Node and its addresses (one of either family at least); also
+    /// whether the desired state changed meanwhile.
+    async fn node_ips(&mut self) -> (NodeIps, bool) {
         let Source::Api(api, _) = self else {
             unreachable!("--manifests requires --node-ip")
         };
         info!("no --node-ip: waiting for this node's Node for its address before attaching");
         let (mut logged, mut changed) = (false, false);
         loop {
-            if let Some(ip) = api.node().and_then(apiserver::node_ip) {
-                return (ip, changed);
+            if let Some(node) = api.node() {
+                let ips = NodeIps {
+                    v4: apiserver::node_ip::<Ipv4Addr>(node),
+                    v6: apiserver::node_ip::<Ipv6Addr>(node),
+                };
+                if ips.v4.is_some() || ips.v6.is_some() {
+                    return (ips, changed);
+                }
             }
             if !logged && api.node_listed() {
                 warn!(
-                    "this node's Node has no IPv4 InternalIP or ExternalIP yet (or give --node-ip); waiting"
+                    "this node's Node has no InternalIP or ExternalIP yet (or give --node-ip); waiting"
                 );
                 logged = true;
             }
             changed |= api.next().await == Next::Changed;
+        }
+    }
+
+    /// `given` (--node-ip), with a family it leaves out taken from this node's Node if that is
+    /// known already: start-up does not wait for the apiserver when --node-ip is given.
+    fn node_ips_completed(&self, given: NodeIps) -> NodeIps {
+        let Source::Api(api, _) = self else {
+            return given;
+        };
+        let node = api.node();
+        NodeIps {
+            v4: given
+                .v4
+                .or_else(|| node.and_then(apiserver::node_ip::<Ipv4Addr>)),
+            v6: given
+                .v6
+                .or_else(|| node.and_then(apiserver::node_ip::<Ipv6Addr>)),
         }
     }
 
@@ -799,6 +848,10 @@ struct State {
     metrics: Arc<Metrics>,
     health: Arc<Mutex<Health>>,
     service_health: ServiceHealth,
+    /// The node's IPv6 addresses NodePorts would be served on (its IPv6 node IP).
+    ipv6_node_ips: usize,
+    /// The IPv6 frontends not served that the log last reported.
+    ipv6_frontends_logged: usize,
 }
 
 struct Sync {
@@ -817,7 +870,7 @@ struct Sync {
 impl State {
     fn new(
         args: &AgentArgs,
-        node_ip: Ipv4Addr,
+        node_ips: &NodeIps,
         node_port_addrs: Vec<Ipv4Addr>,
         loaded: Loaded,
         metrics: Arc<Metrics>,
@@ -834,11 +887,14 @@ impl State {
             ready_endpoints: 0,
             no_local_endpoints: NoLocalEndpoints::default(),
             zone_flag: args.zone.clone(),
-            reconciler: Reconciler::new(node_ip, loaded.existing)
-                .with_stats_slots(datapath.service_maps.stats_capacity())
-                .with_node_port_addresses(node_port_addrs)
-                .with_node_name(node_name(args)?)
-                .with_default_scheduler(args.scheduler),
+            reconciler: Reconciler::new(
+                node_ips.v4.unwrap_or(Ipv4Addr::UNSPECIFIED),
+                loaded.existing,
+            )
+            .with_stats_slots(datapath.service_maps.stats_capacity())
+            .with_node_port_addresses(node_port_addrs)
+            .with_node_name(node_name(args)?)
+            .with_default_scheduler(args.scheduler),
             // The apiserver allocates nodePorts; only manifests may leave them out.
             node_ports: args
                 .manifests
@@ -849,6 +905,8 @@ impl State {
             metrics,
             health,
             service_health,
+            ipv6_node_ips: usize::from(node_ips.v6.is_some()),
+            ipv6_frontends_logged: 0,
         })
     }
 
@@ -880,7 +938,7 @@ impl State {
     async fn node_addresses_changed(
         &mut self,
         links: &LinkWatcher,
-        node_ip: Ipv4Addr,
+        node_ip: Option<Ipv4Addr>,
         cidrs: &[Ipv4Net],
     ) -> bool {
         match links.ipv4_addresses().await {
@@ -957,7 +1015,22 @@ impl State {
             stages: [read, joined - read, reconciled - joined, took - reconciled],
             took,
         });
+        self.log_ipv6_pending(&model);
         self.model = model;
+    }
+
+    /// Says how many IPv6 frontends the model holds that the IPv4-only datapath does not
+    /// serve yet (docs/ipv6.md), once per sync that changes the number.
+    fn log_ipv6_pending(&mut self, model: &Model) {
+        let frontends = model.ipv6_frontends(self.ipv6_node_ips);
+        if frontends == self.ipv6_frontends_logged {
+            return;
+        }
+        self.ipv6_frontends_logged = frontends;
+        info!(
+            services = model.services_v6.len(),
+            frontends, "IPv6 frontends not served (IPv6 datapath pending)"
+        );
     }
 
     /// The zone the reconciler follows for topology hints: --zone, else the Node's label.
@@ -1216,6 +1289,40 @@ fn log_sync(sync: &Sync) {
         rest_ms = ms(sync.stages[3]),
         "sync done"
     );
+}
+
+/// `--iptables-masquerade-bit` as the mask the datapath sets and LB-FORWARD matches.
+fn masquerade_mark(bit: u32) -> u32 {
+    1 << bit
+}
+
+/// kube-proxy's KUBE-FORWARD rules, as LB-FORWARD (in both forwarding modes: as kube-proxy,
+/// whatever the mode, and a restart may switch it). A node without iptables, or one whose
+/// iptables fails, gets a warning, not a failed agent: Service traffic works wherever FORWARD
+/// accepts it anyway.
+fn ensure_forward_rules(masquerade_mark: u32) {
+    let consequence = "on a node whose iptables FORWARD policy is DROP, masqueraded Service \
+                       connections (external → NodePort, from outside --cluster-cidr) are \
+                       dropped in --forwarding stack";
+    if !forward_rules::available() {
+        warn!(
+            chain = forward_rules::CHAIN,
+            "iptables not found: FORWARD accept rules not added; {consequence}"
+        );
+        return;
+    }
+    match forward_rules::ensure(masquerade_mark) {
+        Ok(()) => info!(
+            chain = forward_rules::CHAIN,
+            mark = format!("{masquerade_mark:#x}/{masquerade_mark:#x}"),
+            "FORWARD accepts masqueraded Service traffic and established connections"
+        ),
+        Err(err) => warn!(
+            chain = forward_rules::CHAIN,
+            error = %error_chain(err.as_ref()),
+            "FORWARD accept rules not added; {consequence}"
+        ),
+    }
 }
 
 /// Warns when the masquerade ports are also ports the node's own sockets take.

@@ -115,7 +115,10 @@ impl Agent {
         fs::create_dir(&manifest_dir)?;
         fs::write(manifest_dir.join("services.yaml"), manifests)?;
         let mut args: Vec<OsString> = vec!["--manifests".into(), manifest_dir.into()];
-        args.extend(["--node-ip".into(), node.ip.to_string().into()]);
+        // The node's address unless the test gives its own (e.g. one per family).
+        if !extra_args.contains(&"--node-ip") {
+            args.extend(["--node-ip".into(), node.ip.to_string().into()]);
+        }
         Self::spawn(node, dir, args, extra_args, hooks, true)
     }
 
@@ -161,11 +164,16 @@ impl Agent {
         } else {
             &["--cgroup", ""]
         };
+        let cluster_cidr: &[&str] = if extra_args.contains(&"--cluster-cidr") {
+            &[]
+        } else {
+            &["--cluster-cidr", CLUSTER_CIDR]
+        };
         let mut command = node.ns.command(lb_binary());
         command
             .arg("agent")
             .args(source_args)
-            .args(["--cluster-cidr", CLUSTER_CIDR])
+            .args(cluster_cidr)
             .args(["--external-interface", node.external_interface])
             .args(["--pod-interfaces", node.pod_interfaces])
             .args(cgroup)

@@ -7,14 +7,14 @@ use std::net::SocketAddr;
 
 use anyhow::{Result, ensure};
 use lb_tests::{
-    agent::stats_at,
+    agent::{lb_binary, stats_at},
     bpffs::Bpffs,
     echo::{EchoServer, Proto},
     manifests::{ServiceManifest, yaml},
     netns::Netns,
     node::{CLUSTER_IP, Node, PORT, TARGET_PORT, vip},
     paths::{assert_answered_by, check_container_to_service},
-    topology::{CLIENT_IP, CONTAINER_IP, NODE_IP},
+    topology::{CLIENT_IP, CLUSTER_CIDR, CONTAINER_IP, NODE_IP},
 };
 
 const NODE_PORT: u16 = 30090;
@@ -225,5 +225,156 @@ fn a_restart_switches_the_forwarding_mode() -> Result<()> {
         redirected == 0,
         "redirect mode: lb_egress translated {redirected}"
     );
+    Ok(())
+}
+
+/// Runs `iptables` in the node's namespace; fails unless it succeeds.
+fn iptables(node: &Node, args: &[&str]) -> Result<String> {
+    let out = node.topology.node.exec("iptables", args)?;
+    ensure!(out.status.success(), "iptables {args:?}: {out:?}");
+    Ok(String::from_utf8(out.stdout)?)
+}
+
+/// FORWARD's jumps to the agent's chain, as `iptables -S FORWARD` lists them.
+fn forward_jumps(node: &Node) -> Result<usize> {
+    Ok(iptables(node, &["-S", "FORWARD"])?
+        .lines()
+        .filter(|rule| rule.ends_with("-j LB-FORWARD"))
+        .count())
+}
+
+/// A node whose FORWARD policy is DROP (as Docker sets it) with no rule of its own accepting pod
+/// traffic, the service `web` on pod-b with NODE_PORT: kube-proxy's KUBE-FORWARD accepts its
+/// masqueraded connections (marked by KUBE-MARK-MASQ), and so does the agent's LB-FORWARD.
+fn forward_policy_drop(proto: Proto, agent_args: &[&str]) -> Result<Node> {
+    let mut node = Node::start(3, &[], agent_args)?;
+    let service = node.service(proto, &["pod-b"]).node_port(NODE_PORT);
+    node.agent.update_manifests(&yaml(&[service]))?;
+    iptables(&node, &["-P", "FORWARD", "DROP"])?;
+    Ok(node)
+}
+
+fn check_node_port_through_forward_policy_drop(proto: Proto) -> Result<()> {
+    let node = forward_policy_drop(proto, &[])?;
+    let node_port: SocketAddr = (NODE_IP, NODE_PORT).into();
+    let n = answered(&node.topology.client, proto, node_port, ATTEMPTS)?;
+    ensure!(
+        n == ATTEMPTS,
+        "external → NodePort: {n} of {ATTEMPTS} answered"
+    );
+    // The container's bridge port: with br_netfilter's bridge-nf-call-iptables (on by default
+    // where the module is loaded), netfilter's conntrack sees the packet before tc ingress on
+    // docker0 translates it, so the replies match no tracked flow (docs/datapath.md).
+    node.topology
+        .node
+        .sysctl("net.bridge.bridge-nf-call-iptables", "0")?;
+    let n = answered(&node.topology.container, proto, vip(), ATTEMPTS)?;
+    ensure!(
+        n == ATTEMPTS,
+        "container → ClusterIP: {n} of {ATTEMPTS} answered"
+    );
+    Ok(())
+}
+
+#[test]
+fn node_port_through_forward_policy_drop_tcp() -> Result<()> {
+    check_node_port_through_forward_policy_drop(Proto::Tcp)
+}
+
+#[test]
+fn node_port_through_forward_policy_drop_udp() -> Result<()> {
+    check_node_port_through_forward_policy_drop(Proto::Udp)
+}
+
+/// As under kube-proxy: a pod's connection is not masqueraded, so not marked, and its first
+/// packet is new: the FORWARD policy drops it.
+#[test]
+fn pod_to_cluster_ip_through_forward_policy_drop_is_dropped() -> Result<()> {
+    for proto in [Proto::Tcp, Proto::Udp] {
+        let node = forward_policy_drop(proto, &[])?;
+        let n = answered(node.pod_ns("pod-a"), proto, vip(), 3)?;
+        ensure!(n == 0, "pod → ClusterIP {proto:?}: {n} of 3 answered");
+    }
+    Ok(())
+}
+
+/// FORWARD policy DROP, the pod CIDR accepted by the node's own rules (as flannel adds them),
+/// and a NetworkPolicy-like drop A → B before them: LB-FORWARD, first in FORWARD, accepts no
+/// new unmarked packet, so the drop still stops A → ClusterIP → B (and C still gets through).
+#[test]
+fn forward_drop_under_policy_drop_still_applies_to_service_traffic() -> Result<()> {
+    let n = through_forward_drop(Proto::Tcp, "stack", |node| {
+        let (a, b) = (node.ip("pod-a").to_string(), node.ip("pod-b").to_string());
+        iptables(node, &["-P", "FORWARD", "DROP"])?;
+        iptables(node, &["-A", "FORWARD", "-s", &a, "-d", &b, "-j", "DROP"])?;
+        iptables(node, &["-A", "FORWARD", "-s", CLUSTER_CIDR, "-j", "ACCEPT"])?;
+        iptables(node, &["-A", "FORWARD", "-d", CLUSTER_CIDR, "-j", "ACCEPT"])?;
+        Ok(())
+    })?;
+    ensure!(
+        n == 0,
+        "{n} of {ATTEMPTS} connections got through the FORWARD drop"
+    );
+    Ok(())
+}
+
+/// The agent's rules: one jump, however often it starts; they stay when it stops (the datapath
+/// does), and `lb cleanup` removes them. Off with --no-forward-rules.
+#[test]
+fn forward_rules_are_kept_once_and_removed_by_cleanup() -> Result<()> {
+    let bpffs = Bpffs::mount()?;
+    let bpffs_arg = bpffs.arg();
+    let mut node = forward_policy_drop(Proto::Tcp, &["--bpffs", &bpffs_arg])?;
+    let node_port: SocketAddr = (NODE_IP, NODE_PORT).into();
+    let chain = iptables(&node, &["-S", "LB-FORWARD"])?;
+    for rule in [
+        "-m mark --mark 0x4000/0x4000",
+        "--ctstate RELATED,ESTABLISHED",
+    ] {
+        ensure!(chain.contains(rule), "no {rule} in LB-FORWARD:\n{chain}");
+    }
+    ensure!(!chain.contains("INVALID"), "LB-FORWARD:\n{chain}");
+    let first = iptables(&node, &["-S", "FORWARD"])?;
+    ensure!(
+        first
+            .lines()
+            .nth(1)
+            .is_some_and(|r| r.ends_with("-j LB-FORWARD")),
+        "the jump is not first:\n{first}"
+    );
+
+    let status = node.agent.stop()?;
+    ensure!(status.success(), "agent exit status {status}");
+    ensure!(forward_jumps(&node)? == 1, "the jump went with the agent");
+    node.agent
+        .restart(&["--iptables-masquerade-bit", "5"], true)?;
+    ensure!(forward_jumps(&node)? == 1, "{}", iptables(&node, &["-S"])?);
+    let chain = iptables(&node, &["-S", "LB-FORWARD"])?;
+    ensure!(
+        chain.contains("--mark 0x20/0x20") && !chain.contains("0x4000"),
+        "LB-FORWARD after a restart with bit 5:\n{chain}"
+    );
+    let n = answered(&node.topology.client, Proto::Tcp, node_port, 3)?;
+    ensure!(n == 3, "with mark bit 5: {n} of 3 answered");
+
+    let status = node.agent.stop()?;
+    ensure!(status.success(), "agent exit status {status}");
+    let binary = lb_binary();
+    let out = node.topology.node.exec(
+        &binary.to_string_lossy(),
+        &["cleanup", "--bpffs", &bpffs_arg],
+    )?;
+    ensure!(out.status.success(), "lb cleanup: {out:?}");
+    let rules = iptables(&node, &["-S"])?;
+    ensure!(!rules.contains("LB-FORWARD"), "after lb cleanup:\n{rules}");
+
+    node.agent.restart(&["--no-forward-rules"], true)?;
+    let rules = iptables(&node, &["-S"])?;
+    ensure!(
+        !rules.contains("LB-FORWARD"),
+        "with --no-forward-rules:\n{rules}"
+    );
+    let n = answered(&node.topology.client, Proto::Tcp, node_port, 3)?;
+    ensure!(n == 0, "without the rules: {n} of 3 answered");
     Ok(())
 }

@@ -435,6 +435,17 @@ fn cleanup_removes_everything() -> Result<()> {
         Ok(String::from_utf8(link.stdout)?.contains("xdp"))
     };
     ensure!(xdp_attached()?, "no XDP program on {EXTERNAL_INTERFACE}");
+    let forward_rules = || -> Result<String> {
+        let out = node_ns.exec("iptables", &["-S"])?;
+        ensure!(out.status.success(), "iptables -S: {out:?}");
+        Ok(String::from_utf8(out.stdout)?)
+    };
+    ensure!(
+        forward_rules()?
+            .contains("-A FORWARD -m comment --comment \"lb forwarding rules\" -j LB-FORWARD"),
+        "no FORWARD jump to LB-FORWARD:\n{}",
+        forward_rules()?
+    );
 
     let status = node.agent.stop()?;
     ensure!(
@@ -472,6 +483,11 @@ fn cleanup_removes_everything() -> Result<()> {
     held.await_released(RELEASE)
         .context("the agent's programs, maps and links after lb cleanup")?;
     ensure!(!xdp_attached()?, "XDP still attached after lb cleanup");
+    ensure!(
+        !forward_rules()?.contains("LB-FORWARD"),
+        "iptables rules left after lb cleanup:\n{}",
+        forward_rules()?
+    );
     ensure!(
         request(pod_a, Proto::Udp, vip()).is_err(),
         "the service still answers after lb cleanup"

@@ -1,16 +1,17 @@
 //! Command line.
 use std::ffi::OsString;
-use std::net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4};
 use std::ops::RangeInclusive;
 use std::path::PathBuf;
+use std::str::FromStr;
 use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::parser::ValueSource;
 use clap::{ArgAction, Args, CommandFactory as _, Parser, Subcommand, ValueEnum};
-use ipnet::Ipv4Net;
+use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 use lb_common::{ConntrackTimeouts, default_size};
-use lb_user::model::Scheduler;
+use lb_user::model::{Family, IpFamily, Scheduler};
 
 use crate::cli::kube_proxy_config::{self, FileFlags};
 
@@ -125,8 +126,8 @@ pub enum Command {
     /// candidates, connection, translation and verdict. Runs the real program on a crafted packet
     /// (BPF_PROG_TEST_RUN) against the pinned service maps; changes no state.
     Trace(TraceArgs),
-    /// Remove the datapath, as kube-proxy's --cleanup removes its rules: detach every hook and
-    /// remove every pin under --bpffs. The datapath stays in the kernel when the agent stops;
+    /// Remove the datapath, as kube-proxy's --cleanup removes its rules: detach every hook,
+    /// remove every pin under --bpffs, and the iptables chain LB-FORWARD with FORWARD's jump. The datapath stays in the kernel when the agent stops;
     /// this is the only way it goes away (uninstall).
     Cleanup(CleanupArgs),
     /// Per Service, whether the datapath holds exactly what the agent wants (in sync, missing,
@@ -176,12 +177,15 @@ pub struct AgentArgs {
     /// --manifests. With it the agent starts, attaches and serves what the maps hold without
     /// the apiserver (the DaemonSet passes status.hostIP). Without it, from the apiserver: the
     /// Node's first InternalIP (else ExternalIP), and start-up waits for the Node before it
-    /// loads and attaches the datapath.
-    #[arg(long, value_name = "IPV4")]
-    pub node_ip: Option<Ipv4Addr>,
-    /// Pod network; connections from outside it are masqueraded.
-    #[arg(long, value_name = "CIDR")]
-    pub cluster_cidr: Ipv4Net,
+    /// loads and attaches the datapath. At most one address per family, comma-separated, as
+    /// kubelet's --node-ip on a dual-stack node; a family left out is taken from the Node's
+    /// first InternalIP of that family if the Node is known at start.
+    #[arg(long, value_name = "IP[,IP]", value_parser = parse_node_ips)]
+    pub node_ip: Option<NodeIps>,
+    /// Pod network; connections from outside it are masqueraded. At most one CIDR per family,
+    /// comma-separated, as kube-proxy's --cluster-cidr on a dual-stack cluster.
+    #[arg(long, value_name = "CIDR[,CIDR]", value_parser = parse_cluster_cidrs)]
+    pub cluster_cidr: ClusterCidrs,
     /// Interface where traffic from outside the node enters.
     #[arg(long, value_name = "IFNAME")]
     pub external_interface: String,
@@ -224,14 +228,27 @@ pub struct AgentArgs {
     /// ip_local_reserved_ports: the agent warns at start when it is not.
     #[arg(long, value_name = "MIN-MAX", default_value = DEFAULT_MASQUERADE_PORT_RANGE, value_parser = parse_port_range)]
     pub masquerade_port_range: RangeInclusive<u16>,
+    /// kube-proxy's: the bit of the packet mark (skb->mark, 0 to 31) that tells masqueraded
+    /// Service traffic apart, as KUBE-MARK-MASQ sets it: the datapath sets it on the packets of
+    /// masqueraded connections it hands to the stack, and the agent's FORWARD rule (chain
+    /// LB-FORWARD) accepts packets that carry it.
+    #[arg(long, value_name = "BIT", default_value_t = 14, value_parser = clap::value_parser!(u32).range(0..=31))]
+    pub iptables_masquerade_bit: u32,
+    /// Do not add the iptables chain LB-FORWARD (and FORWARD's jump to it), kube-proxy's
+    /// KUBE-FORWARD: accept packets with the masquerade mark, and those of connections netfilter
+    /// already accepted. For nodes whose firewall manager owns FORWARD and accepts Service
+    /// traffic itself; without either, a node whose FORWARD policy is DROP drops masqueraded
+    /// Service connections in `--forwarding stack`.
+    #[arg(long)]
+    pub no_forward_rules: bool,
     /// How new connections pick an endpoint, for services without the
     /// lb.kubernetes.io/scheduler annotation.
     #[arg(long, value_enum, default_value_t = Scheduler::Random)]
     pub scheduler: Scheduler,
-    /// NodePorts answer only on the node's addresses in these CIDRs (read at start); default:
-    /// every address but loopback.
+    /// NodePorts answer only on the node's addresses in these CIDRs (read at start), of
+    /// either family; default: every address but loopback.
     #[arg(long, value_name = "CIDR[,CIDR...]", value_delimiter = ',')]
-    pub nodeport_addresses: Vec<Ipv4Net>,
+    pub nodeport_addresses: Vec<IpNet>,
     /// Where /healthz and /livez are served (IP:PORT, or IP for port 10256); "" disables.
     #[arg(long, value_name = "IP:PORT", default_value = "0.0.0.0:10256", value_parser = |s: &str| parse_bind_address(s, 10256))]
     pub healthz_bind_address: BindAddress,
@@ -302,6 +319,14 @@ pub struct AgentArgs {
 }
 
 impl AgentArgs {
+    /// `--nodeport-addresses` of one family.
+    pub fn nodeport_addresses_of<A: Family>(&self) -> Vec<A::Net> {
+        self.nodeport_addresses
+            .iter()
+            .filter_map(|net| A::net_of(*net))
+            .collect()
+    }
+
     /// `--forwarding`, or its default: `stack`, `redirect` with `--xdp`. Err for `--forwarding
     /// stack --xdp`: XDP redirects past netfilter.
     pub fn forwarding(&self) -> anyhow::Result<Forwarding> {
@@ -432,6 +457,73 @@ pub struct CleanupArgs {
     /// bpffs directory of the agent's pins.
     #[arg(long, value_name = "DIR", default_value = DEFAULT_BPFFS)]
     pub bpffs: PathBuf,
+}
+
+/// At most one value of each family, as kubelet's --node-ip and kube-proxy's --cluster-cidr
+/// take them on a dual-stack cluster.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DualStack<V4, V6> {
+    pub v4: Option<V4>,
+    pub v6: Option<V6>,
+}
+
+/// The values comma-separated, IPv4's first, as given.
+impl<V4: std::fmt::Display, V6: std::fmt::Display> std::fmt::Display for DualStack<V4, V6> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match (&self.v4, &self.v6) {
+            (Some(v4), Some(v6)) => write!(f, "{v4},{v6}"),
+            (Some(v4), None) => write!(f, "{v4}"),
+            (None, Some(v6)) => write!(f, "{v6}"),
+            (None, None) => Ok(()),
+        }
+    }
+}
+
+/// `--node-ip`.
+pub type NodeIps = DualStack<Ipv4Addr, Ipv6Addr>;
+/// `--cluster-cidr`.
+pub type ClusterCidrs = DualStack<Ipv4Net, Ipv6Net>;
+
+/// `s`'s comma-separated values, at most one of each family: (IPv4's, IPv6's).
+fn one_per_family<T: FromStr>(
+    s: &str,
+    flag: &str,
+    family: fn(&T) -> IpFamily,
+) -> Result<(Option<T>, Option<T>), String>
+where
+    T::Err: std::fmt::Display,
+{
+    let (mut v4, mut v6) = (None, None);
+    for value in s.split(',').map(str::trim) {
+        let parsed: T = value
+            .parse()
+            .map_err(|e| format!("{flag} {value:?}: {e}"))?;
+        let family = family(&parsed);
+        let slot = match family {
+            IpFamily::V4 => &mut v4,
+            IpFamily::V6 => &mut v6,
+        };
+        if slot.replace(parsed).is_some() {
+            return Err(format!("{flag} {s:?}: at most one {family} value"));
+        }
+    }
+    Ok((v4, v6))
+}
+
+fn parse_node_ips(s: &str) -> Result<NodeIps, String> {
+    let (v4, v6) = one_per_family::<IpAddr>(s, "--node-ip", |ip| IpFamily::of(*ip))?;
+    Ok(NodeIps {
+        v4: v4.and_then(Ipv4Addr::of),
+        v6: v6.and_then(Ipv6Addr::of),
+    })
+}
+
+fn parse_cluster_cidrs(s: &str) -> Result<ClusterCidrs, String> {
+    let (v4, v6) = one_per_family::<IpNet>(s, "--cluster-cidr", |net| IpFamily::of(net.addr()))?;
+    Ok(ClusterCidrs {
+        v4: v4.and_then(Ipv4Addr::net_of),
+        v6: v6.and_then(Ipv6Addr::net_of),
+    })
 }
 
 fn parse_port_range(s: &str) -> Result<RangeInclusive<u16>, String> {
@@ -582,6 +674,98 @@ mod tests {
         assert_eq!(a.min_sync_period, Duration::from_secs(1));
         assert_eq!(a.manifests, Some(PathBuf::from("/m")));
         assert_eq!(a.conntrack_timeouts(), ConntrackTimeouts::KUBE_PROXY);
+    }
+
+    #[test]
+    fn node_ip_and_cluster_cidr_take_one_value_per_family() {
+        let v4: Ipv4Addr = "198.51.100.10".parse().unwrap();
+        let v6: Ipv6Addr = "2001:db8:100::10".parse().unwrap();
+        let net4: Ipv4Net = "10.244.0.0/16".parse().unwrap();
+        let net6: Ipv6Net = "fd00:10:244::/56".parse().unwrap();
+        let parse = |node_ip: &str, cidr: &str| {
+            Cli::try_parse_from([
+                "lb",
+                "agent",
+                "--manifests",
+                "/m",
+                "--node-ip",
+                node_ip,
+                "--cluster-cidr",
+                cidr,
+                "--external-interface",
+                "ext0",
+            ])
+            .map(|cli| match cli.command {
+                Command::Agent(a) => (a.node_ip.unwrap(), a.cluster_cidr),
+                other => panic!("{other:?}"),
+            })
+        };
+        let flags = |node_ip: &str, cidr: &str| parse(node_ip, cidr).unwrap();
+        let dual = (
+            NodeIps {
+                v4: Some(v4),
+                v6: Some(v6),
+            },
+            ClusterCidrs {
+                v4: Some(net4),
+                v6: Some(net6),
+            },
+        );
+        assert_eq!(
+            flags(
+                "198.51.100.10,2001:db8:100::10",
+                "10.244.0.0/16,fd00:10:244::/56"
+            ),
+            dual
+        );
+        assert_eq!(
+            flags(
+                "2001:db8:100::10,198.51.100.10",
+                "fd00:10:244::/56,10.244.0.0/16"
+            ),
+            dual,
+            "IPv6 first"
+        );
+        let (ip, cidr) = flags("198.51.100.10", "10.244.0.0/16");
+        assert_eq!(
+            (ip.v4, ip.v6, cidr.v4, cidr.v6),
+            (Some(v4), None, Some(net4), None)
+        );
+        assert_eq!(ip.to_string(), "198.51.100.10", "logged as before");
+        let (ip, cidr) = flags("2001:db8:100::10", "fd00:10:244::/56");
+        assert_eq!(
+            (ip.v4, ip.v6, cidr.v4, cidr.v6),
+            (None, Some(v6), None, Some(net6))
+        );
+
+        for (flag, node_ip, cidr) in [
+            ("--node-ip", "198.51.100.10,198.51.100.11", "10.244.0.0/16"),
+            ("--node-ip", "2001:db8::1,2001:db8::2", "10.244.0.0/16"),
+            (
+                "--cluster-cidr",
+                "198.51.100.10",
+                "10.244.0.0/16,10.245.0.0/16",
+            ),
+            ("--cluster-cidr", "198.51.100.10", "fd00::/56,fd01::/56"),
+        ] {
+            let err = parse(node_ip, cidr).unwrap_err().to_string();
+            assert!(err.contains(flag) && err.contains("at most one"), "{err}");
+        }
+        assert!(parse("", "10.244.0.0/16").is_err());
+        assert!(parse("198.51.100.10", "10.244.0.0/16,").is_err());
+    }
+
+    #[test]
+    fn nodeport_addresses_of_both_families() {
+        let a = manifest_agent(&["--nodeport-addresses", "198.51.100.0/24,2001:db8::/64"]);
+        assert_eq!(
+            a.nodeport_addresses_of::<Ipv4Addr>(),
+            ["198.51.100.0/24".parse::<Ipv4Net>().unwrap()]
+        );
+        assert_eq!(
+            a.nodeport_addresses_of::<Ipv6Addr>(),
+            ["2001:db8::/64".parse::<Ipv6Net>().unwrap()]
+        );
     }
 
     #[test]
@@ -755,7 +939,10 @@ oomScoreAdj: -999
             panic!("not agent")
         };
         // The required --cluster-cidr comes from the file.
-        assert_eq!(a.cluster_cidr, "10.244.0.0/16".parse().unwrap());
+        assert_eq!(
+            a.cluster_cidr,
+            parse_cluster_cidrs("10.244.0.0/16").unwrap()
+        );
         assert_eq!(
             a.metrics_bind_address,
             BindAddress(Some("0.0.0.0:10249".parse().unwrap()))

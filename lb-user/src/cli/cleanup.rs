@@ -1,13 +1,22 @@
-//! `lb cleanup`: detaches every hook and removes every pin under --bpffs.
+//! `lb cleanup`: detaches every hook, removes every pin under --bpffs and the agent's iptables
+//! FORWARD rules.
 use std::path::Path;
 
 use anyhow::{Context as _, Result};
+use lb_user::datapath::forward_rules;
 use lb_user::datapath::link_pins::{self, LINKS_DIR};
 use lb_user::datapath::links;
 
 use crate::cli::args::CleanupArgs;
 
+/// Both removals are tried whether or not the other fails; the first error is returned.
 pub fn run(args: CleanupArgs) -> Result<()> {
+    let datapath = remove_datapath(&args);
+    let rules = remove_forward_rules();
+    datapath.and(rules)
+}
+
+fn remove_datapath(args: &CleanupArgs) -> Result<()> {
     // Kernels before TCX: the tc filters are not pinned, they are found by program name.
     for (interface, program) in links::detach_netlink_filters()? {
         println!("detached {program} (tc filter) from {interface}");
@@ -29,6 +38,21 @@ pub fn run(args: CleanupArgs) -> Result<()> {
         println!("removed map {name}");
     }
     remove_dir(dir)?;
+    Ok(())
+}
+
+/// The agent's FORWARD rules (forward_rules.rs), which stay while the datapath does.
+fn remove_forward_rules() -> Result<()> {
+    if !forward_rules::available() {
+        println!("iptables not found: no {} to remove", forward_rules::CHAIN);
+        return Ok(());
+    }
+    if forward_rules::remove()? {
+        println!(
+            "removed iptables chain {} and FORWARD's jump to it",
+            forward_rules::CHAIN
+        );
+    }
     Ok(())
 }
 

@@ -160,6 +160,7 @@ struct ModeSection {
     sync_period: Option<String>,
     min_sync_period: Option<String>,
     masquerade_all: Option<bool>,
+    masquerade_bit: Option<i32>,
     scheduler: Option<String>,
     #[serde(flatten)]
     rest: BTreeMap<String, Value>,
@@ -219,16 +220,14 @@ impl Config {
         }
         // kube-proxy takes the node's address from bindAddress when it names one.
         match self.bind_address.as_deref().map(str::parse::<IpAddr>) {
-            Some(Ok(IpAddr::V4(ip))) if !ip.is_unspecified() => out.set("node_ip", ip.to_string()),
-            Some(Ok(IpAddr::V6(ip))) if !ip.is_unspecified() => {
-                out.ignore("bindAddress", "IPv6 node addresses are not served yet")
-            }
+            Some(Ok(ip)) if !ip.is_unspecified() => out.set("node_ip", ip.to_string()),
             Some(Err(_)) => out.ignore("bindAddress", "not an IP address"),
             _ => {}
         }
     }
 
-    /// `clusterCIDR`, or `detectLocal.clusterCIDRs` of newer releases; one IPv4 CIDR.
+    /// `clusterCIDR`, or `detectLocal.clusterCIDRs` of newer releases; the first CIDR of each
+    /// family.
     fn map_cluster_cidr(&self, out: &mut FileFlags) {
         let from_detect_local = self
             .detect_local
@@ -240,11 +239,13 @@ impl Config {
             None => from_detect_local,
         };
         let (v4, v6): (Vec<_>, Vec<_>) = cidrs.into_iter().partition(|c| !c.contains(':'));
-        if let Some(first) = v4.first() {
-            out.set("cluster_cidr", first.clone());
-        }
-        if !v6.is_empty() {
-            out.ignore("clusterCIDR", &format!("{v6:?}: IPv6 is not served yet"));
+        let firsts: Vec<String> = v4
+            .into_iter()
+            .take(1)
+            .chain(v6.into_iter().take(1))
+            .collect();
+        if !firsts.is_empty() {
+            out.set("cluster_cidr", firsts.join(","));
         }
         match self.detect_local_mode.as_deref() {
             None | Some("") | Some("ClusterCIDR") => {}
@@ -260,9 +261,7 @@ impl Config {
 
     fn map_servers(&self, out: &mut FileFlags) {
         if let Some(addresses) = &self.node_port_addresses {
-            let (cidrs, others): (Vec<_>, Vec<_>) = addresses
-                .iter()
-                .partition(|a| a.contains('/') && !a.contains(':'));
+            let (cidrs, others): (Vec<_>, Vec<_>) = addresses.iter().partition(|a| a.contains('/'));
             if !cidrs.is_empty() {
                 let cidrs: Vec<&str> = cidrs.iter().map(|c| c.as_str()).collect();
                 out.set("node_port_addresses", cidrs.join(","));
@@ -270,7 +269,7 @@ impl Config {
             if !others.is_empty() {
                 out.ignore(
                     "nodePortAddresses",
-                    &format!("{others:?}: only IPv4 CIDRs are served"),
+                    &format!("{others:?}: only CIDRs are served"),
                 );
             }
         }
@@ -318,6 +317,9 @@ impl Config {
             let Some(mode) = mode else { continue };
             if mode.masquerade_all == Some(true) {
                 out.set("masquerade_all", "true");
+            }
+            if let Some(bit) = mode.masquerade_bit {
+                out.set("iptables_masquerade_bit", bit.to_string());
             }
             if let Some(scheduler) = mode.scheduler.as_deref().filter(|s| !s.is_empty()) {
                 // IPVS's mh is consistent hashing, our maglev.
@@ -429,7 +431,10 @@ winkernel:
     #[test]
     fn kubeadm_file_maps_what_applies_and_names_what_does_not() {
         let flags = flags_from(KUBEADM, 4).unwrap();
-        assert_eq!(value(&flags, "cluster_cidr"), Some("10.244.0.0/16"));
+        assert_eq!(
+            value(&flags, "cluster_cidr"),
+            Some("10.244.0.0/16,fd00:10:244::/56")
+        );
         assert_eq!(
             value(&flags, "kubeconfig"),
             Some("/var/lib/kube-proxy/kubeconfig.conf")
@@ -451,7 +456,7 @@ winkernel:
         assert_eq!(value(&flags, "conntrack_max"), None);
         assert_eq!(value(&flags, "node_ip"), None, "0.0.0.0 names no node");
         let ignored = flags.ignored.join("\n");
-        for field in ["clusterCIDR", "mode", "nodePortAddresses", "oomScoreAdj"] {
+        for field in ["mode", "nodePortAddresses", "oomScoreAdj"] {
             assert!(ignored.contains(field), "{field} not named in {ignored}");
         }
         // Empty fields set nothing and are not worth a warning.
@@ -467,7 +472,7 @@ winkernel:
 kind: KubeProxyConfiguration
 syncPeriod: 45s
 minSyncPeriod: 500ms
-nftables: {syncPeriod: 10s, minSyncPeriod: 3s}
+nftables: {syncPeriod: 10s, minSyncPeriod: 3s, masqueradeBit: 12}
 ipvs: {scheduler: mh}
 bindAddress: 198.51.100.10
 detectLocal: {clusterCIDRs: [10.244.0.0/16]}
@@ -488,6 +493,31 @@ logging: {format: json}
         assert_eq!(value(&flags, "conntrack_max"), Some("16000"));
         assert_eq!(value(&flags, "conntrack_udp_timeout_stream"), Some("3m"));
         assert_eq!(value(&flags, "log_format"), Some("json"));
+        assert_eq!(value(&flags, "iptables_masquerade_bit"), Some("12"));
+        assert!(flags.ignored.is_empty(), "{:?}", flags.ignored);
+    }
+
+    #[test]
+    fn ipv6_node_address_and_the_first_cluster_cidr_of_each_family() {
+        let flags = flags_from(
+            "apiVersion: kubeproxy.config.k8s.io/v1alpha1
+kind: KubeProxyConfiguration
+bindAddress: '2001:db8:100::10'
+detectLocal: {clusterCIDRs: ['fd00:10:244::/56', 10.244.0.0/16, 10.245.0.0/16]}
+nodePortAddresses: [198.51.100.0/24, '2001:db8:100::/64']
+",
+            1,
+        )
+        .unwrap();
+        assert_eq!(value(&flags, "node_ip"), Some("2001:db8:100::10"));
+        assert_eq!(
+            value(&flags, "cluster_cidr"),
+            Some("10.244.0.0/16,fd00:10:244::/56")
+        );
+        assert_eq!(
+            value(&flags, "node_port_addresses"),
+            Some("198.51.100.0/24,2001:db8:100::/64")
+        );
         assert!(flags.ignored.is_empty(), "{:?}", flags.ignored);
     }
 

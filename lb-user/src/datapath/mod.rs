@@ -3,6 +3,7 @@ pub mod bpf_link;
 pub mod bpffs;
 pub mod cgroup_hooks;
 pub mod cgroup_mount;
+pub mod forward_rules;
 pub mod link_pins;
 pub mod links;
 pub mod map_pins;

@@ -2,17 +2,93 @@
 //!
 //! A source (the manifest directory now, the apiserver later) produces [`ServiceSpec`]s and
 //! [`SliceSpec`]s; [`Model::join`] joins them the way kube-proxy does. Everything here is pure.
+//!
+//! The families stay apart, as in kube-proxy's per-family proxiers: a dual-stack Service is a
+//! [`Service`] in [`Model::services`] (IPv4) and a `Service<Ipv6Addr>` in
+//! [`Model::services_v6`], sharing its name and ports.
 pub mod id;
 pub mod node_addresses;
 pub mod nodeport;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::Ipv4Addr;
+use std::fmt;
+use std::hash::Hash;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
-use ipnet::Ipv4Net;
+use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 
 pub use crate::model::id::{Protocol, ServiceName, ServicePortId};
 use crate::model::nodeport::NodePortAllocator;
+
+/// An address family, as an EndpointSlice's addressType names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum IpFamily {
+    V4,
+    V6,
+}
+
+impl IpFamily {
+    pub fn of(ip: IpAddr) -> IpFamily {
+        match ip {
+            IpAddr::V4(_) => IpFamily::V4,
+            IpAddr::V6(_) => IpFamily::V6,
+        }
+    }
+}
+
+impl fmt::Display for IpFamily {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            IpFamily::V4 => "IPv4",
+            IpFamily::V6 => "IPv6",
+        })
+    }
+}
+
+/// The address type of one family, so that the join is written once for both.
+pub trait Family: Copy + Ord + Hash + fmt::Debug + fmt::Display {
+    /// The family's CIDRs.
+    type Net: Copy + Ord + Hash + fmt::Debug;
+    const FAMILY: IpFamily;
+    /// The address if it is of this family.
+    fn of(ip: IpAddr) -> Option<Self>;
+    /// The CIDR if it is of this family.
+    fn net_of(net: IpNet) -> Option<Self::Net>;
+}
+
+impl Family for Ipv4Addr {
+    type Net = Ipv4Net;
+    const FAMILY: IpFamily = IpFamily::V4;
+    fn of(ip: IpAddr) -> Option<Self> {
+        match ip {
+            IpAddr::V4(v4) => Some(v4),
+            IpAddr::V6(_) => None,
+        }
+    }
+    fn net_of(net: IpNet) -> Option<Ipv4Net> {
+        match net {
+            IpNet::V4(v4) => Some(v4),
+            IpNet::V6(_) => None,
+        }
+    }
+}
+
+impl Family for Ipv6Addr {
+    type Net = Ipv6Net;
+    const FAMILY: IpFamily = IpFamily::V6;
+    fn of(ip: IpAddr) -> Option<Self> {
+        match ip {
+            IpAddr::V6(v6) => Some(v6),
+            IpAddr::V4(_) => None,
+        }
+    }
+    fn net_of(net: IpNet) -> Option<Ipv6Net> {
+        match net {
+            IpNet::V6(v6) => Some(v6),
+            IpNet::V4(_) => None,
+        }
+    }
+}
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum TargetPort {
@@ -25,7 +101,10 @@ pub enum TargetPort {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ServiceSpec {
     pub name: ServiceName,
-    pub cluster_ip: Ipv4Addr,
+    /// The IPv4 ClusterIP when spec.ipFamilies has IPv4.
+    pub cluster_ip: Option<Ipv4Addr>,
+    /// The IPv6 ClusterIP when spec.ipFamilies has IPv6.
+    pub cluster_ip_v6: Option<Ipv6Addr>,
     /// type NodePort or LoadBalancer: every port is also exposed on the node.
     pub node_ports: bool,
     /// A node-exposed port without a nodePort gets one from the manifest mode's allocator; false
@@ -37,33 +116,45 @@ pub struct ServiceSpec {
     /// From the annotation; None: the agent's default.
     pub scheduler: Option<Scheduler>,
     pub external: ExternalAddresses,
+    pub external_v6: ExternalAddresses<Ipv6Addr>,
     pub ports: Vec<PortSpec>,
 }
 
 /// The addresses besides the node's where a service is reached from outside, with the
 /// externalTrafficPolicy as for its NodePorts (kube-proxy's "external destinations").
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct ExternalAddresses {
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExternalAddresses<A: Family = Ipv4Addr> {
     /// spec.externalIPs.
-    pub external_ips: Vec<Ipv4Addr>,
+    pub external_ips: Vec<A>,
     /// type LoadBalancer: status.loadBalancer.ingress IPs, except those with ipMode Proxy
     /// (their load balancer proxies to the nodes, so their traffic must reach it, as kube-proxy
     /// leaves them alone).
-    pub load_balancer_ips: Vec<Ipv4Addr>,
-    /// spec.loadBalancerSourceRanges (the IPv4 ones, host bits cleared): when any, only these
+    pub load_balancer_ips: Vec<A>,
+    /// spec.loadBalancerSourceRanges (this family's, host bits cleared): when any, only these
     /// sources reach the load balancer IPs (not the externalIPs nor the NodePorts, as in
     /// kube-proxy).
-    pub source_ranges: Vec<Ipv4Net>,
+    pub source_ranges: Vec<A::Net>,
 }
 
-impl ExternalAddresses {
+// Not derived: the addresses have no Default.
+impl<A: Family> Default for ExternalAddresses<A> {
+    fn default() -> Self {
+        ExternalAddresses {
+            external_ips: Vec::new(),
+            load_balancer_ips: Vec::new(),
+            source_ranges: Vec::new(),
+        }
+    }
+}
+
+impl<A: Family> ExternalAddresses<A> {
     pub fn is_empty(&self) -> bool {
         self.external_ips.is_empty() && self.load_balancer_ips.is_empty()
     }
 }
 
 /// How a service port's new connections pick an endpoint (IPVS's scheduler model); the
-/// annotation [`crate::source::k8s::SCHEDULER_ANNOTATION`] chooses it per service, `--scheduler`
+/// annotation [`crate::k8s::SCHEDULER_ANNOTATION`] chooses it per service, `--scheduler`
 /// otherwise.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum Scheduler {
@@ -123,6 +214,8 @@ pub struct PortSpec {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SliceSpec {
     pub service: ServiceName,
+    /// addressType: every endpoint's address is of this family.
+    pub family: IpFamily,
     pub ports: Vec<SlicePort>,
     pub endpoints: Vec<SliceEndpoint>,
 }
@@ -137,7 +230,7 @@ pub struct SlicePort {
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SliceEndpoint {
-    pub addr: Ipv4Addr,
+    pub addr: IpAddr,
     pub conditions: Conditions,
     /// The node the endpoint runs on.
     pub node_name: Option<String>,
@@ -195,23 +288,27 @@ impl Conditions {
 /// The joined desired state.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Model {
+    /// The IPv4 side of every Service with IPv4 in spec.ipFamilies.
     pub services: BTreeMap<ServiceName, Service>,
+    /// The IPv6 side of every Service with IPv6 in spec.ipFamilies.
+    pub services_v6: BTreeMap<ServiceName, Service<Ipv6Addr>>,
 }
 
+/// One family of a Service.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Service {
-    pub cluster_ip: Ipv4Addr,
+pub struct Service<A: Family = Ipv4Addr> {
+    pub cluster_ip: A,
     /// sessionAffinity ClientIP with this timeout; None: no affinity.
     pub affinity_timeout_s: Option<u32>,
     pub traffic: TrafficPolicies,
     /// From the annotation; None: the agent's default.
     pub scheduler: Option<Scheduler>,
-    pub external: ExternalAddresses,
-    pub ports: Vec<ServicePort>,
+    pub external: ExternalAddresses<A>,
+    pub ports: Vec<ServicePort<A>>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ServicePort {
+pub struct ServicePort<A: Family = Ipv4Addr> {
     pub name: String,
     pub protocol: Protocol,
     pub port: u16,
@@ -219,19 +316,19 @@ pub struct ServicePort {
     pub node_port: Option<u16>,
     pub target_port: TargetPort,
     /// Sorted by (addr, port), no duplicates.
-    pub endpoints: Vec<Endpoint>,
+    pub endpoints: Vec<Endpoint<A>>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct Endpoint {
-    pub addr: Ipv4Addr,
+pub struct Endpoint<A: Family = Ipv4Addr> {
+    pub addr: A,
     pub port: u16,
     pub conditions: Conditions,
     pub node_name: Option<String>,
     pub hints: Hints,
 }
 
-impl Endpoint {
+impl<A: Family> Endpoint<A> {
     pub fn ready(&self) -> bool {
         self.conditions.ready
     }
@@ -258,7 +355,7 @@ pub enum Topology {
     SameZone,
 }
 
-impl Service {
+impl<A: Family> Service<A> {
     /// Ready endpoints over its ports.
     pub fn ready_endpoints(&self) -> usize {
         self.ports
@@ -273,7 +370,7 @@ impl Service {
     }
 }
 
-impl ServicePort {
+impl<A: Family> ServicePort<A> {
     /// kube-proxy's CategorizeEndpoints: the endpoints traffic policy Cluster uses (ready ones,
     /// narrowed by [`ServicePort::topology`]; else serving terminating ones, without topology),
     /// and those Local uses (the same rule among the endpoints on `node_name`, without
@@ -282,9 +379,9 @@ impl ServicePort {
         &self,
         node_name: &str,
         zone: &str,
-    ) -> (Vec<&Endpoint>, Vec<&Endpoint>) {
+    ) -> (Vec<&Endpoint<A>>, Vec<&Endpoint<A>>) {
         let topology = self.topology(node_name, zone);
-        let hinted_here = |e: &Endpoint| match topology {
+        let hinted_here = |e: &Endpoint<A>| match topology {
             Topology::All => true,
             Topology::SameNode => e.hints.nodes.contains(node_name),
             Topology::SameZone => e.hints.zones.contains(zone),
@@ -295,7 +392,7 @@ impl ServicePort {
                     .iter()
                     .filter(move |e| !local || e.on_node(node_name))
             };
-            let ready: Vec<&Endpoint> = candidates()
+            let ready: Vec<&Endpoint<A>> = candidates()
                 .filter(|e| e.ready() && (local || hinted_here(e)))
                 .collect();
             if ready.is_empty() {
@@ -314,7 +411,7 @@ impl ServicePort {
     /// gets all of them.
     pub fn topology(&self, node_name: &str, zone: &str) -> Topology {
         let ready = || self.endpoints.iter().filter(|e| e.ready());
-        let hinted_for = |hints: fn(&Endpoint) -> &BTreeSet<String>, place: &str| {
+        let hinted_for = |hints: fn(&Endpoint<A>) -> &BTreeSet<String>, place: &str| {
             ready().all(|e| !hints(e).is_empty()) && ready().any(|e| hints(e).contains(place))
         };
         if hinted_for(|e| &e.hints.nodes, node_name) {
@@ -379,7 +476,8 @@ impl Model {
 
     /// Brings the model to `specs` as [`Model::join`] would, joining again only the services in
     /// `changed` (None: every one) and those whose allocated nodePort moved; returns the
-    /// services joined again, each with what it was before (None: it is new). Without
+    /// services joined again, each with what its IPv4 side was before (None: it is new or has
+    /// no IPv4 side). Without
     /// `node_ports` (the apiserver allocates them) a port without a nodePort has none.
     pub fn update(
         &mut self,
@@ -397,6 +495,7 @@ impl Model {
                 .services
                 .keys()
                 .chain(self.services.keys())
+                .chain(self.services_v6.keys())
                 .cloned()
                 .collect(),
         };
@@ -411,21 +510,40 @@ impl Model {
 
         let mut previous = BTreeMap::new();
         for name in dirty {
-            let before = match specs.services.get(&name) {
-                Some(spec) => {
-                    let slices: Vec<&SliceSpec> = specs
-                        .slices
-                        .get(&name)
-                        .map(|slices| slices.values().collect())
-                        .unwrap_or_default();
-                    self.services
-                        .insert(name.clone(), join_service(spec, &slices, &allocated))
-                }
-                None => self.services.remove(&name),
-            };
+            let spec = specs.services.get(&name);
+            let slices: Vec<&SliceSpec> = specs
+                .slices
+                .get(&name)
+                .map(|slices| slices.values().collect())
+                .unwrap_or_default();
+            let v4 = spec.and_then(|s| {
+                let ip = s.cluster_ip?;
+                Some(join_service(s, ip, &s.external, &slices, &allocated))
+            });
+            let v6 = spec.and_then(|s| {
+                let ip = s.cluster_ip_v6?;
+                Some(join_service(s, ip, &s.external_v6, &slices, &allocated))
+            });
+            let before = replace(&mut self.services, &name, v4);
+            replace(&mut self.services_v6, &name, v6);
             previous.insert(name, before);
         }
         previous
+    }
+
+    /// The IPv6 frontends the model holds: per IPv6 service port, its ClusterIP, externalIPs,
+    /// load balancer IPs, and its nodePort on each of `node_ips_v6`.
+    pub fn ipv6_frontends(&self, node_ips_v6: usize) -> usize {
+        self.services_v6
+            .values()
+            .flat_map(|s| {
+                let addresses =
+                    1 + s.external.external_ips.len() + s.external.load_balancer_ips.len();
+                s.ports
+                    .iter()
+                    .map(move |p| addresses + p.node_port.map_or(0, |_| node_ips_v6))
+            })
+            .sum()
     }
 
     /// Every service port with its identity.
@@ -479,12 +597,33 @@ fn allocate_node_ports(
     (before, allocated)
 }
 
-/// One service joined with its slices.
-fn join_service(
+/// Sets or removes `name`'s entry; returns what it was.
+fn replace<V>(
+    services: &mut BTreeMap<ServiceName, V>,
+    name: &ServiceName,
+    now: Option<V>,
+) -> Option<V> {
+    match now {
+        Some(service) => services.insert(name.clone(), service),
+        None => services.remove(name),
+    }
+}
+
+/// One family of a service, on `cluster_ip`, joined with its slices of that family.
+fn join_service<A: Family>(
     spec: &ServiceSpec,
+    cluster_ip: A,
+    external: &ExternalAddresses<A>,
     slices: &[&SliceSpec],
     allocated: &BTreeMap<ServicePortId, u16>,
-) -> Service {
+) -> Service<A> {
+    // A slice of another family (a stale IPv4 slice of an IPv6-only Service) is not this
+    // family's, as kube-proxy's per-family proxiers see it.
+    let slices: Vec<&SliceSpec> = slices
+        .iter()
+        .copied()
+        .filter(|slice| slice.family == A::FAMILY)
+        .collect();
     let ports = spec
         .ports
         .iter()
@@ -508,23 +647,24 @@ fn join_service(
                 port: p.port,
                 node_port,
                 target_port: p.target_port.clone(),
-                endpoints: endpoints_of(p, slices),
+                endpoints: endpoints_of(p, &slices),
             }
         })
         .collect();
     Service {
-        cluster_ip: spec.cluster_ip,
+        cluster_ip,
         affinity_timeout_s: spec.affinity_timeout_s,
         traffic: spec.traffic,
         scheduler: spec.scheduler,
-        external: spec.external.clone(),
+        external: external.clone(),
         ports,
     }
 }
 
-fn endpoints_of(port: &PortSpec, slices: &[&SliceSpec]) -> Vec<Endpoint> {
+/// The endpoints of `port` in `slices`, which are of family `A`.
+fn endpoints_of<A: Family>(port: &PortSpec, slices: &[&SliceSpec]) -> Vec<Endpoint<A>> {
     type Seen = (Conditions, Option<String>, Hints);
-    let mut by_addr: BTreeMap<(Ipv4Addr, u16), Seen> = BTreeMap::new();
+    let mut by_addr: BTreeMap<(A, u16), Seen> = BTreeMap::new();
     for slice in slices {
         let Some(slice_port) = slice
             .ports
@@ -538,8 +678,11 @@ fn endpoints_of(port: &PortSpec, slices: &[&SliceSpec]) -> Vec<Endpoint> {
             (None, TargetPort::Name(_)) => continue,
         };
         for e in &slice.endpoints {
+            let Some(addr) = A::of(e.addr) else {
+                continue;
+            };
             by_addr
-                .entry((e.addr, number))
+                .entry((addr, number))
                 .and_modify(|(conditions, node, hints)| {
                     *conditions = conditions.merge(e.conditions);
                     if node.is_none() {
@@ -576,13 +719,15 @@ mod tests {
     fn web(node_ports: bool, node_port: Option<u16>) -> ServiceSpec {
         ServiceSpec {
             name: name("web"),
-            cluster_ip: Ipv4Addr::new(10, 96, 0, 10),
+            cluster_ip: Some(Ipv4Addr::new(10, 96, 0, 10)),
+            cluster_ip_v6: None,
             node_ports,
             allocate_node_ports: node_ports,
             affinity_timeout_s: None,
             traffic: TrafficPolicies::default(),
             scheduler: None,
             external: ExternalAddresses::default(),
+            external_v6: ExternalAddresses::default(),
             ports: vec![
                 PortSpec {
                     name: "http".into(),
@@ -604,7 +749,7 @@ mod tests {
 
     fn ep(last: u8, ready: bool) -> SliceEndpoint {
         SliceEndpoint {
-            addr: Ipv4Addr::new(10, 244, 1, last),
+            addr: Ipv4Addr::new(10, 244, 1, last).into(),
             conditions: Conditions {
                 ready,
                 serving: ready,
@@ -618,6 +763,7 @@ mod tests {
     fn slice(ports: Vec<SlicePort>, endpoints: Vec<SliceEndpoint>) -> SliceSpec {
         SliceSpec {
             service: name("web"),
+            family: IpFamily::V4,
             ports,
             endpoints,
         }
@@ -939,5 +1085,61 @@ mod tests {
                 .iter()
                 .all(|p| p.node_port.is_none())
         );
+    }
+
+    /// A dual-stack service is one per family, each joined with the slices of its family;
+    /// an IPv6-only one ignores a (stale) IPv4 slice.
+    #[test]
+    fn families_join_their_own_slices() {
+        let v6 = |last: u16| Ipv6Addr::new(0xfd00, 0x10, 0x244, 0, 0, 0, 0, last);
+        let v6_slice = SliceSpec {
+            family: IpFamily::V6,
+            ..slice(
+                vec![sp("http", Protocol::Tcp, Some(8080))],
+                vec![SliceEndpoint {
+                    addr: v6(7).into(),
+                    ..ep(0, true)
+                }],
+            )
+        };
+        let v4_slice = slice(
+            vec![sp("http", Protocol::Tcp, Some(8080))],
+            vec![ep(2, true)],
+        );
+        let slices = [v4_slice, v6_slice];
+        let mut dual = web(true, Some(30080));
+        dual.cluster_ip_v6 = Some(v6(0x10));
+        dual.external_v6.external_ips = vec![v6(0x20)];
+        let mut alloc = NodePortAllocator::new(30000..=32767);
+        let model = Model::join(vec![dual.clone()], &slices, &mut alloc);
+        let v4 = &model.services[&name("web")];
+        assert_eq!(v4.cluster_ip, Ipv4Addr::new(10, 96, 0, 10));
+        let v4_addrs: Vec<Ipv4Addr> = v4.ports[0].endpoints.iter().map(|e| e.addr).collect();
+        assert_eq!(v4_addrs, [Ipv4Addr::new(10, 244, 1, 2)]);
+        let v6_service = &model.services_v6[&name("web")];
+        assert_eq!(v6_service.cluster_ip, v6(0x10));
+        let v6_http = &v6_service.ports[0];
+        assert_eq!(
+            v6_http.node_port,
+            Some(30080),
+            "one nodePort for both families"
+        );
+        let v6_addrs: Vec<Ipv6Addr> = v6_http.endpoints.iter().map(|e| e.addr).collect();
+        assert_eq!(v6_addrs, [v6(7)]);
+        // Two ports, each on the ClusterIP, the externalIP and the node (dns's nodePort
+        // allocated).
+        assert_eq!(model.ipv6_frontends(1), 2 * 3);
+        assert_eq!(model.ipv6_frontends(0), 2 * 2);
+
+        let mut v6_only = dual;
+        v6_only.cluster_ip = None;
+        let model = Model::join(vec![v6_only], &slices, &mut alloc);
+        assert!(model.services.is_empty(), "no IPv4 side");
+        let v6_addrs: Vec<Ipv6Addr> = model.services_v6[&name("web")].ports[0]
+            .endpoints
+            .iter()
+            .map(|e| e.addr)
+            .collect();
+        assert_eq!(v6_addrs, [v6(7)], "the IPv4 slice is ignored");
     }
 }

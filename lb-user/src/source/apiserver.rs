@@ -10,7 +10,7 @@
 //! while one relists (converted changes wait in `pending` until then), so a watch that fails
 //! halfway never deletes a live service.
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::IpAddr;
 use std::path::Path;
 
 use futures::StreamExt as _;
@@ -26,7 +26,7 @@ use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 
 use crate::maps::writer::WriteFailure;
-use crate::model::{ServiceName, ServiceSpec, SliceSpec, Specs};
+use crate::model::{Family, ServiceName, ServiceSpec, SliceSpec, Specs};
 use crate::source::change_tracker::{ChangeTracker, Kind, ObjectVersion};
 use crate::source::events::WriteFailureEvents;
 use crate::source::k8s::{self, InvalidField};
@@ -481,18 +481,15 @@ pub fn node_zone(node: &Node) -> Option<&str> {
         .map(String::as_str)
 }
 
-/// The node address: its first IPv4 InternalIP, else its first IPv4 ExternalIP (as kube-proxy
-/// picks the node's host IP).
-pub fn node_ip(node: &Node) -> Option<Ipv4Addr> {
+/// The node address of family `A`: its first InternalIP of that family, else its first
+/// ExternalIP of it (as kube-proxy picks the node's host IP).
+pub fn node_ip<A: Family>(node: &Node) -> Option<A> {
     let addresses = node.status.as_ref()?.addresses.as_ref()?;
     ["InternalIP", "ExternalIP"].into_iter().find_map(|kind| {
         addresses
             .iter()
             .filter(|a| a.type_ == kind)
-            .find_map(|a| match a.address.parse() {
-                Ok(IpAddr::V4(ip)) => Some(ip),
-                _ => None,
-            })
+            .find_map(|a| a.address.parse::<IpAddr>().ok().and_then(A::of))
     })
 }
 
@@ -614,6 +611,7 @@ fn trim_node(node: &mut Node) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::net::{Ipv4Addr, Ipv6Addr};
 
     fn node(yaml: &str) -> Node {
         yaml_serde::from_str(yaml).unwrap()
@@ -622,14 +620,16 @@ mod tests {
     #[test]
     fn node_ip_prefers_internal_ipv4() {
         let n = node(
-            "metadata: {name: n1}\nstatus:\n  addresses:\n  - {type: Hostname, address: n1}\n  - {type: ExternalIP, address: 203.0.113.7}\n  - {type: InternalIP, address: 'fd00::1'}\n  - {type: InternalIP, address: 192.0.2.10}\n",
+            "metadata: {name: n1}\nstatus:\n  addresses:\n  - {type: Hostname, address: n1}\n  - {type: ExternalIP, address: 203.0.113.7}\n  - {type: InternalIP, address: 'fd00::1'}\n  - {type: InternalIP, address: 192.0.2.10}\n  - {type: InternalIP, address: 'fd00::2'}\n",
         );
         assert_eq!(node_ip(&n), Some(Ipv4Addr::new(192, 0, 2, 10)));
+        assert_eq!(node_ip(&n), Some("fd00::1".parse::<Ipv6Addr>().unwrap()));
         let external_only = node(
             "metadata: {name: n1}\nstatus: {addresses: [{type: ExternalIP, address: 203.0.113.7}]}\n",
         );
         assert_eq!(node_ip(&external_only), Some(Ipv4Addr::new(203, 0, 113, 7)));
-        assert_eq!(node_ip(&node("metadata: {name: n1}\n")), None);
+        assert_eq!(node_ip::<Ipv6Addr>(&external_only), None);
+        assert_eq!(node_ip::<Ipv4Addr>(&node("metadata: {name: n1}\n")), None);
     }
 
     #[test]

@@ -1,7 +1,6 @@
 //! Kubernetes objects (k8s-openapi types, from any source) to the model's specs: validation,
-//! defaults, and what we ignore (ExternalName, headless, IPv6, SCTP).
-use std::net::IpAddr;
-use std::net::Ipv4Addr;
+//! defaults, and what we ignore (ExternalName, headless, FQDN slices, SCTP).
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use ipnet::IpNet;
 use k8s_openapi::api::core::v1::{Service, ServiceSpec as ServiceSpecK8s, ServiceStatus};
@@ -11,8 +10,8 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use tracing::{debug, warn};
 
 use crate::model::{
-    Conditions, ExternalAddresses, Hints, PortSpec, Protocol, Scheduler, ServiceName, ServiceSpec,
-    SliceEndpoint, SlicePort, SliceSpec, TargetPort, TrafficPolicies,
+    Conditions, ExternalAddresses, Family, Hints, IpFamily, PortSpec, Protocol, Scheduler,
+    ServiceName, ServiceSpec, SliceEndpoint, SlicePort, SliceSpec, TargetPort, TrafficPolicies,
 };
 
 /// The Service annotation that chooses its scheduler: `random`, `rr`, `sh` or `maglev`.
@@ -58,13 +57,13 @@ pub fn service(
         }
         other => return Err(invalid("spec.type", format!("unknown type {other:?}"))),
     };
-    let Some(cluster_ip) = cluster_ipv4(&name, spec.cluster_ip.as_deref(), &spec.cluster_ips)?
-    else {
+    let Some((cluster_ip, cluster_ip_v6)) = cluster_ips(&name, spec)? else {
         return Ok(None);
     };
 
     let affinity_timeout_s = session_affinity(spec)?;
-    let external = external_addresses(&name, spec, load_balancer, svc.status.as_ref(), skipped)?;
+    let (external, external_v6) =
+        external_addresses(&name, spec, load_balancer, svc.status.as_ref(), skipped)?;
     let scheduler = svc
         .metadata
         .annotations
@@ -127,12 +126,14 @@ pub fn service(
     Ok(Some(ServiceSpec {
         name,
         cluster_ip,
+        cluster_ip_v6,
         node_ports,
         allocate_node_ports,
         affinity_timeout_s,
         traffic,
         scheduler,
         external,
+        external_v6,
         ports,
     }))
 }
@@ -140,9 +141,18 @@ pub fn service(
 /// kube-proxy's ipMode for an ingress IP whose load balancer proxies the traffic itself.
 const IP_MODE_PROXY: &str = "Proxy";
 
+/// Adds `ip` to the list of its family.
+fn push_by_family(ip: IpAddr, v4: &mut Vec<Ipv4Addr>, v6: &mut Vec<Ipv6Addr>) {
+    match ip {
+        IpAddr::V4(ip) => v4.push(ip),
+        IpAddr::V6(ip) => v6.push(ip),
+    }
+}
+
 /// spec.externalIPs, and for type LoadBalancer the ingress IPs in `status` and
-/// spec.loadBalancerSourceRanges. IPv6 entries are skipped (IPv4 only for now), as kube-proxy
-/// keeps only its own family's ranges: ranges that are all IPv6 leave the IPv4 ingress IPs open.
+/// spec.loadBalancerSourceRanges, each in its own family (IPv4's, IPv6's). As kube-proxy's
+/// per-family proxiers, each family keeps only its own ranges: ranges that are all IPv6 leave
+/// the IPv4 ingress IPs open.
 /// Unparsable addresses and ranges go to `skipped`; when every range given is unparsable, the
 /// ingress IPs are not served at all (closed rather than open to every source).
 fn external_addresses(
@@ -151,16 +161,21 @@ fn external_addresses(
     load_balancer: bool,
     status: Option<&ServiceStatus>,
     skipped: &mut Vec<InvalidField>,
-) -> Result<ExternalAddresses, InvalidField> {
+) -> Result<(ExternalAddresses, ExternalAddresses<Ipv6Addr>), InvalidField> {
     let mut external = ExternalAddresses::default();
+    let mut external_v6 = ExternalAddresses::<Ipv6Addr>::default();
     for (i, ip) in spec.external_ips.iter().flatten().enumerate() {
-        match ipv4(ip, || format!("spec.externalIPs[{i}]")) {
-            Ok(v4) => external.external_ips.extend(v4),
+        match ip_address(ip, || format!("spec.externalIPs[{i}]")) {
+            Ok(ip) => push_by_family(
+                ip,
+                &mut external.external_ips,
+                &mut external_v6.external_ips,
+            ),
             Err(invalid) => skipped.push(invalid),
         }
     }
     if !load_balancer {
-        return Ok(external);
+        return Ok((external, external_v6));
     }
     let ingress = status
         .and_then(|status| status.load_balancer.as_ref())
@@ -182,8 +197,12 @@ fn external_addresses(
                 ));
             }
         }
-        match ipv4(ip, || format!("status.loadBalancer.ingress[{i}].ip")) {
-            Ok(v4) => external.load_balancer_ips.extend(v4),
+        match ip_address(ip, || format!("status.loadBalancer.ingress[{i}].ip")) {
+            Ok(ip) => push_by_family(
+                ip,
+                &mut external.load_balancer_ips,
+                &mut external_v6.load_balancer_ips,
+            ),
             Err(invalid) => skipped.push(invalid),
         }
     }
@@ -196,11 +215,13 @@ fn external_addresses(
         // The API allows spaces around a range, and kube-proxy trims them.
         let range = range.trim();
         match range.parse::<IpNet>() {
-            Ok(net) => {
+            Ok(IpNet::V4(net)) => {
                 usable_ranges += 1;
-                if let IpNet::V4(net) = net {
-                    external.source_ranges.push(net.trunc());
-                }
+                external.source_ranges.push(net.trunc());
+            }
+            Ok(IpNet::V6(net)) => {
+                usable_ranges += 1;
+                external_v6.source_ranges.push(net.trunc());
             }
             Err(err) => skipped.push(invalid(
                 format!("spec.loadBalancerSourceRanges[{i}]"),
@@ -211,19 +232,18 @@ fn external_addresses(
     if !ranges.is_empty() && usable_ranges == 0 {
         warn!(service = %name, "no usable loadBalancerSourceRanges: the load balancer IPs are not served");
         external.load_balancer_ips.clear();
+        external_v6.load_balancer_ips.clear();
     }
     external.source_ranges.sort_unstable();
     external.source_ranges.dedup();
-    Ok(external)
+    external_v6.source_ranges.sort_unstable();
+    external_v6.source_ranges.dedup();
+    Ok((external, external_v6))
 }
 
-/// An IPv4 address; None for an IPv6 one.
-fn ipv4(ip: &str, field: impl FnOnce() -> String) -> Result<Option<Ipv4Addr>, InvalidField> {
-    match ip.parse::<IpAddr>() {
-        Ok(IpAddr::V4(v4)) => Ok(Some(v4)),
-        Ok(IpAddr::V6(_)) => Ok(None),
-        Err(err) => Err(invalid(field(), format!("{ip:?}: {err}"))),
-    }
+fn ip_address(ip: &str, field: impl FnOnce() -> String) -> Result<IpAddr, InvalidField> {
+    ip.parse::<IpAddr>()
+        .map_err(|err| invalid(field(), format!("{ip:?}: {err}")))
 }
 
 /// A traffic policy is Local; Cluster by default.
@@ -279,10 +299,11 @@ pub fn endpoint_slice(
     skipped: &mut Vec<InvalidField>,
 ) -> Result<Option<SliceSpec>, InvalidField> {
     let slice_name = object_name(&slice.metadata)?;
-    match slice.address_type.as_str() {
-        "IPv4" => {}
-        "IPv6" | "FQDN" => {
-            debug!(slice = %slice_name, address_type = %slice.address_type, "ignored: IPv4 only");
+    let family = match slice.address_type.as_str() {
+        "IPv4" => IpFamily::V4,
+        "IPv6" => IpFamily::V6,
+        "FQDN" => {
+            debug!(slice = %slice_name, "ignored: addressType FQDN");
             return Ok(None);
         }
         other => {
@@ -291,7 +312,7 @@ pub fn endpoint_slice(
                 format!("unknown address type {other:?}"),
             ));
         }
-    }
+    };
     let Some(service) = slice
         .metadata
         .labels
@@ -325,13 +346,15 @@ pub fn endpoint_slice(
             skipped.push(invalid(format!("endpoints[{i}].addresses"), "empty"));
             continue;
         };
-        let addr = match addr.parse::<Ipv4Addr>() {
-            Ok(addr) => addr,
-            Err(err) => {
-                skipped.push(invalid(
-                    format!("endpoints[{i}].addresses[0]"),
-                    format!("{addr:?}: {err}"),
-                ));
+        let field = || format!("endpoints[{i}].addresses[0]");
+        let addr = match ip_address(addr, field) {
+            Ok(ip) if IpFamily::of(ip) == family => ip,
+            Ok(ip) => {
+                skipped.push(invalid(field(), format!("{ip} is not {family}")));
+                continue;
+            }
+            Err(invalid) => {
+                skipped.push(invalid);
                 continue;
             }
         };
@@ -370,6 +393,7 @@ pub fn endpoint_slice(
             namespace: slice_name.namespace,
             name: service.clone(),
         },
+        family,
         ports,
         endpoints,
     }))
@@ -386,14 +410,18 @@ fn object_name(meta: &ObjectMeta) -> Result<ServiceName, InvalidField> {
     })
 }
 
-/// The first IPv4 ClusterIP; None (ignored) for headless services, services without one, and
-/// IPv6-only services.
-fn cluster_ipv4(
+/// A Service's ClusterIP of each family: IPv4's, IPv6's.
+type ClusterIps = (Option<Ipv4Addr>, Option<Ipv6Addr>);
+
+/// The ClusterIP of each family of spec.ipFamilies: the first of that family
+/// in clusterIP, clusterIPs. Without ipFamilies (manifests may leave it out), the families of
+/// the ClusterIPs. None (ignored) for headless services and services without one.
+fn cluster_ips(
     name: &ServiceName,
-    cluster_ip: Option<&str>,
-    cluster_ips: &Option<Vec<String>>,
-) -> Result<Option<Ipv4Addr>, InvalidField> {
-    let Some(primary) = cluster_ip.or(cluster_ips
+    spec: &ServiceSpecK8s,
+) -> Result<Option<ClusterIps>, InvalidField> {
+    let Some(primary) = spec.cluster_ip.as_deref().or(spec
+        .cluster_ips
         .as_ref()
         .and_then(|ips| ips.first())
         .map(String::as_str))
@@ -406,21 +434,45 @@ fn cluster_ipv4(
         return Ok(None);
     }
     let candidates = std::iter::once(("spec.clusterIP".to_owned(), primary)).chain(
-        cluster_ips
+        spec.cluster_ips
             .iter()
             .flatten()
             .enumerate()
             .map(|(i, ip)| (format!("spec.clusterIPs[{i}]"), ip.as_str())),
     );
+    let mut addresses = Vec::new();
     for (field, ip) in candidates {
-        match ip.parse::<IpAddr>() {
-            Ok(IpAddr::V4(v4)) => return Ok(Some(v4)),
-            Ok(IpAddr::V6(_)) => {}
-            Err(err) => return Err(invalid(field, format!("{ip:?}: {err}"))),
-        }
+        addresses.push(ip_address(ip, || field)?);
     }
-    debug!(service = %name, "ignored: no IPv4 clusterIP (IPv4 only for now)");
-    Ok(None)
+    let families = match spec.ip_families.as_deref() {
+        Some(families) if !families.is_empty() => families
+            .iter()
+            .enumerate()
+            .map(|(i, family)| match family.as_str() {
+                "IPv4" => Ok(IpFamily::V4),
+                "IPv6" => Ok(IpFamily::V6),
+                other => Err(invalid(
+                    format!("spec.ipFamilies[{i}]"),
+                    format!("unknown family {other:?} (IPv4, IPv6)"),
+                )),
+            })
+            .collect::<Result<Vec<_>, _>>()?,
+        _ => addresses.iter().map(|ip| IpFamily::of(*ip)).collect(),
+    };
+    let first_of = |family: IpFamily| {
+        families
+            .contains(&family)
+            .then(|| addresses.iter().find(|ip| IpFamily::of(**ip) == family))
+            .flatten()
+            .copied()
+    };
+    let v4 = first_of(IpFamily::V4).and_then(Ipv4Addr::of);
+    let v6 = first_of(IpFamily::V6).and_then(Ipv6Addr::of);
+    if v4.is_none() && v6.is_none() {
+        debug!(service = %name, "ignored: no clusterIP of its ipFamilies");
+        return Ok(None);
+    }
+    Ok(Some((v4, v6)))
 }
 
 /// None for SCTP, which we do not proxy.
@@ -480,7 +532,8 @@ mod tests {
         .unwrap()
         .unwrap();
         assert_eq!(spec.name.to_string(), "shop/web");
-        assert_eq!(spec.cluster_ip, Ipv4Addr::new(10, 96, 0, 10));
+        assert_eq!(spec.cluster_ip, Some(Ipv4Addr::new(10, 96, 0, 10)));
+        assert_eq!(spec.cluster_ip_v6, None);
         assert!(!spec.node_ports);
         assert_eq!(spec.ports.len(), 3);
         assert_eq!(spec.ports[0].name, "");
@@ -497,7 +550,7 @@ mod tests {
             "spec: {type: ExternalName, externalName: example.com}",
             "spec: {clusterIP: None, ports: [{port: 80}]}",
             "spec: {ports: [{port: 80}]}",
-            "spec: {clusterIP: 'fd00::10', ports: [{port: 80}]}",
+            "spec: {clusterIP: 10.96.0.1, ipFamilies: [IPv6], ports: [{port: 80}]}",
         ] {
             assert_eq!(
                 service(&svc(&format!("{HEAD}{spec}\n"))),
@@ -510,14 +563,15 @@ mod tests {
         )))
         .unwrap()
         .unwrap();
-        assert_eq!(dual.cluster_ip, Ipv4Addr::new(10, 96, 0, 11));
+        assert_eq!(dual.cluster_ip, Some(Ipv4Addr::new(10, 96, 0, 11)));
+        assert_eq!(dual.cluster_ip_v6, Some("fd00::10".parse().unwrap()));
         assert!(dual.node_ports);
         assert_eq!(dual.ports[0].node_port, Some(30080));
     }
 
     #[test]
     fn external_ips_load_balancer_ingress_and_source_ranges() {
-        let external = |type_: &str, extra: &str| {
+        let with = |type_: &str, extra: &str| {
             service(&svc(&format!(
                 "{HEAD}spec:
   type: {type_}
@@ -536,10 +590,23 @@ status:
       - hostname: lb.example.com
 {extra}"
             )))
-            .map(|s| s.unwrap().external)
+            .map(|s| s.unwrap())
         };
+        let external_v6 = |type_: &str| with(type_, "").map(|s| s.external_v6);
+        let external = |type_: &str, extra: &str| with(type_, extra).map(|s| s.external);
         let lb = external("LoadBalancer", "").unwrap();
         assert_eq!(lb.external_ips, [Ipv4Addr::new(203, 0, 113, 10)]);
+        let lb_v6 = external_v6("LoadBalancer").unwrap();
+        assert_eq!(
+            lb_v6.external_ips,
+            ["fd00::10".parse::<Ipv6Addr>().unwrap()]
+        );
+        assert!(lb_v6.load_balancer_ips.is_empty());
+        assert_eq!(
+            lb_v6.source_ranges,
+            ["fd00::/64".parse().unwrap()],
+            "each family its own ranges"
+        );
         assert_eq!(
             lb.load_balancer_ips,
             [
@@ -554,7 +621,7 @@ status:
                 "192.0.2.1/32".parse().unwrap(),
                 "198.51.100.0/24".parse().unwrap()
             ],
-            "IPv4 only, host bits cleared, trimmed, no duplicates"
+            "IPv4's, host bits cleared, trimmed, no duplicates"
         );
 
         let node_port = external("NodePort", "").unwrap();
@@ -709,13 +776,13 @@ status:
             spec.endpoints,
             vec![
                 SliceEndpoint {
-                    addr: Ipv4Addr::new(10, 244, 1, 2),
+                    addr: Ipv4Addr::new(10, 244, 1, 2).into(),
                     conditions: Conditions::READY,
                     node_name: None,
                     hints: Default::default(),
                 },
                 SliceEndpoint {
-                    addr: Ipv4Addr::new(10, 244, 1, 3),
+                    addr: Ipv4Addr::new(10, 244, 1, 3).into(),
                     conditions: Conditions {
                         ready: false,
                         serving: true,
@@ -771,7 +838,7 @@ status:
         let labels = "  labels: {kubernetes.io/service-name: web}\n";
         assert_eq!(
             endpoint_slice(&slice(&format!(
-                "{base}{labels}addressType: IPv6\nendpoints: [{{addresses: ['fd00::1']}}]\n"
+                "{base}{labels}addressType: FQDN\nendpoints: [{{addresses: [web.example.com]}}]\n"
             ))),
             Ok(None)
         );
@@ -782,18 +849,74 @@ status:
         let mut skipped = Vec::new();
         let spec = super::endpoint_slice(
             &slice(&format!(
-                "{base}{labels}addressType: IPv4\nendpoints: [{{addresses: [10.244.1.2]}}, {{addresses: [bogus]}}, {{addresses: []}}]\n"
+                "{base}{labels}addressType: IPv4\nendpoints: [{{addresses: [10.244.1.2]}}, {{addresses: [bogus]}}, {{addresses: []}}, {{addresses: ['fd00::1']}}]\n"
             )),
             &mut skipped,
         )
         .unwrap()
         .unwrap();
-        let addrs: Vec<Ipv4Addr> = spec.endpoints.iter().map(|e| e.addr).collect();
-        assert_eq!(addrs, [Ipv4Addr::new(10, 244, 1, 2)]);
+        let addrs: Vec<IpAddr> = spec.endpoints.iter().map(|e| e.addr).collect();
+        assert_eq!(addrs, [IpAddr::from(Ipv4Addr::new(10, 244, 1, 2))]);
         let fields: Vec<&str> = skipped.iter().map(|f| f.field.as_str()).collect();
         assert_eq!(
             fields,
-            ["endpoints[1].addresses[0]", "endpoints[2].addresses"]
+            [
+                "endpoints[1].addresses[0]",
+                "endpoints[2].addresses",
+                "endpoints[3].addresses[0]"
+            ],
+            "an IPv6 address in an IPv4 slice is invalid"
         );
+    }
+
+    #[test]
+    fn dual_stack_service_has_a_cluster_ip_per_family_of_ip_families() {
+        let spec = |families: &str| {
+            service(&svc(&format!(
+                "{HEAD}spec: {{type: NodePort, clusterIP: 10.96.0.10, clusterIPs: [10.96.0.10, 'fd00:96::10'], {families} ports: [{{port: 80, nodePort: 30080}}]}}\n"
+            )))
+            .map(|s| s.map(|s| (s.cluster_ip, s.cluster_ip_v6)))
+        };
+        let v4 = Some(Ipv4Addr::new(10, 96, 0, 10));
+        let v6 = Some("fd00:96::10".parse::<Ipv6Addr>().unwrap());
+        assert_eq!(spec("ipFamilies: [IPv4, IPv6],"), Ok(Some((v4, v6))));
+        assert_eq!(spec("ipFamilies: [IPv6, IPv4],"), Ok(Some((v4, v6))));
+        assert_eq!(
+            spec(""),
+            Ok(Some((v4, v6))),
+            "without ipFamilies: the ClusterIPs'"
+        );
+        assert_eq!(spec("ipFamilies: [IPv4],"), Ok(Some((v4, None))));
+        assert_eq!(spec("ipFamilies: [IPv6],"), Ok(Some((None, v6))));
+        assert_eq!(
+            spec("ipFamilies: [IPv5],").unwrap_err().field,
+            "spec.ipFamilies[0]"
+        );
+        let v6_only = service(&svc(&format!(
+            "{HEAD}spec: {{clusterIP: 'fd00:96::11', ipFamilies: [IPv6], ports: [{{port: 80}}]}}\n"
+        )))
+        .unwrap()
+        .unwrap();
+        assert_eq!(v6_only.cluster_ip, None);
+        assert_eq!(v6_only.cluster_ip_v6, Some("fd00:96::11".parse().unwrap()));
+    }
+
+    #[test]
+    fn slices_carry_their_address_type() {
+        let slice_of = |address_type: &str, address: &str| {
+            endpoint_slice(&slice(&format!(
+                "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: web-{address_type}\n  labels: {{kubernetes.io/service-name: web}}\naddressType: {address_type}\nports: [{{port: 8080}}]\nendpoints: [{{addresses: ['{address}']}}]\n"
+            )))
+            .unwrap()
+        };
+        let v4 = slice_of("IPv4", "10.244.1.2").unwrap();
+        assert_eq!(v4.family, IpFamily::V4);
+        let v6 = slice_of("IPv6", "fd00:10:244::2").unwrap();
+        assert_eq!(v6.family, IpFamily::V6);
+        assert_eq!(
+            v6.endpoints[0].addr,
+            "fd00:10:244::2".parse::<IpAddr>().unwrap()
+        );
+        assert_eq!(slice_of("FQDN", "web.example.com"), None);
     }
 }

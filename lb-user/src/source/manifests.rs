@@ -813,7 +813,12 @@ endpoints: [{addresses: [10.244.1.2]}]
             .specs()
             .services
             .values()
-            .map(|s| (s.name.name.clone(), s.cluster_ip))
+            .map(|s| {
+                (
+                    s.name.name.clone(),
+                    s.cluster_ip.expect("an IPv4 ClusterIP"),
+                )
+            })
             .collect()
     }
 

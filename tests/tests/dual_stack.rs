@@ -1,0 +1,199 @@
+//! Dual-stack configuration (issue 22, step 1): the agent takes one `--node-ip` and one
+//! `--cluster-cidr` per family and a Service of both families, and serves its IPv4 side as an
+//! IPv4-only Service is served, while the datapath does not serve IPv6 yet.
+use std::{net::Ipv4Addr, time::Duration};
+
+use anyhow::{Result, ensure};
+use lb_tests::{
+    agent::SYNC_DONE,
+    echo::Proto,
+    node::{CLUSTER_IP, Node, vip},
+    paths::{check_external_to_node_port, check_pod_to_service},
+    topology::{CLUSTER_CIDR, NODE_IP},
+};
+
+const NODE_PORT: u16 = 30080;
+const NODE_IP_V6: &str = "2001:db8:100::10";
+const CLUSTER_CIDR_V6: &str = "2001:db8:244::/56";
+const CLUSTER_IP_V6: &str = "2001:db8:96::10";
+const CLUSTER_IP_V6_ONLY: &str = "2001:db8:96::11";
+/// Logged once a sync changes how many IPv6 frontends the model holds.
+const IPV6_PENDING: &str = "IPv6 frontends not served (IPv6 datapath pending)";
+
+/// `service` (an IPv4 Service and its IPv4 slice) made dual-stack: ipFamilies [IPv4, IPv6], a
+/// ClusterIP per family, an IPv6 slice and an FQDN slice (ignored) beside the IPv4 one.
+fn dual_stack(service: &str, proto: Proto) -> Result<String> {
+    let cluster_ip = format!("  clusterIP: {CLUSTER_IP}\n");
+    ensure!(service.contains(&cluster_ip), "{service}");
+    let both = format!(
+        "{cluster_ip}  clusterIPs: [\"{CLUSTER_IP}\", \"{CLUSTER_IP_V6}\"]\n  \
+         ipFamilies: [IPv4, IPv6]\n  ipFamilyPolicy: RequireDualStack\n"
+    );
+    let proto = proto.manifest_name();
+    let slice = |suffix: &str, address_type: &str, addresses: &[&str]| {
+        let endpoints: String = addresses
+            .iter()
+            .map(|a| format!("  - addresses: [\"{a}\"]\n"))
+            .collect();
+        format!(
+            "---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: web-{suffix}
+  namespace: default
+  labels:
+    kubernetes.io/service-name: web
+addressType: {address_type}
+ports:
+  - name: app
+    protocol: {proto}
+    port: 8080
+endpoints:
+{endpoints}"
+        )
+    };
+    Ok(format!(
+        "{}{}{}",
+        service.replacen(&cluster_ip, &both, 1),
+        slice("v6", "IPv6", &["2001:db8:244::b", "2001:db8:244::c"]),
+        slice("fqdn", "FQDN", &["web.example.com"]),
+    ))
+}
+
+/// An IPv6-only Service `web6` with a stale IPv4 slice of `pods`, which it ignores.
+fn ipv6_only_with_ipv4_slice(proto: Proto, pods: &[Ipv4Addr]) -> String {
+    let proto = proto.manifest_name();
+    let endpoints: String = pods
+        .iter()
+        .map(|a| format!("  - addresses: [\"{a}\"]\n"))
+        .collect();
+    format!(
+        "---
+apiVersion: v1
+kind: Service
+metadata:
+  name: web6
+  namespace: default
+spec:
+  type: ClusterIP
+  clusterIP: \"{CLUSTER_IP_V6_ONLY}\"
+  clusterIPs: [\"{CLUSTER_IP_V6_ONLY}\"]
+  ipFamilies: [IPv6]
+  ports:
+    - name: app
+      protocol: {proto}
+      port: 80
+      targetPort: app
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: web6-stale
+  namespace: default
+  labels:
+    kubernetes.io/service-name: web6
+addressType: IPv4
+ports:
+  - name: app
+    protocol: {proto}
+    port: 8080
+endpoints:
+{endpoints}"
+    )
+}
+
+/// Both families given to the agent, the Service dual-stack: its IPv4 ClusterIP and NodePort
+/// answer as on an IPv4-only node (who answered, the source the backend saw, the peer the client
+/// saw). An IPv6-only Service beside it gets no IPv4 side from its stale IPv4 slice. The log
+/// counts the IPv6 frontends (the dual-stack Service's ClusterIP and its NodePort on the IPv6
+/// node IP, the IPv6-only Service's ClusterIP) as not served.
+fn dual_stack_service_serves_ipv4(proto: Proto) -> Result<()> {
+    let node_ips = format!("{NODE_IP},{NODE_IP_V6}");
+    let cluster_cidrs = format!("{CLUSTER_CIDR},{CLUSTER_CIDR_V6}");
+    let mut node = Node::start(
+        3,
+        &[],
+        &[
+            "--node-ip",
+            &node_ips,
+            "--cluster-cidr",
+            &cluster_cidrs,
+            "--nodeport-addresses",
+            "198.51.100.0/24,2001:db8:100::/64",
+        ],
+    )?;
+    let service = node
+        .service(proto, &["pod-b", "pod-c"])
+        .node_port(NODE_PORT)
+        .yaml();
+    let stale = [node.ip("pod-a")];
+    node.agent.update_manifests(&format!(
+        "{}{}",
+        dual_stack(&service, proto)?,
+        ipv6_only_with_ipv4_slice(proto, &stale)
+    ))?;
+    check_pod_to_service(&node.topology, proto, vip())?;
+    check_external_to_node_port(&node.topology, proto, vip(), NODE_PORT)?;
+    node.agent
+        .wait_for_log(IPV6_PENDING, Duration::from_secs(5))?;
+    let log = node.agent.log();
+    let pending = log
+        .lines()
+        .rfind(|line| line.contains(IPV6_PENDING))
+        .unwrap_or_default();
+    ensure!(
+        pending.contains("services=2 ") && pending.contains("frontends=3"),
+        "{pending}"
+    );
+    let synced = log
+        .lines()
+        .rfind(|line| line.contains(SYNC_DONE))
+        .unwrap_or_default();
+    ensure!(
+        synced.contains(" services=1 "),
+        "one Service with an IPv4 side: {synced}"
+    );
+    Ok(())
+}
+
+#[test]
+fn dual_stack_service_serves_ipv4_tcp() -> Result<()> {
+    dual_stack_service_serves_ipv4(Proto::Tcp)
+}
+
+#[test]
+fn dual_stack_service_serves_ipv4_udp() -> Result<()> {
+    dual_stack_service_serves_ipv4(Proto::Udp)
+}
+
+/// An IPv6-only node (only IPv6 values given) starts, attaches and syncs an IPv6-only Service
+/// (with a stale IPv4 slice): nothing to serve on IPv4, its ClusterIP counted as pending.
+#[test]
+fn ipv6_only_node_starts_and_counts_its_ipv6_frontends() -> Result<()> {
+    let mut node = Node::start(
+        1,
+        &[],
+        &["--node-ip", NODE_IP_V6, "--cluster-cidr", CLUSTER_CIDR_V6],
+    )?;
+    let stale = [node.ip("pod-a")];
+    node.agent
+        .update_manifests(&ipv6_only_with_ipv4_slice(Proto::Tcp, &stale))?;
+    node.agent
+        .wait_for_log(IPV6_PENDING, Duration::from_secs(5))?;
+    let log = node.agent.log();
+    let pending = log
+        .lines()
+        .rfind(|line| line.contains(IPV6_PENDING))
+        .unwrap_or_default();
+    ensure!(
+        pending.contains("services=1 ") && pending.contains("frontends=1"),
+        "{pending}"
+    );
+    let synced = log
+        .lines()
+        .rfind(|line| line.contains(SYNC_DONE))
+        .unwrap_or_default();
+    ensure!(synced.contains(" services=0 "), "no IPv4 side: {synced}");
+    Ok(())
+}
