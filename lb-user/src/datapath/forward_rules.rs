@@ -76,9 +76,12 @@ pub fn remove() -> Result<bool> {
 }
 
 fn jump_exists() -> Result<bool> {
+    // No jump to a missing chain can exist, and iptables-nft's -C exits 2 (not 1) for one.
+    if !chain_exists()? {
+        return Ok(false);
+    }
     let mut args = vec!["-C", "FORWARD"];
     args.extend(jump_rule());
-    // -C exits 1 for a missing rule and for a missing chain (then the rule is missing too).
     check(&args).with_context(|| format!("looking for FORWARD's jump to {CHAIN}"))
 }
 
