@@ -3,16 +3,17 @@
 //! own rewrite turned around.
 use core::mem::MaybeUninit;
 
-use aya_ebpf::bindings::BPF_NOEXIST;
+use aya_ebpf::bindings::{BPF_ANY, BPF_NOEXIST};
 use lb_common::{
-    Backend, CT_F_MASQUERADE, CT_F_REPLY, CT_UDP_UNREPLIED, Config, ConntrackEntry, ConntrackKey,
-    ConntrackTimeouts, Counter, IPPROTO_TCP, conntrack_timeout_ns,
+    Backend, CT_F_MASQUERADE, CT_F_REPLY, CT_F_UNCONFIRMED, CT_UDP_UNREPLIED, Config,
+    ConntrackEntry, ConntrackKey, ConntrackTimeouts, Counter, IPPROTO_TCP, confirms,
+    conntrack_timeout_ns,
     tcp::{self, Step, TcpWindow},
     udp_step,
 };
 
 use crate::{
-    maps,
+    intermediate, maps,
     packet::PacketAccess,
     parse::{Fragment, Packet, TCP_ACK, TCP_SYN},
     tcp as tcp_header, zero,
@@ -62,6 +63,9 @@ pub fn lookup<P: PacketAccess>(
         track_segment(ctx, packet, entry)
     };
     let refresh = now.saturating_sub(entry.last_seen_ns) > REFRESH_NS;
+    // Only a connection not yet confirmed pays for the check.
+    let confirm =
+        entry.flags & CT_F_UNCONFIRMED != 0 && confirms(proto, entry.state, state, reply);
     if state != entry.state || refresh {
         update(entry, state, refresh, now);
         // The peer ages with this entry: a flow that only ever sends one way keeps its reply
@@ -70,7 +74,46 @@ pub fn lookup<P: PacketAccess>(
             update(peer, state, refresh, now);
         }
     }
+    let entry = if confirm {
+        confirm_connection(&packet.tuple, &to, reply).unwrap_or(entry)
+    } else {
+        entry
+    };
     Some(Tracked { entry, to })
+}
+
+/// Moves the connection of entry `key` (rewritten to `to`; `reply`: the reply direction's) from
+/// the unconfirmed tables to the main ones, with its intermediate tuples; returns its entry of
+/// `key` there. `None` when its other entry is gone from the unconfirmed table (evicted: it
+/// stays there, unconfirmed). Inserted into the main table before it leaves the unconfirmed
+/// one, so that another CPU always finds it.
+// A frame of its own: the established path never calls it.
+#[inline(never)]
+fn confirm_connection(
+    key: &ConntrackKey,
+    to: &ConntrackKey,
+    reply: bool,
+) -> Option<&'static mut ConntrackEntry> {
+    let peer_key = reversed(to);
+    let (Some(entry), Some(peer)) = (maps::unconfirmed(key), maps::unconfirmed(&peer_key)) else {
+        maps::count(Counter::ConntrackUnconfirmedEvicted);
+        return None;
+    };
+    entry.flags &= !CT_F_UNCONFIRMED;
+    peer.flags &= !CT_F_UNCONFIRMED;
+    if !maps::conntrack_insert(&peer_key, peer, BPF_ANY)
+        || !maps::conntrack_insert(key, entry, BPF_ANY)
+    {
+        entry.flags |= CT_F_UNCONFIRMED;
+        peer.flags |= CT_F_UNCONFIRMED;
+        return None;
+    }
+    maps::unconfirmed_remove(&peer_key);
+    maps::unconfirmed_remove(key);
+    intermediate::confirm(&intermediate::of(key, to, reply), key);
+    intermediate::confirm(&intermediate::of(&peer_key, &reversed(key), !reply), &peer_key);
+    maps::count(Counter::ConntrackConfirmed);
+    maps::conntrack(key)
 }
 
 /// `Err(DropTcpOutOfWindow)` for a TCP RST or FIN of a tracked connection that lies outside
@@ -316,7 +359,7 @@ impl Connection {
         entry.dst_port = to.dst_port;
         entry.service_id = self.service_id;
         entry.state = self.state;
-        entry.flags = flags;
+        entry.flags = flags | CT_F_UNCONFIRMED;
         entry.stats_slot = u32::from(self.backend.stats_slot);
         entry.stats_owner = self.stats_owner;
         entry.window.wscale = tcp::WSCALE_UNKNOWN;
@@ -340,18 +383,16 @@ impl Connection {
         let entry = self.entry(&reversed(&self.tuple), self.flags | CT_F_REPLY, &mut slot);
         // Looked up before the insert: an insert into a full LRU map evicts an entry whether or
         // not it succeeds, and probing a live connection's port must not evict another.
-        if maps::conntrack(&key).is_none() && maps::conntrack_insert(&key, entry, BPF_NOEXIST) {
-            return Ok(true);
-        }
-        match maps::conntrack(&key) {
-            Some(held) if !self.outlived(held) && !same_rewrite(held, entry) => Ok(false),
-            Some(ours) => {
-                *ours = *entry;
-                Ok(true)
+        if let Some(held) = maps::conntrack(&key) {
+            let ours = same_rewrite(held, entry);
+            if !self.outlived(held) && !(ours && closed(held, self.tuple.proto)) {
+                // Another flow's live connection; or this flow's, which another CPU seeing its
+                // first packet at the same time wrote.
+                return Ok(ours);
             }
-            // The insert failed for want of room, not because the source was taken.
-            None => Err(Counter::DropConntrackFull),
+            take_over(&key);
         }
+        self.insert(&key, entry)
     }
 
     /// Tracks the original direction, rewritten to `to`, once its reply entry is in place.
@@ -363,30 +404,60 @@ impl Connection {
     pub fn track_original(&self, to: &ConntrackKey) -> Result<Option<ConntrackKey>, Counter> {
         let mut slot = MaybeUninit::uninit();
         let entry = self.entry(to, self.flags, &mut slot);
-        if maps::conntrack_insert(&self.tuple, entry, BPF_NOEXIST) {
-            return Ok(None);
-        }
-        let proto = self.tuple.proto;
-        match maps::conntrack(&self.tuple) {
+        if let Some(held) = maps::conntrack(&self.tuple) {
             // A closed entry is here only when this packet reopens it (`lookup`): a racing CPU's
             // connection would be new.
-            Some(winner) if !self.outlived(winner) && !closed(winner, proto) => {
-                let theirs = rewrite_of(winner, proto);
-                // Unless both chose the same backend and source, and so wrote the same reply
-                // entry.
-                if theirs != *to {
-                    maps::conntrack_remove(&reversed(to));
+            if !self.outlived(held) && !closed(held, self.tuple.proto) {
+                return Ok(Some(self.follow(held, to)));
+            }
+            take_over(&self.tuple);
+        }
+        match self.insert(&self.tuple, entry) {
+            Ok(true) => Ok(None),
+            Ok(false) => match maps::conntrack(&self.tuple) {
+                Some(winner) => Ok(Some(self.follow(winner, to))),
+                None => {
+                    maps::unconfirmed_remove(&reversed(to));
+                    Err(Counter::DropConntrackFull)
                 }
-                Ok(Some(theirs))
-            }
-            Some(stale) => {
-                *stale = *entry;
-                Ok(None)
-            }
-            None => {
-                maps::conntrack_remove(&reversed(to));
-                Err(Counter::DropConntrackFull)
+            },
+            Err(full) => {
+                maps::unconfirmed_remove(&reversed(to));
+                Err(full)
             }
         }
     }
+
+    /// The rewrite of `winner`, the connection another CPU seeing this flow's first packet at
+    /// the same time tracked first: this packet follows it, so that one flow is one connection
+    /// with one endpoint. Our reply entry goes, unless both chose the same backend and source
+    /// and so wrote the same one.
+    fn follow(&self, winner: &ConntrackEntry, to: &ConntrackKey) -> ConntrackKey {
+        let theirs = rewrite_of(winner, self.tuple.proto);
+        if theirs != *to {
+            maps::unconfirmed_remove(&reversed(to));
+        }
+        theirs
+    }
+
+    /// Inserts `entry` of this new connection into the unconfirmed table unless an entry of
+    /// `key` is there by then: `Ok(false)` when another CPU's insert came first.
+    fn insert(&self, key: &ConntrackKey, entry: &ConntrackEntry) -> Result<bool, Counter> {
+        if maps::unconfirmed_insert(key, entry, BPF_NOEXIST) {
+            return Ok(true);
+        }
+        match maps::conntrack(key) {
+            Some(_) => Ok(false),
+            // The insert failed for want of room, not because the key was taken.
+            None => Err(Counter::DropConntrackFull),
+        }
+    }
+}
+
+/// Deletes the entry of `key`, an expired connection's (or the closed one a new connection
+/// reopens), which a new connection takes over. Its insert that follows is `BPF_NOEXIST`: of two
+/// CPUs taking one entry over at once, only one gets it.
+fn take_over(key: &ConntrackKey) {
+    maps::conntrack_remove(key);
+    maps::count(Counter::ConntrackTakenOver);
 }

@@ -140,7 +140,9 @@ pub fn next_hop<P: PacketAccess>(ctx: &P, packet: &Packet, to: &ConntrackKey) ->
     }
 }
 
-/// A connection's route as its conntrack entry caches it (`ConntrackEntry::hop`), copied out.
+/// A connection's route as its conntrack entry caches it (`ConntrackEntry::hop`), copied out;
+/// `len` 0: none. Not an `Option`: `None`'s undefined payload, copied, let LLVM spill whatever
+/// register it liked as the length, a stack pointer once, which the verifier refuses.
 #[derive(Clone, Copy)]
 pub struct CachedRoute {
     len: u16,
@@ -148,12 +150,24 @@ pub struct CachedRoute {
 }
 
 impl CachedRoute {
-    /// The entry's route, if it caches one.
-    pub fn of(entry: &ConntrackEntry) -> Option<Self> {
-        (entry.hop_len != 0).then_some(CachedRoute {
+    /// No route cached: a new connection's.
+    pub const NONE: CachedRoute = CachedRoute {
+        len: 0,
+        hop: CachedHop {
+            ifindex: 0,
+            iif: 0,
+            macs0: 0,
+            macs1: 0,
+            macs2: 0,
+        },
+    };
+
+    /// The entry's route (`NONE` when it caches none).
+    pub fn of(entry: &ConntrackEntry) -> Self {
+        CachedRoute {
             len: entry.hop_len,
             hop: entry.hop,
-        })
+        }
     }
 
     /// The FIB's answer (out of `ifindex` with `macs`) for a packet of IPv4 total length
@@ -179,7 +193,8 @@ impl CachedRoute {
         entry.hop_len = self.len;
     }
 
-    /// The route for a packet of IPv4 total length `tot_len` that came in on `iif`, if it holds.
+    /// The route for a packet of IPv4 total length `tot_len` that came in on `iif`, if it holds
+    /// (never for `NONE`: no packet is 0 bytes long).
     fn for_packet(&self, tot_len: u16, iif: u32) -> Option<NextHop> {
         let hop = &self.hop;
         (tot_len <= self.len && hop.iif == iif).then(|| NextHop::Resolved {
@@ -197,7 +212,7 @@ pub enum Caching {
     /// Not a tracked packet (an ICMP error): the FIB decides, nothing is cached.
     Off,
     /// Tracked, with the route its entry caches, if any.
-    On(Option<CachedRoute>),
+    On(CachedRoute),
 }
 
 /// The route of `packet` translated to `to`: the one its conntrack entry caches while that holds
@@ -215,7 +230,7 @@ pub fn route<P: PacketAccess>(
         _ => return next_hop(ctx, packet, to),
     };
     let iif = ctx.ingress_ifindex();
-    if let Some(hop) = cached.and_then(|route| route.for_packet(packet.tot_len, iif)) {
+    if let Some(hop) = cached.for_packet(packet.tot_len, iif) {
         return hop;
     }
     let next = next_hop(ctx, packet, to);

@@ -21,7 +21,7 @@ pub enum Translation {
     To {
         packet: Packet,
         to: ConntrackKey,
-        route: Option<CachedRoute>,
+        route: CachedRoute,
         ct_flags: u8,
     },
     /// A new connection to a service without endpoints: kube-proxy answers it with REJECT.
@@ -86,7 +86,7 @@ pub fn translation<P: PacketAccess>(ctx: &P) -> Result<Translation, Counter> {
     Ok(Translation::To {
         packet,
         to,
-        route: None,
+        route: CachedRoute::NONE,
         ct_flags: 0,
     })
 }
@@ -124,16 +124,19 @@ fn connect<P: PacketAccess>(
     };
     let to = match own_source {
         Some(to) => to,
-        None => masquerade::claim_source(config, &connection, src_addr)?.ok_or(if masquerade {
-            Counter::DropSnatPortsExhausted
-        } else {
-            Counter::DropTupleClash
-        })?,
+        None => match masquerade::claim_source(config, &connection, src_addr)? {
+            Some(to) => to,
+            None if masquerade => {
+                maps::count_backend_ports_exhausted(u32::from(backend.stats_slot));
+                return Err(Counter::DropSnatPortsExhausted);
+            }
+            None => return Err(Counter::DropTupleClash),
+        },
     };
     // XDP's 512-byte stack has no room left for the claim: connections XDP opens have no
     // intermediate tuples, and take the redirect path only (docs/datapath.md).
     if !P::IS_XDP && !intermediate::claim(&connection, &to) {
-        maps::conntrack_remove(&conntrack::reversed(&to));
+        maps::unconfirmed_remove(&conntrack::reversed(&to));
         return Err(Counter::DropTupleClash);
     }
     match connection.track_original(&to)? {
