@@ -1171,10 +1171,13 @@ pub enum Counter {
     /// unconfirmed table: evicted by newer unconfirmed connections (a flood fills that table,
     /// not the main one). It stays unconfirmed and is not translated in that direction.
     ConntrackUnconfirmedEvicted,
+    /// Every masquerade port a new connection tried was held, some by unconfirmed connections:
+    /// one of those was dropped and its port taken (Linux's early_drop of unassured entries).
+    ConntrackEarlyDrop,
 }
 
 impl Counter {
-    pub const COUNT: u32 = 31;
+    pub const COUNT: u32 = 32;
     pub const ALL: [Counter; Self::COUNT as usize] = [
         Counter::NewConnection,
         Counter::Masqueraded,
@@ -1207,6 +1210,7 @@ impl Counter {
         Counter::ConntrackConfirmed,
         Counter::ConntrackTakenOver,
         Counter::ConntrackUnconfirmedEvicted,
+        Counter::ConntrackEarlyDrop,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -1242,6 +1246,7 @@ impl Counter {
             Counter::ConntrackConfirmed => "conntrack_confirmed",
             Counter::ConntrackTakenOver => "conntrack_taken_over",
             Counter::ConntrackUnconfirmedEvicted => "conntrack_unconfirmed_evicted",
+            Counter::ConntrackEarlyDrop => "conntrack_early_drop",
         }
     }
 
@@ -1327,6 +1332,9 @@ impl Counter {
             Counter::ConntrackUnconfirmedEvicted => {
                 "connections completing their handshake whose other direction was evicted from the unconfirmed table (a flood)"
             }
+            Counter::ConntrackEarlyDrop => {
+                "unconfirmed connections dropped for their masquerade port: every port a new connection tried was held"
+            }
         }
     }
 
@@ -1364,7 +1372,8 @@ impl Counter {
             | Counter::FragmentationNeeded
             | Counter::ConntrackConfirmed
             | Counter::ConntrackTakenOver
-            | Counter::ConntrackUnconfirmedEvicted => None,
+            | Counter::ConntrackUnconfirmedEvicted
+            | Counter::ConntrackEarlyDrop => None,
         }
     }
 }
@@ -1433,7 +1442,13 @@ mod tests {
 
     #[test]
     fn a_tcp_connection_is_confirmed_by_the_handshake_s_last_ack_only() {
-        let flags = [TCP_SYN, TCP_SYN | TCP_ACK, TCP_ACK, TCP_RST, TCP_FIN | TCP_ACK];
+        let flags = [
+            TCP_SYN,
+            TCP_SYN | TCP_ACK,
+            TCP_ACK,
+            TCP_RST,
+            TCP_FIN | TCP_ACK,
+        ];
         // A spoofed SYN flood: the SYN, the backend's SYN-ACK, nothing from the client after.
         let mut state = tcp::NONE;
         for (flags, reply) in [(TCP_SYN, false), (TCP_SYN | TCP_ACK, true)] {
@@ -1449,8 +1464,18 @@ mod tests {
         assert!(confirms(IPPROTO_TCP, state, established, false));
         // A connection picked up by a client's ACK: the server's answer confirms it, not the
         // client's next segment.
-        assert!(!confirms(IPPROTO_TCP, tcp::ESTABLISHED, tcp::ESTABLISHED, false));
-        assert!(confirms(IPPROTO_TCP, tcp::ESTABLISHED, tcp::ESTABLISHED, true));
+        assert!(!confirms(
+            IPPROTO_TCP,
+            tcp::ESTABLISHED,
+            tcp::ESTABLISHED,
+            false
+        ));
+        assert!(confirms(
+            IPPROTO_TCP,
+            tcp::ESTABLISHED,
+            tcp::ESTABLISHED,
+            true
+        ));
         // Nothing else does: a handshake that ends in a RST or a FIN stays unconfirmed.
         for old in 0..10 {
             for flags in flags {

@@ -64,8 +64,7 @@ pub fn lookup<P: PacketAccess>(
     };
     let refresh = now.saturating_sub(entry.last_seen_ns) > REFRESH_NS;
     // Only a connection not yet confirmed pays for the check.
-    let confirm =
-        entry.flags & CT_F_UNCONFIRMED != 0 && confirms(proto, entry.state, state, reply);
+    let confirm = entry.flags & CT_F_UNCONFIRMED != 0 && confirms(proto, entry.state, state, reply);
     if state != entry.state || refresh {
         update(entry, state, refresh, now);
         // The peer ages with this entry: a flow that only ever sends one way keeps its reply
@@ -111,7 +110,10 @@ fn confirm_connection(
     maps::unconfirmed_remove(&peer_key);
     maps::unconfirmed_remove(key);
     intermediate::confirm(&intermediate::of(key, to, reply), key);
-    intermediate::confirm(&intermediate::of(&peer_key, &reversed(key), !reply), &peer_key);
+    intermediate::confirm(
+        &intermediate::of(&peer_key, &reversed(key), !reply),
+        &peer_key,
+    );
     maps::count(Counter::ConntrackConfirmed);
     maps::conntrack(key)
 }
@@ -278,6 +280,18 @@ pub fn opened<P: PacketAccess>(ctx: &P, packet: &Packet) -> Option<&'static Conn
     Some(entry)
 }
 
+/// What `Connection::claim_reply` found at a source.
+#[derive(Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Claim {
+    /// The source is the new connection's now.
+    Claimed,
+    /// A live confirmed connection of another flow holds it.
+    Held,
+    /// A live unconfirmed connection of another flow holds it.
+    HeldUnconfirmed,
+}
+
 /// A new connection from `tuple` (client → frontend) to `backend`, before it is tracked.
 pub struct Connection {
     tuple: ConntrackKey,
@@ -371,12 +385,18 @@ impl Connection {
     /// entry, or that one's replies would come back translated as this one's (Linux's NAT
     /// remaps such a clash). An expired entry is taken over, and so is one of this same flow: a
     /// connection it reopens, or the one another CPU seeing its first packet at the same time
-    /// wrote. `Ok(false)`: the source is another connection's; `Ok(true)`: claimed, the
-    /// connection is translated to `translated(src_addr, port)`.
+    /// wrote. `early_drop`: a live unconfirmed connection of another flow is dropped and its
+    /// source taken too (`masquerade::claim_source`, once every port tried was held).
+    /// `Claim::Claimed`: the connection is translated to `translated(src_addr, port)`.
     // A frame of its own: masquerade::claim_source's loop runs deepest on the 512-byte stack,
-    // and a bool rather than the tuple keeps its callers' frames small.
+    // and a small outcome rather than the tuple keeps its callers' frames small.
     #[inline(never)]
-    pub fn claim_reply(&self, src_addr: u32, port: u16) -> Result<bool, Counter> {
+    pub fn claim_reply(
+        &self,
+        src_addr: u32,
+        port: u16,
+        early_drop: bool,
+    ) -> Result<Claim, Counter> {
         let key = reversed(&self.translated(src_addr, port));
         let mut slot = MaybeUninit::uninit();
         // Replies come back as if from the frontend.
@@ -385,14 +405,27 @@ impl Connection {
         // not it succeeds, and probing a live connection's port must not evict another.
         if let Some(held) = maps::conntrack(&key) {
             let ours = same_rewrite(held, entry);
-            if !self.outlived(held) && !(ours && closed(held, self.tuple.proto)) {
-                // Another flow's live connection; or this flow's, which another CPU seeing its
-                // first packet at the same time wrote.
-                return Ok(ours);
+            if self.outlived(held) || ours && closed(held, self.tuple.proto) {
+                take_over(&key);
+            } else if ours {
+                // This flow's, which another CPU seeing its first packet at the same time wrote.
+                return Ok(Claim::Claimed);
+            } else if held.flags & CT_F_UNCONFIRMED == 0 {
+                return Ok(Claim::Held);
+            } else if !early_drop {
+                return Ok(Claim::HeldUnconfirmed);
+            } else {
+                // Its original entry goes with it: the whole connection is dropped.
+                maps::unconfirmed_remove(&reversed(&rewrite_of(held, self.tuple.proto)));
+                maps::unconfirmed_remove(&key);
+                maps::count(Counter::ConntrackEarlyDrop);
             }
-            take_over(&key);
         }
-        self.insert(&key, entry)
+        Ok(if self.insert(&key, entry)? {
+            Claim::Claimed
+        } else {
+            Claim::Held
+        })
     }
 
     /// Tracks the original direction, rewritten to `to`, once its reply entry is in place.

@@ -98,8 +98,11 @@ pub fn claim(connection: &Connection, to: &ConntrackKey) -> bool {
 /// connection is) unless a live connection of another flow holds it. A dead connection's entry in
 /// the main table goes first: the main table is looked up first.
 fn claim_one(tuple: &ConntrackKey, key: &ConntrackKey, now: u64) -> bool {
-    if let Some((held, _)) = connection(tuple, now)
+    // A holder whose other entry is gone (evicted from the unconfirmed table by a flood) is dead
+    // too: it can never be confirmed.
+    if let Some((held, held_to)) = connection(tuple, now)
         && held != *key
+        && maps::conntrack(&conntrack::reversed(&held_to)).is_some()
     {
         return false;
     }

@@ -16,7 +16,7 @@ use lb_common::{
 };
 
 use crate::{
-    conntrack::Connection,
+    conntrack::{Claim, Connection},
     forward::{AF_INET, FibParams, fib_lookup},
     maps,
     packet::PacketAccess,
@@ -77,7 +77,8 @@ pub fn source<P: PacketAccess>(ctx: &P, config: &Config, client: u32, backend: u
 /// address (`source`) for a masqueraded connection, the client's own for one whose translated
 /// tuple is another connection's (as Linux's NAT remaps a clashing source port). Starts at a
 /// random point of the range so that concurrent connections rarely contend for the same port.
-/// `Ok(None)`: no free port found.
+/// When every port tried is held and an unconfirmed connection holds one of them, that one is
+/// dropped for it (early drop). `Ok(None)`: no free port found.
 ///
 /// The tries run as a `bpf_loop` callback: the verifier follows its body once rather than each
 /// try, and what comes after the search (the intermediate claim, the original entry) once per
@@ -105,6 +106,7 @@ pub fn claim_source(
         span,
         start,
         port: 0,
+        early_drop: 0,
         conntrack_full: false,
     };
     // SAFETY: `try_port` is a bpf_loop callback, and `search` outlives the loop.
@@ -118,6 +120,14 @@ pub fn claim_source(
     }
     if search.conntrack_full {
         return Err(Counter::DropConntrackFull);
+    }
+    // Every port tried was held: as Linux's early_drop, an unconfirmed holder (a flood's
+    // half-open connection, most likely) gives way rather than the new connection.
+    if search.port == 0
+        && search.early_drop != 0
+        && connection.claim_reply(src_addr, search.early_drop, true)? == Claim::Claimed
+    {
+        search.port = search.early_drop;
     }
     Ok((search.port != 0).then(|| connection.translated(src_addr, search.port)))
 }
@@ -133,6 +143,8 @@ struct PortSearch<'a> {
     start: u32,
     /// The port claimed (network byte order); 0: none yet (the range starts above 0).
     port: u16,
+    /// The first port tried that an unconfirmed connection holds (network byte order); 0: none.
+    early_drop: u16,
     /// A try found the conntrack table full.
     conntrack_full: bool,
 }
@@ -146,9 +158,15 @@ extern "C" fn try_port(index: u64, search: *mut c_void) -> i64 {
         offset -= search.span;
     }
     let port = ((search.min + offset) as u16).to_be();
-    match search.connection.claim_reply(search.src_addr, port) {
-        Ok(false) => 0,
-        Ok(true) => {
+    match search.connection.claim_reply(search.src_addr, port, false) {
+        Ok(Claim::Held) => 0,
+        Ok(Claim::HeldUnconfirmed) => {
+            if search.early_drop == 0 {
+                search.early_drop = port;
+            }
+            0
+        }
+        Ok(Claim::Claimed) => {
             search.port = port;
             1
         }

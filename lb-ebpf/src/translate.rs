@@ -5,7 +5,7 @@
 use lb_common::{CONFIG_F_READY, Config, ConntrackKey, Counter, Frontend, IPPROTO_ICMP};
 
 use crate::{
-    conntrack::{self, Connection},
+    conntrack::{self, Claim, Connection},
     forward::CachedRoute,
     fragment, intermediate, maps, masquerade,
     packet::PacketAccess,
@@ -117,8 +117,8 @@ fn connect<P: PacketAccess>(
             None,
         )
     } else {
-        let own = connection
-            .claim_reply(tuple.src_addr, tuple.src_port)?
+        let own = (connection.claim_reply(tuple.src_addr, tuple.src_port, false)?
+            == Claim::Claimed)
             .then(|| connection.translated(tuple.src_addr, tuple.src_port));
         (tuple.src_addr, own)
     };

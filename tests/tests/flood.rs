@@ -9,7 +9,7 @@ use std::{
     time::Duration,
 };
 
-use anyhow::{Context as _, Result, ensure};
+use anyhow::{Result, ensure};
 use lb_tests::{
     agent::stats,
     echo::Proto,
@@ -74,14 +74,19 @@ fn spoofed_syns(to: SocketAddrV4) -> Result<Vec<Vec<u8>>> {
             let base = u32::from(Ipv4Addr::from(SPOOFED_BASE));
             let addr = Ipv4Addr::from(base + i % SPOOFED_ADDRESSES);
             let port = SPOOFED_FIRST_PORT + (i / SPOOFED_ADDRESSES) as u16;
-            tcp_segment(SocketAddrV4::new(addr, port), to, i.wrapping_mul(7919), |b| {
-                b.syn()
-            })
+            tcp_segment(
+                SocketAddrV4::new(addr, port),
+                to,
+                i.wrapping_mul(7919),
+                |b| b.syn(),
+            )
         })
         .collect()
 }
 
-fn syn_flood(mode: &str, masquerade_ports: &str) -> Result<()> {
+/// `tolerated_failures`: of every 20 new connections of the real client (during and after the
+/// flood), how many may fail.
+fn syn_flood(mode: &str, masquerade_ports: &str, tolerated_failures: usize) -> Result<()> {
     let conntrack_max = CONNTRACK_MAX.to_string();
     let mut node = Node::start(
         2,
@@ -140,14 +145,18 @@ fn syn_flood(mode: &str, masquerade_ports: &str) -> Result<()> {
             .map_err(|_| anyhow::anyhow!("flood thread panicked"))???;
         Ok((sent, during))
     })?;
-    let flooded = stats(&node.topology.node)?;
-
     let survivors = established
         .iter_mut()
         .map(|stream| echo(stream).is_ok())
         .filter(|&ok| ok)
         .count();
-    let after_ok = client.run(move || (0..AFTER).filter(|_| connect_and_echo(to).is_ok()).count())?;
+    let after: Vec<String> = client.run(move || {
+        (0..AFTER)
+            .filter_map(|_| connect_and_echo(to).err().map(|e| format!("{e:#}")))
+            .collect()
+    })?;
+    let after_ok = AFTER - after.len();
+    let flooded = stats(&node.topology.node)?;
     let delta = |name: &str| flooded.get(name).unwrap_or(&0) - before.get(name).unwrap_or(&0);
     let report = format!(
         "{mode}: {sent} spoofed SYNs (--conntrack-max {CONNTRACK_MAX}, masquerade ports \
@@ -155,13 +164,16 @@ fn syn_flood(mode: &str, masquerade_ports: &str) -> Result<()> {
          {ESTABLISHED} idle established connections echo after it; new connections: \
          {during_ok} of {} during it, {after_ok} of {AFTER} after it; new_connection +{}, \
          drop_snat_ports_exhausted +{}, drop_conntrack_full +{}, conntrack_confirmed +{}, \
-         conntrack_unconfirmed_evicted +{}",
+         conntrack_unconfirmed_evicted +{}, conntrack_early_drop +{}, drop_tuple_clash +{}; \
+         failures after it: {after:?}",
         during_ok + during_failed,
         delta("new_connection"),
         delta("drop_snat_ports_exhausted"),
         delta("drop_conntrack_full"),
         delta("conntrack_confirmed"),
         delta("conntrack_unconfirmed_evicted"),
+        delta("conntrack_early_drop"),
+        delta("drop_tuple_clash"),
     );
     eprintln!("{report}");
     ensure!(sent == FLOOD_SYNS, "{report}");
@@ -169,9 +181,15 @@ fn syn_flood(mode: &str, masquerade_ports: &str) -> Result<()> {
         delta("new_connection") + delta("drop_snat_ports_exhausted") >= u64::from(FLOOD_SYNS),
         "the flood did not reach the datapath: {report}"
     );
-    ensure!(during_ok + during_failed > 0, "no connection during the flood: {report}");
     ensure!(
-        survivors == ESTABLISHED && during_failed == 0 && after_ok == AFTER,
+        during_ok + during_failed > 0,
+        "no connection during the flood: {report}"
+    );
+    let tolerated = |attempts: usize| attempts * tolerated_failures / 20;
+    ensure!(
+        survivors == ESTABLISHED
+            && during_failed <= tolerated(during_ok + during_failed)
+            && AFTER - after_ok <= tolerated(AFTER),
         "{report}"
     );
     Ok(())
@@ -179,20 +197,26 @@ fn syn_flood(mode: &str, masquerade_ports: &str) -> Result<()> {
 
 #[test]
 fn established_connections_survive_a_syn_flood_of_three_tables_stack() -> Result<()> {
-    syn_flood("stack", DEFAULT_PORTS)
+    syn_flood("stack", DEFAULT_PORTS, 0)
 }
 
 #[test]
 fn established_connections_survive_a_syn_flood_of_three_tables_redirect() -> Result<()> {
-    syn_flood("redirect", DEFAULT_PORTS)
+    syn_flood("redirect", DEFAULT_PORTS, 0)
 }
+
+/// With every port held, a new connection takes one from a flood's half-open connection (early
+/// drop), which the backend may still hold as a request socket in SYN_RECV: its stale SYN-ACK
+/// then costs the client that attempt (1 in 20-40 here). Without the early drop, none succeeds
+/// after the flood.
+const FEW_PORTS_TOLERATED: usize = 2;
 
 #[test]
 fn a_syn_flood_leaves_masquerade_ports_to_real_clients_stack() -> Result<()> {
-    syn_flood("stack", FEW_PORTS)
+    syn_flood("stack", FEW_PORTS, FEW_PORTS_TOLERATED)
 }
 
 #[test]
 fn a_syn_flood_leaves_masquerade_ports_to_real_clients_redirect() -> Result<()> {
-    syn_flood("redirect", FEW_PORTS)
+    syn_flood("redirect", FEW_PORTS, FEW_PORTS_TOLERATED)
 }
