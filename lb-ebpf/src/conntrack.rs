@@ -63,8 +63,12 @@ pub fn lookup<P: PacketAccess>(
         track_segment(ctx, packet, entry)
     };
     let refresh = now.saturating_sub(entry.last_seen_ns) > REFRESH_NS;
-    // Only a connection not yet confirmed pays for the check.
-    let confirm = entry.flags & CT_F_UNCONFIRMED != 0 && confirms(proto, entry.state, state, reply);
+    // Only a connection not yet confirmed pays for the check. Not in XDP, whose 512-byte stack
+    // has no room for the move: tc confirms the connection at the server's next packet
+    // (`confirms` of an established connection's reply), which crosses tc on the pod side.
+    let confirm = !P::IS_XDP
+        && entry.flags & CT_F_UNCONFIRMED != 0
+        && confirms(proto, entry.state, state, reply);
     if state != entry.state || refresh {
         update(entry, state, refresh, now);
         // The peer ages with this entry: a flow that only ever sends one way keeps its reply
@@ -74,27 +78,26 @@ pub fn lookup<P: PacketAccess>(
         }
     }
     let entry = if confirm {
-        confirm_connection(&packet.tuple, &to, reply).unwrap_or(entry)
+        confirm_connection(&packet.tuple).unwrap_or(entry)
     } else {
         entry
     };
     Some(Tracked { entry, to })
 }
 
-/// Moves the connection of entry `key` (rewritten to `to`; `reply`: the reply direction's) from
-/// the unconfirmed tables to the main ones, with its intermediate tuples; returns its entry of
-/// `key` there. `None` when its other entry is gone from the unconfirmed table (evicted: it
+/// Moves the connection of entry `key` from the unconfirmed tables to the main ones, with its
+/// intermediate tuples; returns its entry of `key` there. `None` when its other entry is gone from the unconfirmed table (evicted: it
 /// stays there, unconfirmed). Inserted into the main table before it leaves the unconfirmed
 /// one, so that another CPU always finds it.
-// A frame of its own: the established path never calls it.
+// A frame of its own: the established path never calls it. The key only: a pointer to the
+// caller's rewrite would pin that on the programs' stack, which is full.
 #[inline(never)]
-fn confirm_connection(
-    key: &ConntrackKey,
-    to: &ConntrackKey,
-    reply: bool,
-) -> Option<&'static mut ConntrackEntry> {
-    let peer_key = reversed(to);
-    let (Some(entry), Some(peer)) = (maps::unconfirmed(key), maps::unconfirmed(&peer_key)) else {
+fn confirm_connection(key: &ConntrackKey) -> Option<&'static mut ConntrackEntry> {
+    let entry = maps::unconfirmed(key)?;
+    let to = rewrite_of(entry, key.proto);
+    let reply = entry.flags & CT_F_REPLY != 0;
+    let peer_key = reversed(&to);
+    let Some(peer) = maps::unconfirmed(&peer_key) else {
         maps::count(Counter::ConntrackUnconfirmedEvicted);
         return None;
     };
@@ -109,7 +112,7 @@ fn confirm_connection(
     }
     maps::unconfirmed_remove(&peer_key);
     maps::unconfirmed_remove(key);
-    intermediate::confirm(&intermediate::of(key, to, reply), key);
+    intermediate::confirm(&intermediate::of(key, &to, reply), key);
     intermediate::confirm(
         &intermediate::of(&peer_key, &reversed(key), !reply),
         &peer_key,
@@ -437,40 +440,34 @@ impl Connection {
     pub fn track_original(&self, to: &ConntrackKey) -> Result<Option<ConntrackKey>, Counter> {
         let mut slot = MaybeUninit::uninit();
         let entry = self.entry(to, self.flags, &mut slot);
-        if let Some(held) = maps::conntrack(&self.tuple) {
+        let proto = self.tuple.proto;
+        let winner = match maps::conntrack(&self.tuple) {
             // A closed entry is here only when this packet reopens it (`lookup`): a racing CPU's
             // connection would be new.
-            if !self.outlived(held) && !closed(held, self.tuple.proto) {
-                return Ok(Some(self.follow(held, to)));
-            }
-            take_over(&self.tuple);
-        }
-        match self.insert(&self.tuple, entry) {
-            Ok(true) => Ok(None),
-            Ok(false) => match maps::conntrack(&self.tuple) {
-                Some(winner) => Ok(Some(self.follow(winner, to))),
-                None => {
-                    maps::unconfirmed_remove(&reversed(to));
-                    Err(Counter::DropConntrackFull)
+            Some(held) if !self.outlived(held) && !closed(held, proto) => Some(held),
+            held => {
+                if held.is_some() {
+                    take_over(&self.tuple);
                 }
-            },
-            Err(full) => {
-                maps::unconfirmed_remove(&reversed(to));
-                Err(full)
+                match self.insert(&self.tuple, entry) {
+                    Ok(true) => return Ok(None),
+                    Ok(false) => maps::conntrack(&self.tuple),
+                    Err(_) => None,
+                }
             }
-        }
-    }
-
-    /// The rewrite of `winner`, the connection another CPU seeing this flow's first packet at
-    /// the same time tracked first: this packet follows it, so that one flow is one connection
-    /// with one endpoint. Our reply entry goes, unless both chose the same backend and source
-    /// and so wrote the same one.
-    fn follow(&self, winner: &ConntrackEntry, to: &ConntrackKey) -> ConntrackKey {
-        let theirs = rewrite_of(winner, self.tuple.proto);
-        if theirs != *to {
+        };
+        // Another CPU saw the flow's first packet at the same time and tracked it first: this
+        // packet follows its connection, so that one flow is one connection with one endpoint.
+        // Our reply entry goes, unless both chose the same backend and source and so wrote the
+        // same one.
+        let theirs = winner.map(|winner| rewrite_of(winner, proto));
+        if theirs != Some(*to) {
             maps::unconfirmed_remove(&reversed(to));
         }
-        theirs
+        match theirs {
+            Some(theirs) => Ok(Some(theirs)),
+            None => Err(Counter::DropConntrackFull),
+        }
     }
 
     /// Inserts `entry` of this new connection into the unconfirmed table unless an entry of

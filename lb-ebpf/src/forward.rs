@@ -140,9 +140,7 @@ pub fn next_hop<P: PacketAccess>(ctx: &P, packet: &Packet, to: &ConntrackKey) ->
     }
 }
 
-/// A connection's route as its conntrack entry caches it (`ConntrackEntry::hop`), copied out;
-/// `len` 0: none. Not an `Option`: `None`'s undefined payload, copied, let LLVM spill whatever
-/// register it liked as the length, a stack pointer once, which the verifier refuses.
+/// A connection's route as its conntrack entry caches it (`ConntrackEntry::hop`), copied out.
 #[derive(Clone, Copy)]
 pub struct CachedRoute {
     len: u16,
@@ -150,7 +148,9 @@ pub struct CachedRoute {
 }
 
 impl CachedRoute {
-    /// No route cached: a new connection's.
+    /// No route cached: a new connection's. `Some(NONE)` rather than `None`: `None`'s undefined
+    /// payload, copied, let LLVM spill whatever register it liked as the length, a stack pointer
+    /// once, which the verifier refuses.
     pub const NONE: CachedRoute = CachedRoute {
         len: 0,
         hop: CachedHop {
@@ -162,12 +162,12 @@ impl CachedRoute {
         },
     };
 
-    /// The entry's route (`NONE` when it caches none).
-    pub fn of(entry: &ConntrackEntry) -> Self {
-        CachedRoute {
+    /// The entry's route, if it caches one.
+    pub fn of(entry: &ConntrackEntry) -> Option<Self> {
+        (entry.hop_len != 0).then_some(CachedRoute {
             len: entry.hop_len,
             hop: entry.hop,
-        }
+        })
     }
 
     /// The FIB's answer (out of `ifindex` with `macs`) for a packet of IPv4 total length
@@ -212,7 +212,7 @@ pub enum Caching {
     /// Not a tracked packet (an ICMP error): the FIB decides, nothing is cached.
     Off,
     /// Tracked, with the route its entry caches, if any.
-    On(CachedRoute),
+    On(Option<CachedRoute>),
 }
 
 /// The route of `packet` translated to `to`: the one its conntrack entry caches while that holds
@@ -230,7 +230,7 @@ pub fn route<P: PacketAccess>(
         _ => return next_hop(ctx, packet, to),
     };
     let iif = ctx.ingress_ifindex();
-    if let Some(hop) = cached.for_packet(packet.tot_len, iif) {
+    if let Some(hop) = cached.and_then(|route| route.for_packet(packet.tot_len, iif)) {
         return hop;
     }
     let next = next_hop(ctx, packet, to);

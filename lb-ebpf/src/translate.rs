@@ -21,7 +21,7 @@ pub enum Translation {
     To {
         packet: Packet,
         to: ConntrackKey,
-        route: CachedRoute,
+        route: Option<CachedRoute>,
         ct_flags: u8,
     },
     /// A new connection to a service without endpoints: kube-proxy answers it with REJECT.
@@ -86,7 +86,7 @@ pub fn translation<P: PacketAccess>(ctx: &P) -> Result<Translation, Counter> {
     Ok(Translation::To {
         packet,
         to,
-        route: CachedRoute::NONE,
+        route: Some(CachedRoute::NONE),
         ct_flags: 0,
     })
 }
@@ -124,8 +124,10 @@ fn connect<P: PacketAccess>(
     };
     let to = match own_source {
         Some(to) => to,
-        None => match masquerade::claim_source(config, &connection, src_addr)? {
+        None => match masquerade::claim_source(config, &connection, src_addr, !P::IS_XDP)? {
             Some(to) => to,
+            // XDP has no stack left for the early drop: tc, which has, gets the packet.
+            None if P::IS_XDP => return Err(Counter::XdpPassed),
             None if masquerade => {
                 maps::count_backend_ports_exhausted(u32::from(backend.stats_slot));
                 return Err(Counter::DropSnatPortsExhausted);
