@@ -168,7 +168,7 @@ impl ConntrackMap {
     pub fn open(pin_dir: &Path) -> Result<Self, MapError> {
         let open = |name: &str| -> Result<_, MapError> {
             let data = MapData::from_pin(pin_dir.join(name))?;
-            Ok(HashMap::try_from(Map::from_map_data(data)?)?)
+            HashMap::try_from(Map::from_map_data(data)?)
         };
         let mut maps = vec![open(map_name::CONNTRACK)?];
         if pin_dir.join(map_name::CONNTRACK_UNCONFIRMED).exists() {
