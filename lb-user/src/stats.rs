@@ -185,6 +185,7 @@ mod tests {
         let table = stats.table();
         let line = table
             .lines()
+            .map(str::trim)
             .find(|l| l.starts_with("10.244.1.3:8080"))
             .unwrap_or_else(|| panic!("{table}"));
         assert!(
