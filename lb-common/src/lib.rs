@@ -17,7 +17,7 @@ pub mod map_name {
     pub const BACKENDS: &str = "LB_BACKEND_V1";
     pub const CONNTRACK: &str = "LB_CT_V4";
     pub const CONFIG: &str = "LB_CONFIG_V4";
-    pub const COUNTERS: &str = "LB_COUNTER_V9";
+    pub const COUNTERS: &str = "LB_COUNTER_V10";
     pub const AFFINITY: &str = "LB_AFFINITY_V1";
     pub const ROUND_ROBIN: &str = "LB_RR_V1";
     pub const SOURCE_RANGES: &str = "LB_SOURCE_RANGE_V1";
@@ -32,9 +32,15 @@ pub mod map_name {
     pub const REJECT_LIMIT: &str = "LB_REJECT_LIMIT_V1";
     /// The connections' intermediate tuples, for `lb_egress` (`ConntrackKey` → `ConntrackKey`).
     pub const INTERMEDIATE: &str = "LB_INTERMEDIATE_V1";
+    /// Connections whose handshake is not complete (`ConntrackKey` → `ConntrackEntry`, flagged
+    /// `CT_F_UNCONFIRMED`): a table of their own, so that a flood of them evicts only its own
+    /// kind, never an established connection of `CONNTRACK`.
+    pub const CONNTRACK_UNCONFIRMED: &str = "LB_CT_UNCONFIRMED_V1";
+    /// The intermediate tuples of the connections in `CONNTRACK_UNCONFIRMED`, as `INTERMEDIATE`.
+    pub const INTERMEDIATE_UNCONFIRMED: &str = "LB_INTERMEDIATE_UNCONFIRMED_V1";
     /// Not pinned (not in `ALL`): the interface indexes are the running agent's.
     pub const XDP_EGRESS: &str = "LB_XDP_EGRESS_V1";
-    pub const ALL: [&str; 17] = [
+    pub const ALL: [&str; 19] = [
         FRONTENDS,
         BACKENDS,
         CONNTRACK,
@@ -52,6 +58,8 @@ pub mod map_name {
         AGENT,
         INTERMEDIATE,
         REJECT_LIMIT,
+        CONNTRACK_UNCONFIRMED,
+        INTERMEDIATE_UNCONFIRMED,
     ];
 }
 
@@ -87,6 +95,10 @@ pub mod default_size {
     /// Conntrack entries: two per connection (original and reply direction). Also the size of
     /// the intermediate tuples' map (`map_name::INTERMEDIATE`), two per connection as well.
     pub const CONNTRACK: u32 = 262_144;
+    /// Entries of connections whose handshake is not complete (`map_name::CONNTRACK_UNCONFIRMED`,
+    /// and as many intermediate tuples). The agent sizes it from `--conntrack-max` and the
+    /// masquerade port range (`unconfirmed_size`).
+    pub const CONNTRACK_UNCONFIRMED: u32 = 4_096;
     /// sessionAffinity entries: one per (service port, client address).
     pub const AFFINITY: u32 = 65_536;
     /// Round-robin counters: one per service port scheduled `rr`.
@@ -285,7 +297,10 @@ pub struct BackendStats {
     pub bytes: u64,
     /// Which endpoint the slot counts now (never 0 for an assigned slot).
     pub owner: u32,
-    pub _pad: u32,
+    /// New connections dropped because no masquerade port towards this endpoint was free
+    /// (`Counter::DropSnatPortsExhausted`, per endpoint). Where the padding was: the layout is
+    /// unchanged, and earlier datapaths left it 0.
+    pub ports_exhausted: u32,
 }
 
 impl BackendStats {
@@ -303,6 +318,7 @@ impl BackendStats {
                 connections: sum.connections + cpu.connections,
                 packets: sum.packets + cpu.packets,
                 bytes: sum.bytes + cpu.bytes,
+                ports_exhausted: sum.ports_exhausted.wrapping_add(cpu.ports_exhausted),
                 ..sum
             },
         )
@@ -706,6 +722,39 @@ pub mod legacy {
 pub const CT_F_REPLY: u8 = 1 << 0;
 /// The connection is masqueraded (source rewritten to a node address).
 pub const CT_F_MASQUERADE: u8 = 1 << 1;
+/// The entry is in `CONNTRACK_UNCONFIRMED`: its connection's handshake is not complete
+/// (`confirms`).
+pub const CT_F_UNCONFIRMED: u8 = 1 << 2;
+
+/// Whether a packet that moves a connection not yet confirmed from `old` to `new` (`reply`: it
+/// travels from the server) confirms it: moves it into the main conntrack table, where only
+/// established flows are, and which a flood of new connections does not evict. Linux's
+/// conntrack sets ASSURED at the same points. TCP: the client's ACK that completes the handshake
+/// (SYN_RECV → ESTABLISHED), or for a connection picked up mid-stream (opened ESTABLISHED by an
+/// ACK) the server's answer. Not the SYN-ACK: a backend answers a spoofed SYN too, and that
+/// answer crosses the node. UDP: the client sending again after a reply (a stream).
+pub const fn confirms(proto: u8, old: u8, new: u8, reply: bool) -> bool {
+    if proto == IPPROTO_TCP {
+        new == tcp::ESTABLISHED && (old == tcp::SYN_RECV || old == tcp::ESTABLISHED && reply)
+    } else {
+        new == CT_UDP_STREAM
+    }
+}
+
+/// The size of the unconfirmed connections' table (`map_name::CONNTRACK_UNCONFIRMED`) for a
+/// main table of `conntrack_max` entries and `masquerade_ports` ports in the masquerade range: at
+/// most the main table's, and at most as many entries as ports. Each connection holds two
+/// entries and one port, so unconfirmed connections (a SYN flood) hold at most half of any
+/// backend's ports: a new connection's 16 random tries all find a held port with a probability
+/// below 2^-16. At least 2, one connection.
+pub const fn unconfirmed_size(conntrack_max: u32, masquerade_ports: u32) -> u32 {
+    let size = if conntrack_max < masquerade_ports {
+        conntrack_max
+    } else {
+        masquerade_ports
+    };
+    if size < 2 { 2 } else { size }
+}
 
 /// UDP: only the first direction has been seen.
 pub const CT_UDP_UNREPLIED: u8 = 0;
@@ -1116,10 +1165,23 @@ pub enum Counter {
     /// Dropped: a REJECT (ICMP port unreachable) over the rate the node's `icmp_msgs_per_sec`
     /// and `icmp_msgs_burst` allow, as the kernel limits its own ICMP errors.
     DropRejectRateLimited,
+    /// A connection completed its handshake (TCP) or became a stream (UDP) and moved from the
+    /// unconfirmed connections' table to the main one (`confirms`).
+    ConntrackConfirmed,
+    /// A new connection took over the conntrack entry of an expired connection (or of the
+    /// closed one it reopens): deleted, then inserted only if no other CPU's insert came first.
+    ConntrackTakenOver,
+    /// A connection completing its handshake found its other direction's entry gone from the
+    /// unconfirmed table: evicted by newer unconfirmed connections (a flood fills that table,
+    /// not the main one). It stays unconfirmed and is not translated in that direction.
+    ConntrackUnconfirmedEvicted,
+    /// Every masquerade port a new connection tried was held, some by unconfirmed connections:
+    /// one of those was dropped and its port taken (Linux's early_drop of unassured entries).
+    ConntrackEarlyDrop,
 }
 
 impl Counter {
-    pub const COUNT: u32 = 28;
+    pub const COUNT: u32 = 32;
     pub const ALL: [Counter; Self::COUNT as usize] = [
         Counter::NewConnection,
         Counter::Masqueraded,
@@ -1149,6 +1211,10 @@ impl Counter {
         Counter::EgressTranslated,
         Counter::FragmentationNeeded,
         Counter::DropRejectRateLimited,
+        Counter::ConntrackConfirmed,
+        Counter::ConntrackTakenOver,
+        Counter::ConntrackUnconfirmedEvicted,
+        Counter::ConntrackEarlyDrop,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -1181,6 +1247,10 @@ impl Counter {
             Counter::EgressTranslated => "egress_translated",
             Counter::FragmentationNeeded => "fragmentation_needed",
             Counter::DropRejectRateLimited => "drop_reject_rate_limited",
+            Counter::ConntrackConfirmed => "conntrack_confirmed",
+            Counter::ConntrackTakenOver => "conntrack_taken_over",
+            Counter::ConntrackUnconfirmedEvicted => "conntrack_unconfirmed_evicted",
+            Counter::ConntrackEarlyDrop => "conntrack_early_drop",
         }
     }
 
@@ -1257,6 +1327,18 @@ impl Counter {
             Counter::DropRejectRateLimited => {
                 "dropped: ICMP port unreachable replies (REJECT) over the node's icmp_msgs_per_sec/icmp_msgs_burst"
             }
+            Counter::ConntrackConfirmed => {
+                "connections that completed their handshake (UDP: became a stream), moved to the main conntrack table"
+            }
+            Counter::ConntrackTakenOver => {
+                "conntrack entries of expired (or reopened closed) connections taken over by a new connection"
+            }
+            Counter::ConntrackUnconfirmedEvicted => {
+                "connections completing their handshake whose other direction was evicted from the unconfirmed table (a flood)"
+            }
+            Counter::ConntrackEarlyDrop => {
+                "unconfirmed connections dropped for their masquerade port: every port a new connection tried was held"
+            }
         }
     }
 
@@ -1291,7 +1373,11 @@ impl Counter {
             | Counter::PassedBadIpChecksum
             | Counter::PassedTcpNoConnection
             | Counter::EgressTranslated
-            | Counter::FragmentationNeeded => None,
+            | Counter::FragmentationNeeded
+            | Counter::ConntrackConfirmed
+            | Counter::ConntrackTakenOver
+            | Counter::ConntrackUnconfirmedEvicted
+            | Counter::ConntrackEarlyDrop => None,
         }
     }
 }
@@ -1356,6 +1442,78 @@ mod user {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::valid::{TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN};
+
+    #[test]
+    fn a_tcp_connection_is_confirmed_by_the_handshake_s_last_ack_only() {
+        let flags = [
+            TCP_SYN,
+            TCP_SYN | TCP_ACK,
+            TCP_ACK,
+            TCP_RST,
+            TCP_FIN | TCP_ACK,
+        ];
+        // A spoofed SYN flood: the SYN, the backend's SYN-ACK, nothing from the client after.
+        let mut state = tcp::NONE;
+        for (flags, reply) in [(TCP_SYN, false), (TCP_SYN | TCP_ACK, true)] {
+            let tcp::Step::To(next) = tcp::step(state, reply, flags) else {
+                panic!("{flags:#x} from {state}");
+            };
+            assert!(!confirms(IPPROTO_TCP, state, next, reply));
+            state = next;
+        }
+        let tcp::Step::To(established) = tcp::step(state, false, TCP_ACK) else {
+            panic!("the client's ACK");
+        };
+        assert!(confirms(IPPROTO_TCP, state, established, false));
+        // A connection picked up by a client's ACK: the server's answer confirms it, not the
+        // client's next segment.
+        assert!(!confirms(
+            IPPROTO_TCP,
+            tcp::ESTABLISHED,
+            tcp::ESTABLISHED,
+            false
+        ));
+        assert!(confirms(
+            IPPROTO_TCP,
+            tcp::ESTABLISHED,
+            tcp::ESTABLISHED,
+            true
+        ));
+        // Nothing else does: a handshake that ends in a RST or a FIN stays unconfirmed.
+        for old in 0..10 {
+            for flags in flags {
+                for reply in [false, true] {
+                    let tcp::Step::To(new) = tcp::step(old, reply, flags) else {
+                        continue;
+                    };
+                    let expected = new == tcp::ESTABLISHED
+                        && (old == tcp::SYN_RECV || old == tcp::ESTABLISHED && reply);
+                    assert_eq!(confirms(IPPROTO_TCP, old, new, reply), expected);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_udp_flow_is_confirmed_once_a_stream() {
+        let replied = udp_step(CT_UDP_UNREPLIED, true);
+        assert!(!confirms(IPPROTO_UDP, CT_UDP_UNREPLIED, replied, true));
+        let stream = udp_step(replied, false);
+        assert!(confirms(IPPROTO_UDP, replied, stream, false));
+    }
+
+    #[test]
+    fn unconfirmed_connections_hold_at_most_half_the_masquerade_ports() {
+        let ports = u32::from(SNAT_PORT_MAX - SNAT_PORT_MIN) + 1;
+        assert_eq!(unconfirmed_size(default_size::CONNTRACK, ports), ports);
+        assert_eq!(unconfirmed_size(1024, ports), 1024);
+        assert_eq!(unconfirmed_size(0, ports), 2);
+        for (max, ports) in [(1 << 20, 100), (64, 4536), (1 << 18, 28_232)] {
+            // Two entries per connection, one port each.
+            assert!(unconfirmed_size(max, ports) / 2 <= ports / 2 + 1);
+        }
+    }
 
     #[test]
     fn reject_limit_allows_the_burst_then_the_rate() {

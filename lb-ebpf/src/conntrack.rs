@@ -3,16 +3,17 @@
 //! own rewrite turned around.
 use core::mem::MaybeUninit;
 
-use aya_ebpf::bindings::BPF_NOEXIST;
+use aya_ebpf::bindings::{BPF_ANY, BPF_NOEXIST};
 use lb_common::{
-    Backend, CT_F_MASQUERADE, CT_F_REPLY, CT_UDP_UNREPLIED, Config, ConntrackEntry, ConntrackKey,
-    ConntrackTimeouts, Counter, IPPROTO_TCP, conntrack_timeout_ns,
+    Backend, CT_F_MASQUERADE, CT_F_REPLY, CT_F_UNCONFIRMED, CT_UDP_UNREPLIED, Config,
+    ConntrackEntry, ConntrackKey, ConntrackTimeouts, Counter, IPPROTO_TCP, confirms,
+    conntrack_timeout_ns,
     tcp::{self, Step, TcpWindow},
     udp_step,
 };
 
 use crate::{
-    maps,
+    intermediate, maps,
     packet::PacketAccess,
     parse::{Fragment, Packet, TCP_ACK, TCP_SYN},
     tcp as tcp_header, zero,
@@ -62,6 +63,12 @@ pub fn lookup<P: PacketAccess>(
         track_segment(ctx, packet, entry)
     };
     let refresh = now.saturating_sub(entry.last_seen_ns) > REFRESH_NS;
+    // Only a connection not yet confirmed pays for the check. Not in XDP, whose 512-byte stack
+    // has no room for the move: tc confirms the connection at the server's next packet
+    // (`confirms` of an established connection's reply), which crosses tc on the pod side.
+    let confirm = !P::IS_XDP
+        && entry.flags & CT_F_UNCONFIRMED != 0
+        && confirms(proto, entry.state, state, reply);
     if state != entry.state || refresh {
         update(entry, state, refresh, now);
         // The peer ages with this entry: a flow that only ever sends one way keeps its reply
@@ -70,7 +77,48 @@ pub fn lookup<P: PacketAccess>(
             update(peer, state, refresh, now);
         }
     }
+    let entry = if confirm {
+        confirm_connection(&packet.tuple).unwrap_or(entry)
+    } else {
+        entry
+    };
     Some(Tracked { entry, to })
+}
+
+/// Moves the connection of entry `key` from the unconfirmed tables to the main ones, with its
+/// intermediate tuples; returns its entry of `key` there. `None` when its other entry is gone from the unconfirmed table (evicted: it
+/// stays there, unconfirmed). Inserted into the main table before it leaves the unconfirmed
+/// one, so that another CPU always finds it.
+// A frame of its own: the established path never calls it. The key only: a pointer to the
+// caller's rewrite would pin that on the programs' stack, which is full.
+#[inline(never)]
+fn confirm_connection(key: &ConntrackKey) -> Option<&'static mut ConntrackEntry> {
+    let entry = maps::unconfirmed(key)?;
+    let to = rewrite_of(entry, key.proto);
+    let reply = entry.flags & CT_F_REPLY != 0;
+    let peer_key = reversed(&to);
+    let Some(peer) = maps::unconfirmed(&peer_key) else {
+        maps::count(Counter::ConntrackUnconfirmedEvicted);
+        return None;
+    };
+    entry.flags &= !CT_F_UNCONFIRMED;
+    peer.flags &= !CT_F_UNCONFIRMED;
+    if !maps::conntrack_insert(&peer_key, peer, BPF_ANY)
+        || !maps::conntrack_insert(key, entry, BPF_ANY)
+    {
+        entry.flags |= CT_F_UNCONFIRMED;
+        peer.flags |= CT_F_UNCONFIRMED;
+        return None;
+    }
+    maps::unconfirmed_remove(&peer_key);
+    maps::unconfirmed_remove(key);
+    intermediate::confirm(&intermediate::of(key, &to, reply), key);
+    intermediate::confirm(
+        &intermediate::of(&peer_key, &reversed(key), !reply),
+        &peer_key,
+    );
+    maps::count(Counter::ConntrackConfirmed);
+    maps::conntrack(key)
 }
 
 /// `Err(DropTcpOutOfWindow)` for a TCP RST or FIN of a tracked connection that lies outside
@@ -235,6 +283,18 @@ pub fn opened<P: PacketAccess>(ctx: &P, packet: &Packet) -> Option<&'static Conn
     Some(entry)
 }
 
+/// What `Connection::claim_reply` found at a source.
+#[derive(Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Claim {
+    /// The source is the new connection's now.
+    Claimed,
+    /// A live confirmed connection of another flow holds it.
+    Held,
+    /// A live unconfirmed connection of another flow holds it.
+    HeldUnconfirmed,
+}
+
 /// A new connection from `tuple` (client → frontend) to `backend`, before it is tracked.
 pub struct Connection {
     tuple: ConntrackKey,
@@ -316,7 +376,7 @@ impl Connection {
         entry.dst_port = to.dst_port;
         entry.service_id = self.service_id;
         entry.state = self.state;
-        entry.flags = flags;
+        entry.flags = flags | CT_F_UNCONFIRMED;
         entry.stats_slot = u32::from(self.backend.stats_slot);
         entry.stats_owner = self.stats_owner;
         entry.window.wscale = tcp::WSCALE_UNKNOWN;
@@ -328,30 +388,47 @@ impl Connection {
     /// entry, or that one's replies would come back translated as this one's (Linux's NAT
     /// remaps such a clash). An expired entry is taken over, and so is one of this same flow: a
     /// connection it reopens, or the one another CPU seeing its first packet at the same time
-    /// wrote. `Ok(false)`: the source is another connection's; `Ok(true)`: claimed, the
-    /// connection is translated to `translated(src_addr, port)`.
+    /// wrote. `early_drop`: a live unconfirmed connection of another flow is dropped and its
+    /// source taken too (`masquerade::claim_source`, once every port tried was held).
+    /// `Claim::Claimed`: the connection is translated to `translated(src_addr, port)`.
     // A frame of its own: masquerade::claim_source's loop runs deepest on the 512-byte stack,
-    // and a bool rather than the tuple keeps its callers' frames small.
+    // and a small outcome rather than the tuple keeps its callers' frames small.
     #[inline(never)]
-    pub fn claim_reply(&self, src_addr: u32, port: u16) -> Result<bool, Counter> {
+    pub fn claim_reply(
+        &self,
+        src_addr: u32,
+        port: u16,
+        early_drop: bool,
+    ) -> Result<Claim, Counter> {
         let key = reversed(&self.translated(src_addr, port));
         let mut slot = MaybeUninit::uninit();
         // Replies come back as if from the frontend.
         let entry = self.entry(&reversed(&self.tuple), self.flags | CT_F_REPLY, &mut slot);
         // Looked up before the insert: an insert into a full LRU map evicts an entry whether or
         // not it succeeds, and probing a live connection's port must not evict another.
-        if maps::conntrack(&key).is_none() && maps::conntrack_insert(&key, entry, BPF_NOEXIST) {
-            return Ok(true);
-        }
-        match maps::conntrack(&key) {
-            Some(held) if !self.outlived(held) && !same_rewrite(held, entry) => Ok(false),
-            Some(ours) => {
-                *ours = *entry;
-                Ok(true)
+        if let Some(held) = maps::conntrack(&key) {
+            let ours = same_rewrite(held, entry);
+            if self.outlived(held) || ours && closed(held, self.tuple.proto) {
+                take_over(&key);
+            } else if ours {
+                // This flow's, which another CPU seeing its first packet at the same time wrote.
+                return Ok(Claim::Claimed);
+            } else if held.flags & CT_F_UNCONFIRMED == 0 {
+                return Ok(Claim::Held);
+            } else if !early_drop {
+                return Ok(Claim::HeldUnconfirmed);
+            } else {
+                // Its original entry goes with it: the whole connection is dropped.
+                maps::unconfirmed_remove(&reversed(&rewrite_of(held, self.tuple.proto)));
+                maps::unconfirmed_remove(&key);
+                maps::count(Counter::ConntrackEarlyDrop);
             }
-            // The insert failed for want of room, not because the source was taken.
-            None => Err(Counter::DropConntrackFull),
         }
+        Ok(if self.insert(&key, entry)? {
+            Claim::Claimed
+        } else {
+            Claim::Held
+        })
     }
 
     /// Tracks the original direction, rewritten to `to`, once its reply entry is in place.
@@ -363,30 +440,54 @@ impl Connection {
     pub fn track_original(&self, to: &ConntrackKey) -> Result<Option<ConntrackKey>, Counter> {
         let mut slot = MaybeUninit::uninit();
         let entry = self.entry(to, self.flags, &mut slot);
-        if maps::conntrack_insert(&self.tuple, entry, BPF_NOEXIST) {
-            return Ok(None);
-        }
         let proto = self.tuple.proto;
-        match maps::conntrack(&self.tuple) {
+        let winner = match maps::conntrack(&self.tuple) {
             // A closed entry is here only when this packet reopens it (`lookup`): a racing CPU's
             // connection would be new.
-            Some(winner) if !self.outlived(winner) && !closed(winner, proto) => {
-                let theirs = rewrite_of(winner, proto);
-                // Unless both chose the same backend and source, and so wrote the same reply
-                // entry.
-                if theirs != *to {
-                    maps::conntrack_remove(&reversed(to));
+            Some(held) if !self.outlived(held) && !closed(held, proto) => Some(held),
+            held => {
+                if held.is_some() {
+                    take_over(&self.tuple);
                 }
-                Ok(Some(theirs))
+                match self.insert(&self.tuple, entry) {
+                    Ok(true) => return Ok(None),
+                    Ok(false) => maps::conntrack(&self.tuple),
+                    Err(_) => None,
+                }
             }
-            Some(stale) => {
-                *stale = *entry;
-                Ok(None)
-            }
-            None => {
-                maps::conntrack_remove(&reversed(to));
-                Err(Counter::DropConntrackFull)
-            }
+        };
+        // Another CPU saw the flow's first packet at the same time and tracked it first: this
+        // packet follows its connection, so that one flow is one connection with one endpoint.
+        // Our reply entry goes, unless both chose the same backend and source and so wrote the
+        // same one.
+        let theirs = winner.map(|winner| rewrite_of(winner, proto));
+        if theirs != Some(*to) {
+            maps::unconfirmed_remove(&reversed(to));
+        }
+        match theirs {
+            Some(theirs) => Ok(Some(theirs)),
+            None => Err(Counter::DropConntrackFull),
         }
     }
+
+    /// Inserts `entry` of this new connection into the unconfirmed table unless an entry of
+    /// `key` is there by then: `Ok(false)` when another CPU's insert came first.
+    fn insert(&self, key: &ConntrackKey, entry: &ConntrackEntry) -> Result<bool, Counter> {
+        if maps::unconfirmed_insert(key, entry, BPF_NOEXIST) {
+            return Ok(true);
+        }
+        match maps::conntrack(key) {
+            Some(_) => Ok(false),
+            // The insert failed for want of room, not because the key was taken.
+            None => Err(Counter::DropConntrackFull),
+        }
+    }
+}
+
+/// Deletes the entry of `key`, an expired connection's (or the closed one a new connection
+/// reopens), which a new connection takes over. Its insert that follows is `BPF_NOEXIST`: of two
+/// CPUs taking one entry over at once, only one gets it.
+fn take_over(key: &ConntrackKey) {
+    maps::conntrack_remove(key);
+    maps::count(Counter::ConntrackTakenOver);
 }

@@ -148,6 +148,20 @@ pub struct CachedRoute {
 }
 
 impl CachedRoute {
+    /// No route cached: a new connection's. `Some(NONE)` rather than `None`: `None`'s undefined
+    /// payload, copied, let LLVM spill whatever register it liked as the length, a stack pointer
+    /// once, which the verifier refuses.
+    pub const NONE: CachedRoute = CachedRoute {
+        len: 0,
+        hop: CachedHop {
+            ifindex: 0,
+            iif: 0,
+            macs0: 0,
+            macs1: 0,
+            macs2: 0,
+        },
+    };
+
     /// The entry's route, if it caches one.
     pub fn of(entry: &ConntrackEntry) -> Option<Self> {
         (entry.hop_len != 0).then_some(CachedRoute {
@@ -179,7 +193,8 @@ impl CachedRoute {
         entry.hop_len = self.len;
     }
 
-    /// The route for a packet of IPv4 total length `tot_len` that came in on `iif`, if it holds.
+    /// The route for a packet of IPv4 total length `tot_len` that came in on `iif`, if it holds
+    /// (never for `NONE`: no packet is 0 bytes long).
     fn for_packet(&self, tot_len: u16, iif: u32) -> Option<NextHop> {
         let hop = &self.hop;
         (tot_len <= self.len && hop.iif == iif).then(|| NextHop::Resolved {

@@ -16,11 +16,12 @@
 //! conntrack and FORWARD rules then see a remapped (or masquerade) source port, never another
 //! address than the client's.
 //!
-//! `LB_INTERMEDIATE_V1` maps each intermediate tuple to the conntrack key of the same direction.
+//! `LB_INTERMEDIATE_V1` maps each intermediate tuple to the conntrack key of the same direction;
+//! `LB_INTERMEDIATE_UNCONFIRMED_V1` holds those of connections not yet confirmed, as the conntrack
+//! tables do, so that a flood of new connections never evicts an established one's.
 //! Its entries are never removed: one counts only while the conntrack entry it names is live and
 //! still translates to this very tuple, so an expired or replaced connection's are dead at once
 //! and taken over by the next claim.
-use aya_ebpf::bindings::{BPF_ANY, BPF_NOEXIST};
 use lb_common::{CT_F_REPLY, ConntrackKey};
 
 use crate::{
@@ -93,14 +94,28 @@ pub fn claim(connection: &Connection, to: &ConntrackKey) -> bool {
     ) && claim_one(&forward, client, now)
 }
 
-/// Maps intermediate tuple `tuple` to conntrack key `key` unless a live connection of another
-/// flow holds it.
+/// Maps intermediate tuple `tuple` to conntrack key `key` (in the unconfirmed table, as the
+/// connection is) unless a live connection of another flow holds it. A dead connection's entry in
+/// the main table goes first: the main table is looked up first.
 fn claim_one(tuple: &ConntrackKey, key: &ConntrackKey, now: u64) -> bool {
-    if maps::intermediate_insert(tuple, key, BPF_NOEXIST) {
-        return true;
+    // A holder whose other entry is gone (evicted from the unconfirmed table by a flood) is dead
+    // too: it can never be confirmed.
+    if let Some((held, held_to)) = connection(tuple, now)
+        && held != *key
+        && maps::conntrack(&conntrack::reversed(&held_to)).is_some()
+    {
+        return false;
     }
-    match connection(tuple, now) {
-        Some((held, _)) if held != *key => false,
-        _ => maps::intermediate_insert(tuple, key, BPF_ANY),
+    maps::intermediate_remove(tuple);
+    maps::intermediate_unconfirmed_insert(tuple, key)
+}
+
+/// Moves intermediate tuple `tuple` of the connection being confirmed, whose entry of that
+/// direction is `key`, to the main table (`conntrack::lookup`).
+pub fn confirm(tuple: &ConntrackKey, key: &ConntrackKey) {
+    if maps::intermediate_unconfirmed(tuple).is_some_and(|held| held == *key)
+        && maps::intermediate_insert(tuple, key)
+    {
+        maps::intermediate_unconfirmed_remove(tuple);
     }
 }

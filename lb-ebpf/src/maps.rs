@@ -4,7 +4,7 @@
 //! The maps are not pinned in the object: the agent gives each one its pin path at load
 //! (`EbpfLoader::map_pin_path`), and packet tests load private, unpinned copies.
 use aya_ebpf::{
-    bindings::{BPF_F_NO_PREALLOC, BPF_NOEXIST},
+    bindings::{BPF_ANY, BPF_F_NO_PREALLOC, BPF_NOEXIST},
     helpers::{bpf_get_prandom_u32, bpf_jiffies64},
     macros::map,
     maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, lpm_trie::Key},
@@ -28,11 +28,23 @@ static BACKENDS: HashMap<BackendKey, Backend> =
 static CONNTRACK: LruHashMap<ConntrackKey, ConntrackEntry> =
     LruHashMap::with_max_entries(default_size::CONNTRACK, 0);
 
+/// Connections whose handshake is not complete (`CT_F_UNCONFIRMED`), until `confirm` moves them
+/// to `CONNTRACK`: a flood of them evicts only its own kind. Sized by the agent
+/// (`lb_common::unconfirmed_size`).
+#[map(name = "LB_CT_UNCONFIRMED_V1")]
+static UNCONFIRMED: LruHashMap<ConntrackKey, ConntrackEntry> =
+    LruHashMap::with_max_entries(default_size::CONNTRACK_UNCONFIRMED, 0);
+
 /// A connection's tuple between lb_ingress and lb_egress (intermediate.rs) → the conntrack key of
 /// the same direction. Two per connection, as conntrack's; an LRU as conntrack is.
 #[map(name = "LB_INTERMEDIATE_V1")]
 static INTERMEDIATE: LruHashMap<ConntrackKey, ConntrackKey> =
     LruHashMap::with_max_entries(default_size::CONNTRACK, 0);
+
+/// The intermediate tuples of the connections in `UNCONFIRMED`, moved to `INTERMEDIATE` with them.
+#[map(name = "LB_INTERMEDIATE_UNCONFIRMED_V1")]
+static INTERMEDIATE_UNCONFIRMED: LruHashMap<ConntrackKey, ConntrackKey> =
+    LruHashMap::with_max_entries(default_size::CONNTRACK_UNCONFIRMED, 0);
 
 #[map(name = "LB_AFFINITY_V1")]
 static AFFINITY: LruHashMap<AffinityKey, StickyBackend> =
@@ -57,7 +69,7 @@ static FRAGMENTS: LruHashMap<FragmentKey, FirstFragment> =
 #[map(name = "LB_CONFIG_V4")]
 static CONFIG: Array<Config> = Array::with_max_entries(1, 0);
 
-#[map(name = "LB_COUNTER_V9")]
+#[map(name = "LB_COUNTER_V10")]
 static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(Counter::COUNT, 0);
 
 /// An array, not a hash by endpoint: the verifier inlines its lookup into a few instructions, where
@@ -145,6 +157,14 @@ pub fn count_backend(slot: u32, owner: u32, bytes: u16) {
     }
 }
 
+/// Counts a new connection to the endpoint of counter slot `slot` dropped for want of a free
+/// masquerade port.
+pub fn count_backend_ports_exhausted(slot: u32) {
+    if let Some(stats) = backend_stats(slot) {
+        stats.ports_exhausted = stats.ports_exhausted.wrapping_add(1);
+    }
+}
+
 /// Counts the first packet, of `bytes`, of a new connection to the endpoint of counter slot
 /// `slot`.
 pub fn count_backend_connection(slot: u32, bytes: u16) {
@@ -180,34 +200,87 @@ pub fn source_range_contains(service_id: u32, addr: u32) -> bool {
         .is_some()
 }
 
+/// The entry of `key`: in the main table (established connections), else in the unconfirmed
+/// one; an established packet pays one lookup.
 pub fn conntrack(key: &ConntrackKey) -> Option<&'static mut ConntrackEntry> {
     // SAFETY: the value stays valid until the program returns (RCU); other CPUs may write the same
     // entry, which tears at worst a timestamp or a state byte, as in any map-based conntrack.
     CONNTRACK
         .get_ptr_mut(key)
+        .or_else(|| UNCONFIRMED.get_ptr_mut(key))
         .map(|entry| unsafe { &mut *entry })
 }
 
-/// `flags` is `BPF_ANY`, `BPF_NOEXIST` or `BPF_EXIST`.
+/// The entry of `key` in the unconfirmed table only.
+pub fn unconfirmed(key: &ConntrackKey) -> Option<&'static mut ConntrackEntry> {
+    // SAFETY: as in `conntrack`.
+    UNCONFIRMED
+        .get_ptr_mut(key)
+        .map(|entry| unsafe { &mut *entry })
+}
+
+/// Into the main table (a confirmed connection). `flags` is `BPF_ANY`, `BPF_NOEXIST` or
+/// `BPF_EXIST`.
 pub fn conntrack_insert(key: &ConntrackKey, entry: &ConntrackEntry, flags: u32) -> bool {
     CONNTRACK.insert(key, entry, u64::from(flags)).is_ok()
 }
 
+/// Into the unconfirmed table (a new connection). `flags` as `conntrack_insert`'s.
+pub fn unconfirmed_insert(key: &ConntrackKey, entry: &ConntrackEntry, flags: u32) -> bool {
+    UNCONFIRMED.insert(key, entry, u64::from(flags)).is_ok()
+}
+
+/// Deletes the entry of `key` from both tables.
 pub fn conntrack_remove(key: &ConntrackKey) {
     // Nothing to undo when the entry is already gone (evicted by the LRU).
     let _ = CONNTRACK.remove(key);
+    let _ = UNCONFIRMED.remove(key);
 }
 
+/// Deletes the entry of `key` from the unconfirmed table.
+pub fn unconfirmed_remove(key: &ConntrackKey) {
+    let _ = UNCONFIRMED.remove(key);
+}
+
+/// The conntrack key of intermediate tuple `key`: from the main table, else the unconfirmed one.
 pub fn intermediate(key: &ConntrackKey) -> Option<ConntrackKey> {
     // SAFETY: the value is copied out at once.
-    unsafe { INTERMEDIATE.get(key).copied() }
+    unsafe {
+        INTERMEDIATE
+            .get(key)
+            .or_else(|| INTERMEDIATE_UNCONFIRMED.get(key))
+            .copied()
+    }
 }
 
-/// `flags` is `BPF_ANY` or `BPF_NOEXIST`.
-pub fn intermediate_insert(key: &ConntrackKey, conntrack_key: &ConntrackKey, flags: u32) -> bool {
+/// The conntrack key of intermediate tuple `key` in the unconfirmed table only.
+pub fn intermediate_unconfirmed(key: &ConntrackKey) -> Option<ConntrackKey> {
+    // SAFETY: the value is copied out at once.
+    unsafe { INTERMEDIATE_UNCONFIRMED.get(key).copied() }
+}
+
+/// Into the main table (a confirmed connection's tuple).
+pub fn intermediate_insert(key: &ConntrackKey, conntrack_key: &ConntrackKey) -> bool {
     INTERMEDIATE
-        .insert(key, conntrack_key, u64::from(flags))
+        .insert(key, conntrack_key, u64::from(BPF_ANY))
         .is_ok()
+}
+
+/// Into the unconfirmed table (a new connection's tuple).
+pub fn intermediate_unconfirmed_insert(key: &ConntrackKey, conntrack_key: &ConntrackKey) -> bool {
+    INTERMEDIATE_UNCONFIRMED
+        .insert(key, conntrack_key, u64::from(BPF_ANY))
+        .is_ok()
+}
+
+/// Deletes intermediate tuple `key` from the main table.
+pub fn intermediate_remove(key: &ConntrackKey) {
+    let _ = INTERMEDIATE.remove(key);
+}
+
+/// Deletes intermediate tuple `key` from the unconfirmed table.
+pub fn intermediate_unconfirmed_remove(key: &ConntrackKey) {
+    let _ = INTERMEDIATE_UNCONFIRMED.remove(key);
 }
 
 pub fn affinity(key: &AffinityKey) -> Option<&'static mut StickyBackend> {

@@ -16,7 +16,7 @@ use lb_common::{
 };
 
 use crate::{
-    conntrack::Connection,
+    conntrack::{Claim, Connection},
     forward::{AF_INET, FibParams, fib_lookup},
     maps,
     packet::PacketAccess,
@@ -77,7 +77,9 @@ pub fn source<P: PacketAccess>(ctx: &P, config: &Config, client: u32, backend: u
 /// address (`source`) for a masqueraded connection, the client's own for one whose translated
 /// tuple is another connection's (as Linux's NAT remaps a clashing source port). Starts at a
 /// random point of the range so that concurrent connections rarely contend for the same port.
-/// `Ok(None)`: no free port found.
+/// When every port tried is held and an unconfirmed connection holds one of them, that one is
+/// dropped for it (`early_drop`: tc; XDP has no stack left for it). `Ok(None)`: no free port
+/// found.
 ///
 /// The tries run as a `bpf_loop` callback: the verifier follows its body once rather than each
 /// try, and what comes after the search (the intermediate claim, the original entry) once per
@@ -87,6 +89,7 @@ pub fn claim_source(
     config: &Config,
     connection: &Connection,
     src_addr: u32,
+    early_drop: bool,
 ) -> Result<Option<ConntrackKey>, Counter> {
     let min = u32::from(config.snat_port_min);
     let Some(span) = (u32::from(config.snat_port_max) + 1)
@@ -105,6 +108,8 @@ pub fn claim_source(
         span,
         start,
         port: 0,
+        victim: 0,
+        early_drop,
         conntrack_full: false,
     };
     // SAFETY: `try_port` is a bpf_loop callback, and `search` outlives the loop.
@@ -133,6 +138,10 @@ struct PortSearch<'a> {
     start: u32,
     /// The port claimed (network byte order); 0: none yet (the range starts above 0).
     port: u16,
+    /// The first port tried that an unconfirmed connection holds (network byte order); 0: none.
+    victim: u16,
+    /// Whether the last try may drop `victim` for its port.
+    early_drop: bool,
     /// A try found the conntrack table full.
     conntrack_full: bool,
 }
@@ -146,9 +155,15 @@ extern "C" fn try_port(index: u64, search: *mut c_void) -> i64 {
         offset -= search.span;
     }
     let port = ((search.min + offset) as u16).to_be();
-    match search.connection.claim_reply(search.src_addr, port) {
-        Ok(false) => 0,
-        Ok(true) => {
+    match search.connection.claim_reply(search.src_addr, port, false) {
+        Ok(Claim::Held) => early_drop(search, index),
+        Ok(Claim::HeldUnconfirmed) => {
+            if search.victim == 0 {
+                search.victim = port;
+            }
+            early_drop(search, index)
+        }
+        Ok(Claim::Claimed) => {
             search.port = port;
             1
         }
@@ -157,4 +172,26 @@ extern "C" fn try_port(index: u64, search: *mut c_void) -> i64 {
             1
         }
     }
+}
+
+/// After try `index` found its port held: on the last try, with every port held, an unconfirmed
+/// holder (a flood's half-open connection, most likely) gives way rather than the new
+/// connection, as Linux's early_drop. In the callback rather than after the loop: a call from
+/// the programs' own frame would deepen their stack. 1 (stop) once it has an outcome.
+fn early_drop(search: &mut PortSearch, index: u64) -> i64 {
+    if !search.early_drop
+        || search.victim == 0
+        || index + 1 < u64::from(PORT_TRIES.min(search.span))
+    {
+        return 0;
+    }
+    match search
+        .connection
+        .claim_reply(search.src_addr, search.victim, true)
+    {
+        Ok(Claim::Claimed) => search.port = search.victim,
+        Ok(_) => {}
+        Err(_) => search.conntrack_full = true,
+    }
+    1
 }

@@ -7,7 +7,7 @@ use lb_common::{
 };
 
 use crate::{
-    conntrack::{self, Connection},
+    conntrack::{self, Claim, Connection},
     forward::CachedRoute,
     fragment, intermediate, maps, masquerade,
     packet::PacketAccess,
@@ -88,7 +88,7 @@ pub fn translation<P: PacketAccess>(ctx: &P) -> Result<Translation, Counter> {
     Ok(Translation::To {
         packet,
         to,
-        route: None,
+        route: Some(CachedRoute::NONE),
         ct_flags,
     })
 }
@@ -119,23 +119,28 @@ fn connect<P: PacketAccess>(
             None,
         )
     } else {
-        let own = connection
-            .claim_reply(tuple.src_addr, tuple.src_port)?
+        let own = (connection.claim_reply(tuple.src_addr, tuple.src_port, false)?
+            == Claim::Claimed)
             .then(|| connection.translated(tuple.src_addr, tuple.src_port));
         (tuple.src_addr, own)
     };
     let to = match own_source {
         Some(to) => to,
-        None => masquerade::claim_source(config, &connection, src_addr)?.ok_or(if masquerade {
-            Counter::DropSnatPortsExhausted
-        } else {
-            Counter::DropTupleClash
-        })?,
+        None => match masquerade::claim_source(config, &connection, src_addr, !P::IS_XDP)? {
+            Some(to) => to,
+            // XDP has no stack left for the early drop: tc, which has, gets the packet.
+            None if P::IS_XDP => return Err(Counter::XdpPassed),
+            None if masquerade => {
+                maps::count_backend_ports_exhausted(u32::from(backend.stats_slot));
+                return Err(Counter::DropSnatPortsExhausted);
+            }
+            None => return Err(Counter::DropTupleClash),
+        },
     };
     // XDP's 512-byte stack has no room left for the claim: connections XDP opens have no
     // intermediate tuples, and take the redirect path only (docs/datapath.md).
     if !P::IS_XDP && !intermediate::claim(&connection, &to) {
-        maps::conntrack_remove(&conntrack::reversed(&to));
+        maps::unconfirmed_remove(&conntrack::reversed(&to));
         return Err(Counter::DropTupleClash);
     }
     // Also for a race lost to another CPU's entry: the same client, to the same frontend.

@@ -177,6 +177,12 @@ fn load_datapath(
             frontends: args.frontends_max,
             backends: args.backends_max,
             conntrack: args.conntrack_max,
+            unconfirmed: lb_common::unconfirmed_size(
+                args.conntrack_max,
+                u32::from(*args.masquerade_port_range.end())
+                    - u32::from(*args.masquerade_port_range.start())
+                    + 1,
+            ),
             affinity: args.affinity_max,
             backend_stats: args.backend_stats_max,
         },

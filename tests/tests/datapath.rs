@@ -22,8 +22,8 @@ use etherparse::{
 };
 use lb_common::{
     AffinityKey, Backend, BackendKey, BackendStats, CONFIG_F_MASQUERADE_ALL, CONFIG_F_READY,
-    CT_F_MASQUERADE, CT_F_REPLY, CT_UDP_REPLIED, CT_UDP_STREAM, CT_UDP_UNREPLIED, Config,
-    ConntrackEntry, ConntrackKey, Counter, FRONTEND_F_LOCAL, FRONTEND_F_MASQUERADE,
+    CT_F_MASQUERADE, CT_F_REPLY, CT_F_UNCONFIRMED, CT_UDP_REPLIED, CT_UDP_STREAM, CT_UDP_UNREPLIED,
+    Config, ConntrackEntry, ConntrackKey, Counter, FRONTEND_F_LOCAL, FRONTEND_F_MASQUERADE,
     FRONTEND_F_PRESERVE_SOURCE, FRONTEND_F_SOURCE_RANGES, Frontend, FrontendKey, IPPROTO_TCP,
     IPPROTO_UDP, LOCAL_SLOT, SCHED_FLOW_HASH, SCHED_ROUND_ROBIN, SCHED_SOURCE_HASH, SNAT_PORT_MAX,
     SNAT_PORT_MIN, SourceRangeKey, StickyBackend, flow_hash, ipv4_be, map_name, port_be,
@@ -492,16 +492,67 @@ impl Datapath {
         BackendStats::sum(stats.get(&u32::from(slot), 0).unwrap().iter())
     }
 
+    /// The entry of `key` in the main table, else in the unconfirmed one (as the datapath looks
+    /// it up), without `CT_F_UNCONFIRMED`: which table holds it is `confirmed`'s question.
     fn conntrack(&self, key: &ConntrackKey) -> Option<ConntrackEntry> {
+        [map_name::CONNTRACK, map_name::CONNTRACK_UNCONFIRMED]
+            .into_iter()
+            .find_map(|name| {
+                let map = self.ebpf.map(name).unwrap();
+                let conntrack: HashMap<&MapData, ConntrackKey, ConntrackEntry> =
+                    map.try_into().unwrap();
+                conntrack.get(key, 0).ok()
+            })
+            .map(|entry| ConntrackEntry {
+                flags: entry.flags & !CT_F_UNCONFIRMED,
+                ..entry
+            })
+    }
+
+    /// Whether `key`'s entry is in the main table (its connection confirmed).
+    fn confirmed(&self, key: &ConntrackKey) -> bool {
         let map = self.ebpf.map(map_name::CONNTRACK).unwrap();
         let conntrack: HashMap<&MapData, ConntrackKey, ConntrackEntry> = map.try_into().unwrap();
-        conntrack.get(key, 0).ok()
+        conntrack.get(key, 0).is_ok()
     }
 
     fn conntrack_len(&self) -> usize {
-        let map = self.ebpf.map(map_name::CONNTRACK).unwrap();
-        let conntrack: HashMap<&MapData, ConntrackKey, ConntrackEntry> = map.try_into().unwrap();
-        conntrack.keys().count()
+        [map_name::CONNTRACK, map_name::CONNTRACK_UNCONFIRMED]
+            .into_iter()
+            .map(|name| {
+                let map = self.ebpf.map(name).unwrap();
+                let conntrack: HashMap<&MapData, ConntrackKey, ConntrackEntry> =
+                    map.try_into().unwrap();
+                conntrack.keys().count()
+            })
+            .sum()
+    }
+
+    /// Moves every unconfirmed entry to the main table, as if each connection had completed
+    /// its handshake.
+    fn confirm_all(&mut self) {
+        let unconfirmed: Vec<(ConntrackKey, ConntrackEntry)> = {
+            let map = self.ebpf.map(map_name::CONNTRACK_UNCONFIRMED).unwrap();
+            let conntrack: HashMap<&MapData, ConntrackKey, ConntrackEntry> =
+                map.try_into().unwrap();
+            conntrack.iter().map(Result::unwrap).collect()
+        };
+        let map = self.ebpf.map_mut(map_name::CONNTRACK).unwrap();
+        let mut conntrack: HashMap<&mut MapData, ConntrackKey, ConntrackEntry> =
+            map.try_into().unwrap();
+        for (key, entry) in &unconfirmed {
+            let entry = ConntrackEntry {
+                flags: entry.flags & !CT_F_UNCONFIRMED,
+                ..*entry
+            };
+            conntrack.insert(key, entry, 0).unwrap();
+        }
+        let map = self.ebpf.map_mut(map_name::CONNTRACK_UNCONFIRMED).unwrap();
+        let mut conntrack: HashMap<&mut MapData, ConntrackKey, ConntrackEntry> =
+            map.try_into().unwrap();
+        for (key, _) in &unconfirmed {
+            conntrack.remove(key).unwrap();
+        }
     }
 }
 
@@ -632,7 +683,7 @@ fn backend_counters_count_in_the_slot_while_it_has_the_connections_owner() {
             packets: 3,
             bytes: 2 * ip_len(&first) + ip_len(&reply),
             owner: 77,
-            _pad: 0,
+            ports_exhausted: 0,
         }
     );
 
@@ -742,12 +793,17 @@ fn tcp_handshake_establishes_on_the_clients_ack() {
     let out = datapath.translate(&TcpFlow::syn_ack(backend));
     assert_eq!((out.src, out.dst), (CLUSTER_IP, POD));
     assert_eq!(datapath.tcp_states(backend), (tcp::SYN_RECV, tcp::SYN_RECV));
+    // The SYN-ACK does not confirm it: a backend answers a spoofed SYN too.
+    let key = ct_key(Proto::Tcp, POD, CLUSTER_IP);
+    assert!(!datapath.confirmed(&key));
     let flow = TcpFlow::after_handshake(backend);
     datapath.translate(&flow.client);
     assert_eq!(
         datapath.tcp_states(backend),
         (tcp::ESTABLISHED, tcp::ESTABLISHED)
     );
+    assert!(datapath.confirmed(&key), "the client's ACK confirms it");
+    assert_eq!(datapath.counter(Counter::ConntrackConfirmed), 1);
     assert_eq!(datapath.counter(Counter::NewConnection), 1);
 }
 
@@ -1717,9 +1773,15 @@ impl Datapath {
     }
 
     fn conntrack_entries(&self) -> Vec<(ConntrackKey, ConntrackEntry)> {
-        let map = self.ebpf.map(map_name::CONNTRACK).unwrap();
-        let conntrack: HashMap<&MapData, ConntrackKey, ConntrackEntry> = map.try_into().unwrap();
-        let mut entries: Vec<_> = conntrack.iter().map(Result::unwrap).collect();
+        let mut entries: Vec<_> = [map_name::CONNTRACK, map_name::CONNTRACK_UNCONFIRMED]
+            .into_iter()
+            .flat_map(|name| {
+                let map = self.ebpf.map(name).unwrap();
+                let conntrack: HashMap<&MapData, ConntrackKey, ConntrackEntry> =
+                    map.try_into().unwrap();
+                conntrack.iter().map(Result::unwrap).collect::<Vec<_>>()
+            })
+            .collect();
         entries.sort_by_key(|(k, _)| (k.src_addr, k.dst_addr, k.src_port, k.dst_port, k.proto));
         entries
     }
@@ -2024,6 +2086,8 @@ fn snat_ports_exhausted_drops() {
     datapath.service(Proto::Tcp, CLUSTER_IP, 0, SERVICE_ID, &[ENDPOINTS[0]]);
     let out = datapath.translate(&Packet::new(Proto::Tcp, DOCKER_CONTAINER, CLUSTER_IP));
     assert_eq!(out.src, SocketAddrV4::new(NODE, 62_000));
+    // Established: an unconfirmed holder would give way (`an_unconfirmed_holder_gives_way`).
+    datapath.confirm_all();
 
     let second = SocketAddrV4::new(*DOCKER_CONTAINER.ip(), 40001);
     let packet = Packet::new(Proto::Tcp, second, CLUSTER_IP).build();
@@ -2035,6 +2099,34 @@ fn snat_ports_exhausted_drops() {
             .conntrack(&ct_key(Proto::Tcp, second, CLUSTER_IP))
             .is_none()
     );
+}
+
+/// The only masquerade port is held by a connection whose handshake is not complete (a flood's
+/// half-open SYN): a new connection takes it over (early drop), both of the holder's entries
+/// go.
+#[test]
+fn an_unconfirmed_holder_gives_way() {
+    let mut datapath = Datapath::new(Config {
+        snat_port_min: 62_000,
+        snat_port_max: 62_000,
+        ..config()
+    });
+    datapath.service(Proto::Tcp, CLUSTER_IP, 0, SERVICE_ID, &[ENDPOINTS[0]]);
+    let out = datapath.translate(&Packet::new(Proto::Tcp, DOCKER_CONTAINER, CLUSTER_IP));
+    assert_eq!(out.src, SocketAddrV4::new(NODE, 62_000));
+
+    let second = SocketAddrV4::new(*DOCKER_CONTAINER.ip(), 40001);
+    let taken = datapath.translate(&Packet::new(Proto::Tcp, second, CLUSTER_IP));
+    assert_eq!(taken.src, SocketAddrV4::new(NODE, 62_000));
+    assert_eq!(datapath.counter(Counter::ConntrackEarlyDrop), 1);
+    assert_eq!(datapath.counter(Counter::DropSnatPortsExhausted), 0);
+    assert!(
+        datapath
+            .conntrack(&ct_key(Proto::Tcp, DOCKER_CONTAINER, CLUSTER_IP))
+            .is_none(),
+        "the holder's original entry goes with it"
+    );
+    assert_eq!(datapath.conntrack_len(), 2);
 }
 
 /// The datapath's size of the conntrack map (`Datapath::new`).
@@ -2078,6 +2170,8 @@ fn probing_a_held_port_evicts_no_live_connection() {
     }
     let holder = datapath.translate(&Packet::new(Proto::Tcp, DOCKER_CONTAINER, CLUSTER_IP));
     assert_eq!(holder.src, SocketAddrV4::new(NODE, 62_000));
+    // Established: an unconfirmed holder would give way to the probes (early drop).
+    datapath.confirm_all();
     let conntrack: HashMap<_, ConntrackKey, ConntrackEntry> = datapath.map(map_name::CONNTRACK);
     let live: Vec<ConntrackKey> = conntrack.keys().map(Result::unwrap).collect();
 
@@ -2244,6 +2338,8 @@ fn clash_without_a_free_port_drops() {
         remapped
     );
 
+    // Established: an unconfirmed holder of the port would give way (early drop).
+    datapath.confirm_all();
     let third = Packet::new(Proto::Udp, POD, third_cluster_ip).build();
     assert_eq!(datapath.run(&third).0, TC_ACT_SHOT);
     assert_eq!(datapath.counter(Counter::DropTupleClash), 1);

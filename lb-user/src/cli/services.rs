@@ -30,6 +30,33 @@ pub fn run(args: StatsArgs) -> Result<()> {
     Ok(())
 }
 
+/// An endpoint whose masquerade ports ran out for some new connections, as `lb stats` lists it.
+#[derive(Debug, Serialize)]
+pub struct PortsExhausted {
+    /// "namespace/name" of its Service ("" when its origin is not pinned).
+    pub service: String,
+    pub backend: SocketAddrV4,
+    /// New connections dropped (`drop_snat_ports_exhausted` of this endpoint).
+    pub connections: u64,
+}
+
+/// The endpoints of the maps pinned in `dir` whose masquerade ports ran out, once each (its
+/// frontends share its counters).
+pub fn ports_exhausted(dir: &Path) -> Result<Vec<PortsExhausted>> {
+    let mut seen = BTreeMap::new();
+    for row in rows(&Pinned::read(dir)?) {
+        for backend in row.backends.iter().filter(|b| b.ports_exhausted > 0) {
+            seen.entry((row.service_id, backend.address))
+                .or_insert_with(|| PortsExhausted {
+                    service: row.service.clone(),
+                    backend: backend.address,
+                    connections: backend.ports_exhausted,
+                });
+        }
+    }
+    Ok(seen.into_values().collect())
+}
+
 /// What the pinned maps hold, as `lb services` shows it.
 #[derive(Debug, Default)]
 struct Pinned {
@@ -120,6 +147,8 @@ struct BackendRow {
     connections: u64,
     packets: u64,
     bytes: u64,
+    /// New connections to it dropped for want of a free masquerade port.
+    ports_exhausted: u64,
 }
 
 fn socket(addr: u32, port: u16) -> SocketAddrV4 {
@@ -195,6 +224,7 @@ fn rows(pinned: &Pinned) -> Vec<Row> {
                     connections: stats.connections,
                     packets: stats.packets,
                     bytes: stats.bytes,
+                    ports_exhausted: u64::from(stats.ports_exhausted),
                 });
             }
             let origin = pinned.origins.get(key);

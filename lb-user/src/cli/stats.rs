@@ -6,11 +6,15 @@ use lb_user::datapath;
 use lb_user::maps::pins;
 use serde::Serialize;
 
-use crate::cli::args::{Output, StatsArgs};
+use crate::cli::{
+    args::{Output, StatsArgs},
+    services::{self, PortsExhausted},
+};
 
 pub fn run(args: StatsArgs) -> Result<()> {
     let dir = pins::find(&args.bpffs, map_name::COUNTERS)?;
-    let stats = Stats::new(&datapath::read_counters(&dir)?);
+    let mut stats = Stats::new(&datapath::read_counters(&dir)?);
+    stats.ports_exhausted = services::ports_exhausted(&dir)?;
     match args.output {
         Output::Table => print!("{}", stats.table()),
         Output::Json => println!("{}", serde_json::to_string_pretty(&stats)?),
@@ -26,6 +30,8 @@ struct Stats {
     /// Every drop reason, in the order its first counter comes.
     drops: Vec<DropRow>,
     dropped_total: u64,
+    /// The endpoints whose masquerade ports ran out (`drop_snat_ports_exhausted` per endpoint).
+    ports_exhausted: Vec<PortsExhausted>,
 }
 
 #[derive(Debug, Serialize)]
@@ -73,10 +79,12 @@ impl Stats {
                 .collect(),
             dropped_total: drops.iter().map(|d| d.packets).sum(),
             drops,
+            ports_exhausted: Vec::new(),
         }
     }
 
-    /// The counters, then the drops by reason: two tables.
+    /// The counters, the drops by reason, and the endpoints whose masquerade ports ran out, if
+    /// any.
     fn table(&self) -> String {
         let mut counters = Table::new();
         counters
@@ -97,7 +105,23 @@ impl Stats {
             ]);
         }
         drops.add_row(["Total", &self.dropped_total.to_string(), ""]);
-        format!("{counters}\n\n{drops}\n")
+        if self.ports_exhausted.is_empty() {
+            return format!("{counters}\n\n{drops}\n");
+        }
+        let mut exhausted = Table::new();
+        exhausted.load_style(presets::NOTHING).set_header([
+            "MASQUERADE PORTS EXHAUSTED",
+            "SERVICE",
+            "CONNECTIONS DROPPED",
+        ]);
+        for row in &self.ports_exhausted {
+            exhausted.add_row([
+                row.backend.to_string(),
+                row.service.clone(),
+                row.connections.to_string(),
+            ]);
+        }
+        format!("{counters}\n\n{drops}\n\n{exhausted}\n")
     }
 }
 
@@ -148,5 +172,28 @@ mod tests {
             assert!(line.contains(counter.meaning()), "{line}");
         }
         assert!(table.contains(no_backend.drop_reason().unwrap()));
+        assert!(!table.contains("MASQUERADE PORTS EXHAUSTED"));
+    }
+
+    #[test]
+    fn endpoints_whose_masquerade_ports_ran_out_are_listed() {
+        let mut stats = Stats::new(&[(Counter::DropSnatPortsExhausted, 7)]);
+        stats.ports_exhausted = vec![PortsExhausted {
+            service: "default/web".into(),
+            backend: "10.244.1.3:8080".parse().unwrap(),
+            connections: 7,
+        }];
+        let table = stats.table();
+        let line = table
+            .lines()
+            .map(str::trim)
+            .find(|l| l.starts_with("10.244.1.3:8080"))
+            .unwrap_or_else(|| panic!("{table}"));
+        assert!(
+            line.contains("default/web") && line.ends_with('7'),
+            "{line}"
+        );
+        let json = serde_json::to_value(&stats).unwrap();
+        assert_eq!(json["ports_exhausted"][0]["connections"], 7);
     }
 }

@@ -300,12 +300,14 @@ fn seed(
     tuple: &ConntrackKey,
     frontend: Option<&Frontend>,
 ) -> Result<Option<ConntrackEntry>> {
-    let pinned =
-        pins::open::<HashMap<MapData, ConntrackKey, ConntrackEntry>>(dir, map_name::CONNTRACK)?;
-    let mut private: HashMap<_, ConntrackKey, ConntrackEntry> =
-        private_map(ebpf, map_name::CONNTRACK)?;
-    let existing = pinned.get(tuple, 0).ok();
-    if let Some(entry) = &existing {
+    // A connection is in the main table or, its handshake not complete, the unconfirmed one.
+    let mut existing = None;
+    for name in [map_name::CONNTRACK, map_name::CONNTRACK_UNCONFIRMED] {
+        let pinned = pins::open::<HashMap<MapData, ConntrackKey, ConntrackEntry>>(dir, name)?;
+        let mut private: HashMap<_, ConntrackKey, ConntrackEntry> = private_map(ebpf, name)?;
+        let Ok(entry) = pinned.get(tuple, 0) else {
+            continue;
+        };
         private.insert(tuple, entry, 0)?;
         // The peer, keyed by this entry's rewrite turned around.
         let peer = ConntrackKey {
@@ -319,6 +321,7 @@ fn seed(
         if let Ok(peer_entry) = pinned.get(&peer, 0) {
             private.insert(peer, peer_entry, 0)?;
         }
+        existing.get_or_insert(entry);
     }
     let Some(frontend) = frontend else {
         return Ok(existing);
@@ -354,8 +357,13 @@ where
 
 /// The conntrack entry of the packet's tuple after the run: found or created.
 fn private_entry(ebpf: &mut Ebpf, tuple: &ConntrackKey) -> Result<Option<ConntrackEntry>> {
-    let private: HashMap<_, ConntrackKey, ConntrackEntry> = private_map(ebpf, map_name::CONNTRACK)?;
-    Ok(private.get(tuple, 0).ok())
+    for name in [map_name::CONNTRACK, map_name::CONNTRACK_UNCONFIRMED] {
+        let private: HashMap<_, ConntrackKey, ConntrackEntry> = private_map(ebpf, name)?;
+        if let Ok(entry) = private.get(tuple, 0) {
+            return Ok(Some(entry));
+        }
+    }
+    Ok(None)
 }
 
 /// The counters the run moved (the private ones started at zero).

@@ -114,6 +114,9 @@ pub struct MapSizes {
     pub frontends: u32,
     pub backends: u32,
     pub conntrack: u32,
+    /// The unconfirmed connections' table and their intermediate tuples
+    /// (`lb_common::unconfirmed_size`).
+    pub unconfirmed: u32,
     pub affinity: u32,
     pub backend_stats: u32,
 }
@@ -125,6 +128,8 @@ pub struct Datapath {
     pub service_maps: ServiceMaps,
     config: Array<MapData, Config>,
     conntrack: HashMap<MapData, ConntrackKey, ConntrackEntry>,
+    /// Connections whose handshake is not complete (`map_name::CONNTRACK_UNCONFIRMED`).
+    unconfirmed: HashMap<MapData, ConntrackKey, ConntrackEntry>,
     xdp_egress: HashMap<MapData, u32, u8>,
     agent: Array<MapData, AgentInfo>,
     reject_limit: PerCpuArray<MapData, RejectLimit>,
@@ -147,6 +152,8 @@ impl Datapath {
             (map_name::BACKENDS, sizes.backends),
             (map_name::CONNTRACK, sizes.conntrack),
             (map_name::INTERMEDIATE, sizes.conntrack),
+            (map_name::CONNTRACK_UNCONFIRMED, sizes.unconfirmed),
+            (map_name::INTERMEDIATE_UNCONFIRMED, sizes.unconfirmed),
             (map_name::AFFINITY, sizes.affinity),
             (map_name::BACKEND_STATS, sizes.backend_stats),
         ];
@@ -167,6 +174,7 @@ impl Datapath {
         };
         let config = take_map(&mut ebpf, map_name::CONFIG)?;
         let conntrack = take_map(&mut ebpf, map_name::CONNTRACK)?;
+        let unconfirmed = take_map(&mut ebpf, map_name::CONNTRACK_UNCONFIRMED)?;
         let xdp_egress = take_map(&mut ebpf, map_name::XDP_EGRESS)?;
         let agent = take_map(&mut ebpf, map_name::AGENT)?;
         let reject_limit = take_map(&mut ebpf, map_name::REJECT_LIMIT)?;
@@ -175,6 +183,7 @@ impl Datapath {
             service_maps,
             config,
             conntrack,
+            unconfirmed,
             xdp_egress,
             agent,
             reject_limit,
@@ -248,17 +257,21 @@ impl Datapath {
     /// Deletes the conntrack entries (both directions) of connections to `removed` UDP
     /// endpoints; returns how many. Entries the datapath drops meanwhile are no failure.
     pub fn flush_udp(&mut self, removed: &BTreeSet<UdpEndpoint>) -> Result<usize, DatapathError> {
-        let err = |source| DatapathError::Map {
-            name: map_name::CONNTRACK,
-            source,
-        };
-        // Collected first: deleting while iterating would restart the walk.
-        let entries: Vec<_> = self.conntrack.iter().filter_map(Result::ok).collect();
-        let stale: Vec<ConntrackKey> = udp_flush::stale_entries(entries, removed).collect();
-        for key in &stale {
-            ignore_missing(self.conntrack.remove(key)).map_err(err)?;
+        let mut flushed = 0;
+        for (name, map) in [
+            (map_name::CONNTRACK, &mut self.conntrack),
+            (map_name::CONNTRACK_UNCONFIRMED, &mut self.unconfirmed),
+        ] {
+            let err = |source| DatapathError::Map { name, source };
+            // Collected first: deleting while iterating would restart the walk.
+            let entries: Vec<_> = map.iter().filter_map(Result::ok).collect();
+            let stale: Vec<ConntrackKey> = udp_flush::stale_entries(entries, removed).collect();
+            for key in &stale {
+                ignore_missing(map.remove(key)).map_err(err)?;
+            }
+            flushed += stale.len();
         }
-        Ok(stale.len())
+        Ok(flushed)
     }
 
     /// Copies the connections of earlier agents' conntrack maps

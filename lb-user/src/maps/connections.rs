@@ -158,30 +158,41 @@ pub fn pinned_timeouts(pin_dir: &Path) -> Result<ConntrackTimeouts, MapError> {
     Ok(config.get(&0, 0)?.timeouts)
 }
 
-/// The pinned conntrack map in `pin_dir`.
+/// The pinned conntrack maps in `pin_dir`: the main table and the unconfirmed connections'.
 pub struct ConntrackMap {
-    map: HashMap<MapData, ConntrackKey, ConntrackEntry>,
+    maps: Vec<HashMap<MapData, ConntrackKey, ConntrackEntry>>,
 }
 
 impl ConntrackMap {
+    /// The unconfirmed table is left out when it is not pinned (an agent of before it).
     pub fn open(pin_dir: &Path) -> Result<Self, MapError> {
-        let data = MapData::from_pin(pin_dir.join(map_name::CONNTRACK))?;
-        let map = HashMap::try_from(Map::from_map_data(data)?)?;
-        Ok(ConntrackMap { map })
+        let open = |name: &str| -> Result<_, MapError> {
+            let data = MapData::from_pin(pin_dir.join(name))?;
+            HashMap::try_from(Map::from_map_data(data)?)
+        };
+        let mut maps = vec![open(map_name::CONNTRACK)?];
+        if pin_dir.join(map_name::CONNTRACK_UNCONFIRMED).exists() {
+            maps.push(open(map_name::CONNTRACK_UNCONFIRMED)?);
+        }
+        Ok(ConntrackMap { maps })
     }
 
-    /// Every entry; those the datapath replaces during the walk may be missed or seen twice.
+    /// Every entry of both tables; those the datapath replaces or moves during the walk may be
+    /// missed or seen twice.
     pub fn entries(&self) -> Result<Vec<(ConntrackKey, ConntrackEntry)>, MapError> {
-        self.map.iter().collect()
+        self.maps.iter().flat_map(|map| map.iter()).collect()
     }
 
-    /// Deletes both entries of `connection`; entries already gone are no failure.
+    /// Deletes both entries of `connection`, from either table; entries already gone are no
+    /// failure.
     pub fn delete(&mut self, connection: &Connection) -> Result<(), MapError> {
-        for key in [connection.original, connection.reply].iter().flatten() {
-            match self.map.remove(key) {
-                Err(MapError::SyscallError(err)) if err.io_error.raw_os_error() == Some(ENOENT) => {
+        for map in &mut self.maps {
+            for key in [connection.original, connection.reply].iter().flatten() {
+                match map.remove(key) {
+                    Err(MapError::SyscallError(err))
+                        if err.io_error.raw_os_error() == Some(ENOENT) => {}
+                    other => other?,
                 }
-                other => other?,
             }
         }
         Ok(())
