@@ -51,6 +51,25 @@ impl LineEchoServer {
     }
 }
 
+/// One line through `stream`, echoed back by a LineEchoServer.
+pub fn echo_line(stream: &mut BufReader<TcpStream>) -> Result<()> {
+    stream.get_mut().write_all(b"ping\n")?;
+    let mut line = String::new();
+    stream.read_line(&mut line)?;
+    ensure!(line.ends_with("ping\n"), "echo {line:?}");
+    Ok(())
+}
+
+/// A new connection to a LineEchoServer at `to` that echoes a line, with `timeout` for the
+/// connect and the answer.
+pub fn connect_and_echo_line(to: SocketAddr, timeout: Duration) -> Result<BufReader<TcpStream>> {
+    let stream = TcpStream::connect_timeout(&to, timeout)?;
+    stream.set_read_timeout(Some(timeout))?;
+    let mut stream = BufReader::new(stream);
+    echo_line(&mut stream)?;
+    Ok(stream)
+}
+
 fn accept_lines(listener: &TcpListener, name: &str, stop: &Arc<AtomicBool>) {
     let mut connections = Vec::new();
     while !stop.load(Ordering::Relaxed) {

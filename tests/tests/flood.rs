@@ -4,8 +4,8 @@
 //! unconfirmed connections first (early_drop); an LRU of all connections evicted the idle
 //! established ones, and the flood's half-open connections held the masquerade ports.
 use std::{
-    io::{BufRead as _, BufReader, Write as _},
-    net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpStream},
+    io::BufReader,
+    net::{SocketAddr, SocketAddrV4, TcpStream},
     time::Duration,
 };
 
@@ -13,10 +13,10 @@ use anyhow::{Result, ensure};
 use lb_tests::{
     agent::stats,
     echo::Proto,
-    flows::LineEchoServer,
+    flows::{LineEchoServer, connect_and_echo_line, echo_line},
     manifests::{ServiceManifest, yaml},
     node::{CLUSTER_IP, Node, PORT},
-    raw::{send_ipv4, tcp_segment},
+    raw::{send_paced, spoofed_syns},
     topology::NODE_IP,
 };
 
@@ -31,13 +31,8 @@ const FEW_PORTS: &str = "61000-61511";
 const FLOOD_SYNS: u32 = 3 * CONNTRACK_MAX;
 /// SYNs sent per pause of the flood, which spreads it over about FLOOD_SYNS / FLOOD_BATCH ×
 /// FLOOD_PAUSE (~1 s), so that real connections are opened during it.
-const FLOOD_BATCH: u32 = 32;
+const FLOOD_BATCH: usize = 32;
 const FLOOD_PAUSE: Duration = Duration::from_millis(10);
-/// Spoofed sources: 64 addresses of the client's link that no namespace holds (the backend's
-/// SYN-ACKs to them are never answered), 48 ports each.
-const SPOOFED_BASE: [u8; 4] = [198, 51, 100, 64];
-const SPOOFED_ADDRESSES: u32 = 64;
-const SPOOFED_FIRST_PORT: u16 = 20_000;
 /// Idle established connections opened before the flood.
 const ESTABLISHED: usize = 8;
 /// New connections of the real client after the flood, each of which must succeed.
@@ -49,39 +44,9 @@ const NODE_PORT: u16 = 30087;
 const SERVER_PORT: u16 = 8091;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// One line through `stream`, echoed back.
-fn echo(stream: &mut BufReader<TcpStream>) -> Result<()> {
-    stream.get_mut().write_all(b"ping\n")?;
-    let mut line = String::new();
-    stream.read_line(&mut line)?;
-    ensure!(line.ends_with("ping\n"), "echo {line:?}");
-    Ok(())
-}
-
 /// A new connection to `to` that echoes a line.
 fn connect_and_echo(to: SocketAddr) -> Result<BufReader<TcpStream>> {
-    let stream = TcpStream::connect_timeout(&to, CONNECT_TIMEOUT)?;
-    stream.set_read_timeout(Some(CONNECT_TIMEOUT))?;
-    let mut stream = BufReader::new(stream);
-    echo(&mut stream)?;
-    Ok(stream)
-}
-
-/// The flood's SYNs, from spoofed sources to `to`.
-fn spoofed_syns(to: SocketAddrV4) -> Result<Vec<Vec<u8>>> {
-    (0..FLOOD_SYNS)
-        .map(|i| {
-            let base = u32::from(Ipv4Addr::from(SPOOFED_BASE));
-            let addr = Ipv4Addr::from(base + i % SPOOFED_ADDRESSES);
-            let port = SPOOFED_FIRST_PORT + (i / SPOOFED_ADDRESSES) as u16;
-            tcp_segment(
-                SocketAddrV4::new(addr, port),
-                to,
-                i.wrapping_mul(7919),
-                |b| b.syn(),
-            )
-        })
-        .collect()
+    connect_and_echo_line(to, CONNECT_TIMEOUT)
 }
 
 /// `tolerated_failures`: of every 20 new connections of the real client (during and after the
@@ -114,21 +79,10 @@ fn syn_flood(mode: &str, masquerade_ports: &str, tolerated_failures: usize) -> R
     })??;
     let before = stats(&node.topology.node)?;
 
-    let syns = spoofed_syns(node_port)?;
+    let syns = spoofed_syns(node_port, FLOOD_SYNS)?;
     let (sent, (during_ok, during_failed)) = std::thread::scope(|scope| -> Result<_> {
-        let flood = scope.spawn(|| {
-            client.run(move || -> Result<u32> {
-                let mut sent = 0;
-                for batch in syns.chunks(FLOOD_BATCH as usize) {
-                    for syn in batch {
-                        send_ipv4(syn, NODE_IP)?;
-                        sent += 1;
-                    }
-                    std::thread::sleep(FLOOD_PAUSE);
-                }
-                Ok(sent)
-            })
-        });
+        let flood = scope
+            .spawn(|| client.run(move || send_paced(&syns, NODE_IP, FLOOD_BATCH, FLOOD_PAUSE)));
         // New connections of the real client, one after the other, while the flood lasts.
         let during = {
             let mut outcome = (0, 0);
@@ -147,7 +101,7 @@ fn syn_flood(mode: &str, masquerade_ports: &str, tolerated_failures: usize) -> R
     })?;
     let survivors = established
         .iter_mut()
-        .map(|stream| echo(stream).is_ok())
+        .map(|stream| echo_line(stream).is_ok())
         .filter(|&ok| ok)
         .count();
     let after: Vec<String> = client.run(move || {
