@@ -17,6 +17,7 @@ mod results;
 mod rulesets;
 mod services;
 mod sweep;
+mod syn_flood;
 mod topology;
 mod traffic;
 mod variants;
@@ -106,6 +107,8 @@ pub struct Plan {
     /// B4 duration and service count.
     pub flood_duration: Duration,
     pub flood_services: usize,
+    /// B5's SYN flood: the agent's `--conntrack-max`; three times as many SYNs.
+    pub syn_flood_conntrack_max: u32,
     /// B6 service counts, changes per count, and the services × endpoints programmed at once.
     pub control_counts: Vec<usize>,
     pub control_changes: usize,
@@ -125,6 +128,7 @@ impl Plan {
             datapath_runs: 1_000_000,
             flood_duration: Duration::from_secs(3),
             flood_services: 1_000,
+            syn_flood_conntrack_max: 16_384,
             control_counts: vec![1_000, 10_000, 50_000],
             control_changes: 20,
             bulk: (10_000, 10),
@@ -178,6 +182,9 @@ impl Plan {
         }
         if self.wants(Section::B5) {
             seconds += 4.0 * point + 5.0;
+            // The SYN flood's deployments, ~12,800 SYNs a second.
+            seconds += syn_flood::VARIANTS.len() as f64
+                * (10.0 + f64::from(self.syn_flood_conntrack_max) * 3.0 / 12_800.0);
         }
         if self.wants(Section::B6) {
             let per_change: f64 = self
@@ -219,6 +226,7 @@ impl Plan {
             datapath_runs: 2_000,
             flood_duration: Duration::from_millis(300),
             flood_services: 1,
+            syn_flood_conntrack_max: 1_024,
             control_counts: vec![10],
             control_changes: 2,
             bulk: (100, 10),
@@ -286,6 +294,8 @@ fn main() -> Result<()> {
     if plan.wants(Section::B5) {
         progress("B5 conntrack full, masquerade ports exhausted");
         results.conntrack = conntrack_full::run(&plan, &mut deployments, &progress)?;
+        progress("B5 SYN flood of three conntrack tables");
+        results.syn_flood = syn_flood::run(&plan, bpffs.path(), &progress)?;
     }
     if plan.wants(Section::B6) {
         progress("B6 control plane: endpoint change to first packet");

@@ -67,6 +67,7 @@ pub fn write(results: &Results, dir: &Path) -> Result<()> {
     write_sweep(&mut md, results, dir)?;
     write_flood(&mut md, results);
     write_conntrack(&mut md, results);
+    write_syn_flood(&mut md, results);
     write_control(&mut md, results);
     write_control_api(&mut md, results);
     write_bulk(&mut md, results);
@@ -320,6 +321,45 @@ fn write_conntrack(md: &mut String, results: &Results) {
             p.drop_conntrack_full,
             p.drop_snat_ports_exhausted,
             p.attempts
+        );
+    }
+    md.push('\n');
+}
+
+fn write_syn_flood(md: &mut String, results: &Results) {
+    if results.syn_flood.is_empty() {
+        return;
+    }
+    md.push_str(
+        "## B5 SYN flood of three conntrack tables\n\n\
+         Each variant in a deployment of its own, the agent with a small `--conntrack-max`; \
+         spoofed SYNs (sources no namespace holds), three times the table, from the external \
+         client to a masqueraded TCP NodePort. Idle established connections opened before the \
+         flood echo a line after it; the external client opens new connections (each echoes a \
+         line) one after the other during the flood, then after it.\n\n\
+         | variant | --conntrack-max | SYNs | flood s | established surviving | \
+         new during (conn/s) | new after | conntrack_early_drop | drop_snat_ports_exhausted | \
+         error |\n\
+         | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |\n",
+    );
+    for f in &results.syn_flood {
+        let _ = writeln!(
+            md,
+            "| {} | {} | {} | {:.2} | {} / {} | {} / {} ({:.0}) | {} / {} | {} | {} | {} |",
+            f.variant.name(),
+            f.conntrack_max,
+            f.syns,
+            f.flood_seconds,
+            f.established_surviving,
+            f.established,
+            f.during_succeeded,
+            f.during_attempts,
+            f.during_per_second,
+            f.after_succeeded,
+            f.after_attempts,
+            f.conntrack_early_drop,
+            f.drop_snat_ports_exhausted,
+            f.error.as_deref().unwrap_or_default()
         );
     }
     md.push('\n');

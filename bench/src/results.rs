@@ -14,6 +14,7 @@ use crate::{
     memory::MapMemory,
     restart::Restart,
     sweep::Bulk,
+    syn_flood::SynFlood,
     traffic::{ConnectionRate, RequestRate},
     variants::Variant,
 };
@@ -36,6 +37,8 @@ pub struct Results {
     pub flood: Vec<Flood>,
     /// B5.
     pub conntrack: Vec<ConntrackPoint>,
+    /// B5: the SYN flood.
+    pub syn_flood: Vec<SynFlood>,
     /// B6: change to first packet.
     pub control: Vec<ControlPoint>,
     /// B6 through the apiserver.
@@ -64,6 +67,7 @@ impl Results {
             points: Vec::new(),
             flood: Vec::new(),
             conntrack: Vec::new(),
+            syn_flood: Vec::new(),
             control: Vec::new(),
             control_api: Vec::new(),
             bulk: Vec::new(),

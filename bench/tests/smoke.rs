@@ -58,6 +58,17 @@ fn smoke_run_writes_results_report_and_plots() {
     assert!(attempts > 0);
     assert!(exhausted["drop_snat_ports_exhausted"].as_u64().unwrap() >= attempts);
 
+    // B5's SYN flood: tc and tc-redirect; every SYN sent, every idle established connection
+    // still echoes, new connections succeeded during and after it.
+    let syn_flood = results["syn_flood"].as_array().unwrap();
+    assert_eq!(syn_flood.len(), 2, "{syn_flood:?}");
+    for point in syn_flood {
+        assert!(point["error"].is_null(), "{point}");
+        assert_eq!(point["established_surviving"], point["established"], "{point}");
+        assert!(point["during_succeeded"].as_u64().unwrap() > 0, "{point}");
+        assert!(point["after_succeeded"].as_u64().unwrap() > 0, "{point}");
+    }
+
     // B6: both --min-sync-period settings, every change seen.
     let control = results["control"].as_array().unwrap();
     assert_eq!(control.len(), 2, "{control:?}");
