@@ -68,6 +68,8 @@ pub struct SynFlood {
     pub after_succeeded: usize,
     /// Counter deltas over the flood.
     pub new_connection: u64,
+    pub conntrack_confirmed: u64,
+    pub conntrack_unconfirmed_evicted: u64,
     pub conntrack_early_drop: u64,
     pub drop_conntrack_full: u64,
     pub drop_snat_ports_exhausted: u64,
@@ -152,6 +154,8 @@ fn measure(bpffs: &Path, flood: &mut SynFlood) -> Result<()> {
         value(&after) - value(&before)
     };
     flood.new_connection = delta(Counter::NewConnection);
+    flood.conntrack_confirmed = delta(Counter::ConntrackConfirmed);
+    flood.conntrack_unconfirmed_evicted = delta(Counter::ConntrackUnconfirmedEvicted);
     flood.conntrack_early_drop = delta(Counter::ConntrackEarlyDrop);
     flood.drop_conntrack_full = delta(Counter::DropConntrackFull);
     flood.drop_snat_ports_exhausted = delta(Counter::DropSnatPortsExhausted);
@@ -183,6 +187,8 @@ impl SynFlood {
             after_attempts: AFTER,
             after_succeeded: 0,
             new_connection: 0,
+            conntrack_confirmed: 0,
+            conntrack_unconfirmed_evicted: 0,
             conntrack_early_drop: 0,
             drop_conntrack_full: 0,
             drop_snat_ports_exhausted: 0,
@@ -194,8 +200,8 @@ impl SynFlood {
         format!(
             "  syn flood {:<12} {} SYNs (--conntrack-max {}) in {:.2} s: established {} of {} \
              survive; new connections during it {} of {} ({:.0}/s), after it {} of {}; \
-             new_connection +{}, conntrack_early_drop +{}, drop_conntrack_full +{}, \
-             drop_snat_ports_exhausted +{}{}",
+             new_connection +{}, conntrack_confirmed +{}, conntrack_unconfirmed_evicted +{}, \
+             conntrack_early_drop +{}, drop_conntrack_full +{}, drop_snat_ports_exhausted +{}{}",
             self.variant.name(),
             self.syns,
             self.conntrack_max,
@@ -208,6 +214,8 @@ impl SynFlood {
             self.after_succeeded,
             self.after_attempts,
             self.new_connection,
+            self.conntrack_confirmed,
+            self.conntrack_unconfirmed_evicted,
             self.conntrack_early_drop,
             self.drop_conntrack_full,
             self.drop_snat_ports_exhausted,

@@ -64,7 +64,10 @@ fn smoke_run_writes_results_report_and_plots() {
     assert_eq!(syn_flood.len(), 2, "{syn_flood:?}");
     for point in syn_flood {
         assert!(point["error"].is_null(), "{point}");
-        assert_eq!(point["established_surviving"], point["established"], "{point}");
+        assert_eq!(
+            point["established_surviving"], point["established"],
+            "{point}"
+        );
         assert!(point["during_succeeded"].as_u64().unwrap() > 0, "{point}");
         assert!(point["after_succeeded"].as_u64().unwrap() > 0, "{point}");
     }
