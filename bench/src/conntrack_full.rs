@@ -140,15 +140,7 @@ fn measure(
         MAX_CONNECTIONS,
     )?;
     let after = read_counters(pins)?;
-    let delta = |counter: Counter| {
-        let value = |counters: &[(Counter, u64)]| {
-            counters
-                .iter()
-                .find(|(c, _)| *c == counter)
-                .map_or(0, |(_, v)| *v)
-        };
-        value(&after) - value(&before)
-    };
+    let delta = |counter| counter_delta(&before, &after, counter);
     Ok(ConntrackPoint {
         case,
         entries,
@@ -245,4 +237,15 @@ fn delete(map: BorrowedFd<'_>, keys: &[ConntrackKey]) -> Result<()> {
         Some((index, err)) => bail!("conntrack delete of entry {index}: {err}"),
         None => Ok(()),
     }
+}
+
+/// How much `counter` grew from `before` to `after` (two `read_counters` readings).
+pub fn counter_delta(before: &[(Counter, u64)], after: &[(Counter, u64)], counter: Counter) -> u64 {
+    let value = |counters: &[(Counter, u64)]| {
+        counters
+            .iter()
+            .find(|(c, _)| *c == counter)
+            .map_or(0, |(_, v)| *v)
+    };
+    value(after) - value(before)
 }

@@ -25,7 +25,9 @@ use lb_user::datapath::read_counters;
 use serde::Serialize;
 
 use crate::{
-    Plan, Progress, interrupt,
+    Plan, Progress,
+    conntrack_full::counter_delta,
+    interrupt,
     services::ServiceSet,
     variants::{Deployment, Variant},
 };
@@ -144,15 +146,7 @@ fn measure(bpffs: &Path, flood: &mut SynFlood) -> Result<()> {
     flood.after_succeeded =
         client.run(move || (0..AFTER).filter(|_| connect_and_echo(to).is_ok()).count())?;
     let after = read_counters(pins)?;
-    let delta = |counter: Counter| {
-        let value = |counters: &[(Counter, u64)]| {
-            counters
-                .iter()
-                .find(|(c, _)| *c == counter)
-                .map_or(0, |(_, v)| *v)
-        };
-        value(&after) - value(&before)
-    };
+    let delta = |counter| counter_delta(&before, &after, counter);
     flood.new_connection = delta(Counter::NewConnection);
     flood.conntrack_confirmed = delta(Counter::ConntrackConfirmed);
     flood.conntrack_unconfirmed_evicted = delta(Counter::ConntrackUnconfirmedEvicted);

@@ -138,18 +138,12 @@ fn dual_stack_service_serves_ipv4(proto: Proto) -> Result<()> {
     node.agent
         .wait_for_log(IPV6_PENDING, Duration::from_secs(5))?;
     let log = node.agent.log();
-    let pending = log
-        .lines()
-        .rfind(|line| line.contains(IPV6_PENDING))
-        .unwrap_or_default();
+    let pending = last_line(&log, IPV6_PENDING);
     ensure!(
         pending.contains("services=2 ") && pending.contains("frontends=3"),
         "{pending}"
     );
-    let synced = log
-        .lines()
-        .rfind(|line| line.contains(SYNC_DONE))
-        .unwrap_or_default();
+    let synced = last_line(&log, SYNC_DONE);
     ensure!(
         synced.contains(" services=1 "),
         "one Service with an IPv4 side: {synced}"
@@ -182,18 +176,19 @@ fn ipv6_only_node_starts_and_counts_its_ipv6_frontends() -> Result<()> {
     node.agent
         .wait_for_log(IPV6_PENDING, Duration::from_secs(5))?;
     let log = node.agent.log();
-    let pending = log
-        .lines()
-        .rfind(|line| line.contains(IPV6_PENDING))
-        .unwrap_or_default();
+    let pending = last_line(&log, IPV6_PENDING);
     ensure!(
         pending.contains("services=1 ") && pending.contains("frontends=1"),
         "{pending}"
     );
-    let synced = log
-        .lines()
-        .rfind(|line| line.contains(SYNC_DONE))
-        .unwrap_or_default();
+    let synced = last_line(&log, SYNC_DONE);
     ensure!(synced.contains(" services=0 "), "no IPv4 side: {synced}");
     Ok(())
+}
+
+/// The last line of `log` that contains `needle` (empty if none).
+fn last_line<'a>(log: &'a str, needle: &str) -> &'a str {
+    log.lines()
+        .rfind(|line| line.contains(needle))
+        .unwrap_or_default()
 }
