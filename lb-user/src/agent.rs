@@ -18,7 +18,7 @@ use lb_common::{
 use lb_user::datapath::bpffs;
 use lb_user::datapath::cgroup_hooks;
 use lb_user::datapath::cgroup_mount;
-use lb_user::datapath::forward_rules;
+use lb_user::datapath::forward_rules::{self, Iptables};
 use lb_user::datapath::link_pins::LinkPins;
 use lb_user::datapath::links::{
     Attachments, InterfaceFilter, LinkEvent, LinkWatcher, TcEgress, TcIngress, XdpNative,
@@ -1310,21 +1310,24 @@ fn ensure_forward_rules(masquerade_mark: u32) {
     let consequence = "on a node whose iptables FORWARD policy is DROP, masqueraded Service \
                        connections (external → NodePort, from outside --cluster-cidr) are \
                        dropped in --forwarding stack";
-    if !forward_rules::available() {
+    let Some((iptables, why)) = Iptables::detect() else {
         warn!(
             chain = forward_rules::CHAIN,
             "iptables not found: FORWARD accept rules not added; {consequence}"
         );
         return;
-    }
-    match forward_rules::ensure(masquerade_mark) {
+    };
+    match iptables.ensure(masquerade_mark) {
         Ok(()) => info!(
             chain = forward_rules::CHAIN,
             mark = format!("{masquerade_mark:#x}/{masquerade_mark:#x}"),
+            iptables = iptables.command,
+            why,
             "FORWARD accepts masqueraded Service traffic and established connections"
         ),
         Err(err) => warn!(
             chain = forward_rules::CHAIN,
+            iptables = iptables.command,
             error = %error_chain(err.as_ref()),
             "FORWARD accept rules not added; {consequence}"
         ),

@@ -378,3 +378,68 @@ fn forward_rules_are_kept_once_and_removed_by_cleanup() -> Result<()> {
     ensure!(n == 0, "without the rules: {n} of 3 answered");
     Ok(())
 }
+
+/// Runs `program` in the node's namespace; fails unless it succeeds.
+fn run_in_node(node: &Node, program: &str, args: &[&str]) -> Result<String> {
+    let out = node.topology.node.exec(program, args)?;
+    ensure!(out.status.success(), "{program} {args:?}: {out:?}");
+    Ok(String::from_utf8(out.stdout)?)
+}
+
+/// A node whose rules are in iptables-legacy (kubelet's hint chain there, FORWARD policy DROP
+/// there): the agent writes LB-FORWARD into iptables-legacy too, as an accept in iptables-nft
+/// would not stop legacy's DROP; `lb cleanup` removes it from there.
+#[test]
+fn forward_rules_follow_a_node_on_iptables_legacy() -> Result<()> {
+    let bpffs = Bpffs::mount()?;
+    let bpffs_arg = bpffs.arg();
+    let mut node = Node::start(3, &[], &["--bpffs", &bpffs_arg])?;
+    let service = node.service(Proto::Tcp, &["pod-b"]).node_port(NODE_PORT);
+    node.agent.update_manifests(&yaml(&[service]))?;
+    let status = node.agent.stop()?;
+    ensure!(status.success(), "agent exit status {status}");
+    // What the first start wrote into iptables-nft (no legacy rules then) goes, pins too.
+    let binary = lb_binary();
+    let cleanup = |node: &Node| {
+        run_in_node(
+            node,
+            &binary.to_string_lossy(),
+            &["cleanup", "--bpffs", &bpffs_arg],
+        )
+    };
+    cleanup(&node)?;
+    run_in_node(
+        &node,
+        "iptables-legacy",
+        &["-t", "mangle", "-N", "KUBE-IPTABLES-HINT"],
+    )?;
+    run_in_node(&node, "iptables-legacy", &["-P", "FORWARD", "DROP"])?;
+    node.agent.restart(&[], true)?;
+
+    let legacy = run_in_node(&node, "iptables-legacy", &["-S", "FORWARD"])?;
+    ensure!(
+        legacy
+            .lines()
+            .nth(1)
+            .is_some_and(|r| r.ends_with("-j LB-FORWARD")),
+        "no jump first in iptables-legacy's FORWARD:\n{legacy}"
+    );
+    let nft = run_in_node(&node, "iptables-nft", &["-S"])?;
+    ensure!(!nft.contains("LB-FORWARD"), "in iptables-nft too:\n{nft}");
+    let node_port: SocketAddr = (NODE_IP, NODE_PORT).into();
+    let n = answered(&node.topology.client, Proto::Tcp, node_port, ATTEMPTS)?;
+    ensure!(
+        n == ATTEMPTS,
+        "external → NodePort: {n} of {ATTEMPTS} answered"
+    );
+
+    let status = node.agent.stop()?;
+    ensure!(status.success(), "agent exit status {status}");
+    cleanup(&node)?;
+    let legacy = run_in_node(&node, "iptables-legacy", &["-S"])?;
+    ensure!(
+        !legacy.contains("LB-FORWARD"),
+        "after lb cleanup:\n{legacy}"
+    );
+    Ok(())
+}

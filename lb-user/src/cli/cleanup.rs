@@ -3,7 +3,7 @@
 use std::path::Path;
 
 use anyhow::{Context as _, Result};
-use lb_user::datapath::forward_rules;
+use lb_user::datapath::forward_rules::{self, Iptables};
 use lb_user::datapath::link_pins::{self, LINKS_DIR};
 use lb_user::datapath::links;
 
@@ -43,15 +43,18 @@ fn remove_datapath(args: &CleanupArgs) -> Result<()> {
 
 /// The agent's FORWARD rules (forward_rules.rs), which stay while the datapath does.
 fn remove_forward_rules() -> Result<()> {
-    if !forward_rules::available() {
+    let installed = Iptables::installed();
+    if installed.is_empty() {
         println!("iptables not found: no {} to remove", forward_rules::CHAIN);
-        return Ok(());
     }
-    if forward_rules::remove()? {
-        println!(
-            "removed iptables chain {} and FORWARD's jump to it",
-            forward_rules::CHAIN
-        );
+    for iptables in installed {
+        if iptables.remove()? {
+            println!(
+                "removed iptables chain {} and FORWARD's jump to it ({})",
+                forward_rules::CHAIN,
+                iptables.command
+            );
+        }
     }
     Ok(())
 }
