@@ -14,7 +14,7 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
     && install -D -m 0755 target/release/lb /out/lb
 
 # Runtime: the one binary. ca-certificates for an apiserver with a public certificate (the
-# in-cluster config brings its own CA); iptables (iptables-nft by bookworm's alternatives) for
+# in-cluster config brings its own CA); iptables (both backends: the agent writes into the node's) for
 # the agent's FORWARD rules (LB-FORWARD).
 FROM debian:bookworm-slim
 RUN apt-get update \
