@@ -21,7 +21,7 @@ use lb_user::datapath::cgroup_mount;
 use lb_user::datapath::forward_rules::{self, Iptables};
 use lb_user::datapath::link_pins::LinkPins;
 use lb_user::datapath::links::{
-    Attachments, InterfaceFilter, LinkEvent, LinkWatcher, TcEgress, TcIngress, XdpNative,
+    Attachments, InterfaceFilter, Link, LinkEvent, LinkWatcher, TcEgress, TcIngress, XdpNative,
 };
 use lb_user::datapath::map_pins;
 use lb_user::datapath::node_sysctls::{self, IcmpRateLimit};
@@ -296,9 +296,9 @@ async fn attach(
     let mut present = links.list().await?;
     // The pod-side interfaces first: with --xdp, lb_xdp's redirect targets are then known when
     // it is swapped in on the external one.
-    present.sort_by_key(|(_, name)| *name == args.external_interface);
-    for (index, name) in present {
-        hooks.add(&mut state.datapath, index, &name).await?;
+    present.sort_by_key(|link| link.name == args.external_interface);
+    for link in &present {
+        hooks.add(&mut state.datapath, link).await?;
     }
     hooks.check_started(args)?;
     hooks.remove_stale_pins(&cgroup_pins);
@@ -389,10 +389,8 @@ impl Agent {
     /// An interface came or went, the node's addresses changed, or netlink lost track.
     async fn link_event(&mut self, event: Option<LinkEvent>) -> Result<()> {
         match event {
-            Some(LinkEvent::Present(index, name)) => {
-                self.hooks
-                    .add(&mut self.state.datapath, index, &name)
-                    .await?;
+            Some(LinkEvent::Present(link)) => {
+                self.hooks.add(&mut self.state.datapath, &link).await?
             }
             Some(LinkEvent::Gone(index)) => self.hooks.remove(&mut self.state.datapath, index)?,
             Some(LinkEvent::Addresses) => self.node_addresses_changed().await,
@@ -403,10 +401,8 @@ impl Agent {
                 for index in self.hooks.tc.missing_from(&present) {
                     self.hooks.remove(&mut self.state.datapath, index)?;
                 }
-                for (index, name) in present {
-                    self.hooks
-                        .add(&mut self.state.datapath, index, &name)
-                        .await?;
+                for link in &present {
+                    self.hooks.add(&mut self.state.datapath, link).await?;
                 }
             }
             None => {
@@ -472,9 +468,23 @@ impl Hooks {
         })
     }
 
-    /// Attaches what interface `index` named `name` gets. Only an XDP attach failure is an
-    /// error: the external interface's driver cannot run XDP natively.
-    async fn add(&mut self, datapath: &mut Datapath, index: u32, name: &str) -> Result<()> {
+    /// Attaches what interface `link` gets. Only an XDP attach failure is an error: the
+    /// external interface's driver cannot run XDP natively. A matching interface without
+    /// Ethernet headers gets nothing: the programs would read its IP header as one.
+    async fn add(&mut self, datapath: &mut Datapath, link: &Link) -> Result<()> {
+        let (index, name) = (link.index, link.name.as_str());
+        if !link.is_ethernet() {
+            if self.tc_filter.matches(name) {
+                warn!(
+                    interface = name,
+                    link_type = ?link.link_type,
+                    "not an Ethernet interface (IPIP, WireGuard, tun): lb's programs are not \
+                     attached to it, so masqueraded replies of remote endpoints arriving over it \
+                     are not translated; use a VXLAN overlay or native routing (docs/datapath.md)"
+                );
+            }
+            return Ok(());
+        }
         // Egress first: ingress may then hand the stack packets only egress completes.
         self.tc_egress
             .add(datapath.egress()?, &self.pins, &self.tc_filter, index, name);

@@ -21,7 +21,7 @@ use lb_common::program_name;
 use rtnetlink::packet_core::{NetlinkMessage, NetlinkPayload};
 use rtnetlink::packet_route::RouteNetlinkMessage;
 use rtnetlink::packet_route::address::{AddressAttribute, AddressMessage};
-use rtnetlink::packet_route::link::{LinkAttribute, LinkMessage};
+use rtnetlink::packet_route::link::{LinkAttribute, LinkLayerType, LinkMessage};
 use rtnetlink::{Handle, MulticastGroup};
 use tracing::{info, warn};
 
@@ -74,8 +74,8 @@ impl InterfaceFilter {
 /// A change in the namespace's interfaces.
 #[derive(Debug, PartialEq, Eq)]
 pub enum LinkEvent {
-    /// Created, or changed (renamed, up/down): (index, name).
-    Present(u32, String),
+    /// Created, or changed (renamed, up/down).
+    Present(Link),
     Gone(u32),
     /// An IPv4 address was added or removed: the addresses NodePorts answer on may change.
     Addresses,
@@ -106,10 +106,10 @@ impl LinkWatcher {
         Ok(Self { handle, messages })
     }
 
-    /// The interfaces there are now: (index, name).
-    pub async fn list(&self) -> Result<Vec<(u32, String)>, LinkError> {
+    /// The interfaces there are now.
+    pub async fn list(&self) -> Result<Vec<Link>, LinkError> {
         let links: Vec<LinkMessage> = self.handle.link().get().execute().try_collect().await?;
-        Ok(links.iter().filter_map(index_and_name).collect())
+        Ok(links.iter().filter_map(Link::of_message).collect())
     }
 
     /// The IPv4 addresses of the namespace's interfaces.
@@ -132,8 +132,8 @@ impl LinkWatcher {
             let (message, _) = self.messages.next().await?;
             match message.payload {
                 NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewLink(link)) => {
-                    if let Some((index, name)) = index_and_name(&link) {
-                        return Some(LinkEvent::Present(index, name));
+                    if let Some(link) = Link::of_message(&link) {
+                        return Some(LinkEvent::Present(link));
                     }
                 }
                 NetlinkPayload::InnerMessage(RouteNetlinkMessage::DelLink(link)) => {
@@ -149,11 +149,31 @@ impl LinkWatcher {
     }
 }
 
-fn index_and_name(link: &LinkMessage) -> Option<(u32, String)> {
-    link.attributes.iter().find_map(|a| match a {
-        LinkAttribute::IfName(name) => Some((link.header.index, name.clone())),
-        _ => None,
-    })
+/// An interface of the namespace.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Link {
+    pub index: u32,
+    pub name: String,
+    /// Its ARPHRD_* type: the programs parse an Ethernet header, which only `Ether` links have
+    /// (not WireGuard, tun or IPIP devices, whose packets start at the IP header).
+    pub link_type: LinkLayerType,
+}
+
+impl Link {
+    fn of_message(link: &LinkMessage) -> Option<Self> {
+        link.attributes.iter().find_map(|a| match a {
+            LinkAttribute::IfName(name) => Some(Self {
+                index: link.header.index,
+                name: name.clone(),
+                link_type: link.header.link_layer_type,
+            }),
+            _ => None,
+        })
+    }
+
+    pub fn is_ethernet(&self) -> bool {
+        self.link_type == LinkLayerType::Ether
+    }
 }
 
 /// tc filters before TCX (Linux 6.6) are netlink objects, not links, so they cannot be pinned:
@@ -390,10 +410,10 @@ impl<P: Attach> Attachments<P> {
     }
 
     /// Indexes we hold that are not in `present` (after lost notifications).
-    pub fn missing_from(&self, present: &[(u32, String)]) -> Vec<u32> {
+    pub fn missing_from(&self, present: &[Link]) -> Vec<u32> {
         self.attached
             .keys()
-            .filter(|i| !present.iter().any(|(p, _)| p == *i))
+            .filter(|i| !present.iter().any(|link| link.index == **i))
             .copied()
             .collect()
     }
