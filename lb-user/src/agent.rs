@@ -295,8 +295,9 @@ async fn attach(
     let mut hooks = Hooks::new(args, &mut state.datapath, pins).await?;
     let mut present = links.list().await?;
     // The pod-side interfaces first: with --xdp, lb_xdp's redirect targets are then known when
-    // it is swapped in on the external one.
-    present.sort_by_key(|link| link.name == args.external_interface);
+    // it is swapped in on the external one. Bridges before their ports, which are wanted as
+    // ports of a bridge that has the programs.
+    present.sort_by_key(|link| (link.name == args.external_interface, link.master.is_some()));
     for link in &present {
         hooks.add(&mut state.datapath, link).await?;
     }
@@ -468,13 +469,20 @@ impl Hooks {
         })
     }
 
-    /// Attaches what interface `link` gets. Only an XDP attach failure is an error: the
-    /// external interface's driver cannot run XDP natively. A matching interface without
-    /// Ethernet headers gets nothing: the programs would read its IP header as one.
+    /// Attaches what interface `link` gets: the tc programs if `--pod-interfaces` or
+    /// `--external-interface` names it, or if it is a port of a bridge that has them. Only an
+    /// XDP attach failure is an error: the external interface's driver cannot run XDP
+    /// natively. A matching interface without Ethernet headers gets nothing: the programs would
+    /// read its IP header as one.
     async fn add(&mut self, datapath: &mut Datapath, link: &Link) -> Result<()> {
         let (index, name) = (link.index, link.name.as_str());
+        // A bridge port's packets meet netfilter (br_netfilter's bridge-nf-call-iptables) before
+        // they reach the bridge's own tc ingress: translated at the port, netfilter's conntrack
+        // sees the connection as the datapath makes it (docs/datapath.md).
+        let wanted =
+            self.tc_filter.matches(name) || link.master.is_some_and(|master| self.tc.holds(master));
         if !link.is_ethernet() {
-            if self.tc_filter.matches(name) {
+            if wanted {
                 warn!(
                     interface = name,
                     link_type = ?link.link_type,
@@ -487,17 +495,18 @@ impl Hooks {
         }
         // Egress first: ingress may then hand the stack packets only egress completes.
         self.tc_egress
-            .add(datapath.egress()?, &self.pins, &self.tc_filter, index, name);
-        self.tc.add(
-            datapath.ingress()?,
-            &self.pins,
-            &self.tc_filter,
-            index,
-            name,
-        );
+            .add(datapath.egress()?, &self.pins, wanted, index, name);
+        self.tc
+            .add(datapath.ingress()?, &self.pins, wanted, index, name);
         if let Some(xdp) = &mut self.xdp {
             xdp.attachments
-                .try_add(datapath.xdp()?, &self.pins, &xdp.external, index, name)
+                .try_add(
+                    datapath.xdp()?,
+                    &self.pins,
+                    xdp.external.matches(name),
+                    index,
+                    name,
+                )
                 .with_context(|| format!("--xdp: attaching lb_xdp in native mode to {name}"))?;
             if self.tc_filter.matches(name) {
                 xdp.candidates.insert(index);

@@ -262,12 +262,18 @@ fn check_node_port_through_forward_policy_drop(proto: Proto) -> Result<()> {
         n == ATTEMPTS,
         "external → NodePort: {n} of {ATTEMPTS} answered"
     );
-    // The container's bridge port: with br_netfilter's bridge-nf-call-iptables (on by default
-    // where the module is loaded), netfilter's conntrack sees the packet before tc ingress on
-    // docker0 translates it, so the replies match no tracked flow (docs/datapath.md).
-    node.topology
+    // The container behind a bridge, with br_netfilter's bridge-nf-call-iptables on (as
+    // kubeadm requires): netfilter's conntrack sees the packet at the bridge port, so it is
+    // translated there (the port of docker0 gets the programs), not at docker0's tc ingress
+    // after conntrack tracked the untranslated tuple (docs/datapath.md).
+    let out = node
+        .topology
         .node
-        .sysctl("net.bridge.bridge-nf-call-iptables", "0")?;
+        .exec("sysctl", &["-n", "net.bridge.bridge-nf-call-iptables"])?;
+    ensure!(
+        out.status.success() && out.stdout == b"1\n",
+        "bridge-nf-call-iptables is not on: {out:?}"
+    );
     let n = answered(&node.topology.container, proto, vip(), ATTEMPTS)?;
     ensure!(
         n == ATTEMPTS,

@@ -157,17 +157,25 @@ pub struct Link {
     /// Its ARPHRD_* type: the programs parse an Ethernet header, which only `Ether` links have
     /// (not WireGuard, tun or IPIP devices, whose packets start at the IP header).
     pub link_type: LinkLayerType,
+    /// The bridge (or bond) it is a port of.
+    pub master: Option<u32>,
 }
 
 impl Link {
     fn of_message(link: &LinkMessage) -> Option<Self> {
-        link.attributes.iter().find_map(|a| match a {
-            LinkAttribute::IfName(name) => Some(Self {
-                index: link.header.index,
-                name: name.clone(),
-                link_type: link.header.link_layer_type,
-            }),
+        let name = link.attributes.iter().find_map(|a| match a {
+            LinkAttribute::IfName(name) => Some(name.clone()),
             _ => None,
+        })?;
+        let master = link.attributes.iter().find_map(|a| match a {
+            LinkAttribute::Controller(index) => Some(*index),
+            _ => None,
+        });
+        Some(Self {
+            index: link.header.index,
+            name,
+            link_type: link.header.link_layer_type,
+            master,
         })
     }
 
@@ -363,17 +371,22 @@ impl<P: Attach> Attachments<P> {
         self.attached.keys().map(|&index| P::pin_name(index))
     }
 
-    /// Puts the program on interface `index` named `name` if it matches and does not have it
-    /// yet. A failure is logged, not returned: the interface may already be gone again.
+    /// Whether interface `index` has the program.
+    pub fn holds(&self, index: u32) -> bool {
+        self.attached.contains_key(&index)
+    }
+
+    /// Puts the program on interface `index` named `name` if it is `wanted` and does not have
+    /// it yet. A failure is logged, not returned: the interface may already be gone again.
     pub fn add(
         &mut self,
         program: &mut P::Program,
         pins: &LinkPins,
-        filter: &InterfaceFilter,
+        wanted: bool,
         index: u32,
         name: &str,
     ) {
-        if let Err(err) = self.try_add(program, pins, filter, index, name) {
+        if let Err(err) = self.try_add(program, pins, wanted, index, name) {
             warn!(interface = name, index, hook = P::HOOK, error = %error_chain(&err), "attach failed");
         }
     }
@@ -383,11 +396,11 @@ impl<P: Attach> Attachments<P> {
         &mut self,
         program: &mut P::Program,
         pins: &LinkPins,
-        filter: &InterfaceFilter,
+        wanted: bool,
         index: u32,
         name: &str,
     ) -> Result<(), LinkPinError> {
-        if self.attached.contains_key(&index) || !filter.matches(name) {
+        if self.attached.contains_key(&index) || !wanted {
             return Ok(());
         }
         let pin = P::pin_name(index);
