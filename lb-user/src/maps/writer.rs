@@ -10,7 +10,7 @@ use crate::maps::stats_slots::StatsReset;
 /// the entries that failed, by index; the others are written. Removing a key that is not there
 /// is no failure. Source ranges, few, are written one by one.
 pub trait MapWriter {
-    type Error: std::error::Error;
+    type Error: std::error::Error + 'static;
     /// Writes each slot of `BACKEND_STATS` zeroed with its owner, on every CPU.
     fn reset_stats(&mut self, resets: &[StatsReset]) -> Vec<(usize, Self::Error)>;
     fn insert_backends(&mut self, entries: &[(BackendKey, Backend)]) -> Vec<(usize, Self::Error)>;

@@ -239,24 +239,51 @@ pub struct SliceEndpoint {
 
 /// An endpoint's topology hints, set by the EndpointSlice controller for trafficDistribution
 /// (PreferClose/PreferSameZone: zones; PreferSameNode: nodes and zones) or topology-mode Auto.
+/// Boxed, and absent when both are empty: most endpoints have none, and a cluster has millions
+/// of endpoints.
 #[derive(Clone, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct Hints {
+pub struct Hints(Option<Box<HintSets>>);
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+struct HintSets {
     /// hints.forZones: the zones whose nodes should use it.
-    pub zones: BTreeSet<String>,
+    zones: BTreeSet<String>,
     /// hints.forNodes: the nodes that should use it.
-    pub nodes: BTreeSet<String>,
+    nodes: BTreeSet<String>,
 }
 
+/// The hints of an endpoint without any.
+static NO_HINTS: BTreeSet<String> = BTreeSet::new();
+
 impl Hints {
+    pub fn new(zones: BTreeSet<String>, nodes: BTreeSet<String>) -> Hints {
+        if zones.is_empty() && nodes.is_empty() {
+            Hints(None)
+        } else {
+            Hints(Some(Box::new(HintSets { zones, nodes })))
+        }
+    }
+
+    /// hints.forZones: the zones whose nodes should use it.
+    pub fn zones(&self) -> &BTreeSet<String> {
+        self.0.as_ref().map_or(&NO_HINTS, |h| &h.zones)
+    }
+
+    /// hints.forNodes: the nodes that should use it.
+    pub fn nodes(&self) -> &BTreeSet<String> {
+        self.0.as_ref().map_or(&NO_HINTS, |h| &h.nodes)
+    }
+
     /// Either slice's hints (the same address in two slices during a rollout): per kind, the
     /// first non-empty.
     fn merge(&mut self, other: &Hints) {
-        if self.zones.is_empty() {
-            self.zones.clone_from(&other.zones);
-        }
-        if self.nodes.is_empty() {
-            self.nodes.clone_from(&other.nodes);
-        }
+        let pick = |mine: &BTreeSet<String>, theirs: &BTreeSet<String>| {
+            if mine.is_empty() { theirs } else { mine }.clone()
+        };
+        *self = Hints::new(
+            pick(self.zones(), other.zones()),
+            pick(self.nodes(), other.nodes()),
+        );
     }
 }
 
@@ -383,8 +410,8 @@ impl<A: Family> ServicePort<A> {
         let topology = self.topology(node_name, zone);
         let hinted_here = |e: &Endpoint<A>| match topology {
             Topology::All => true,
-            Topology::SameNode => e.hints.nodes.contains(node_name),
-            Topology::SameZone => e.hints.zones.contains(zone),
+            Topology::SameNode => e.hints.nodes().contains(node_name),
+            Topology::SameZone => e.hints.zones().contains(zone),
         };
         let usable = |local: bool| {
             let candidates = || {
@@ -414,9 +441,9 @@ impl<A: Family> ServicePort<A> {
         let hinted_for = |hints: fn(&Endpoint<A>) -> &BTreeSet<String>, place: &str| {
             ready().all(|e| !hints(e).is_empty()) && ready().any(|e| hints(e).contains(place))
         };
-        if hinted_for(|e| &e.hints.nodes, node_name) {
+        if hinted_for(|e| e.hints.nodes(), node_name) {
             Topology::SameNode
-        } else if hinted_for(|e| &e.hints.zones, zone) {
+        } else if hinted_for(|e| e.hints.zones(), zone) {
             Topology::SameZone
         } else {
             Topology::All
@@ -430,8 +457,57 @@ impl<A: Family> ServicePort<A> {
 pub struct Specs {
     pub services: BTreeMap<ServiceName, ServiceSpec>,
     /// Each service's slices in the source's order, which decides where two slices give one
-    /// address different node names or hints: (file, document) for manifests.
-    pub slices: BTreeMap<ServiceName, BTreeMap<(String, usize), SliceSpec>>,
+    /// address different node names or hints.
+    pub slices: BTreeMap<ServiceName, ServiceSlices>,
+}
+
+/// Where a slice comes from, which orders a service's slices: (file, document) for manifests,
+/// (`namespace/name`, 0) for the apiserver.
+pub type SliceKey = (String, usize);
+
+/// One service's slices, ordered by [`SliceKey`]. A sorted Vec rather than a map: a service has
+/// one slice or a few, and a map's node has room for eleven, which at 50k Services cost 1.5 KiB
+/// each.
+#[derive(Debug, Default)]
+pub struct ServiceSlices(Vec<(SliceKey, SliceSpec)>);
+
+impl ServiceSlices {
+    /// Sets the slice at `key`; returns the one it replaces.
+    pub fn insert(&mut self, key: SliceKey, spec: SliceSpec) -> Option<SliceSpec> {
+        match self.0.binary_search_by(|(k, _)| k.cmp(&key)) {
+            Ok(i) => Some(std::mem::replace(&mut self.0[i].1, spec)),
+            Err(i) => {
+                self.0.insert(i, (key, spec));
+                None
+            }
+        }
+    }
+
+    pub fn remove(&mut self, key: &SliceKey) -> Option<SliceSpec> {
+        let i = self.0.binary_search_by(|(k, _)| k.cmp(key)).ok()?;
+        Some(self.0.remove(i).1)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The slices in order.
+    pub fn values(&self) -> impl Iterator<Item = &SliceSpec> {
+        self.0.iter().map(|(_, spec)| spec)
+    }
+}
+
+impl FromIterator<(SliceKey, SliceSpec)> for ServiceSlices {
+    /// A later slice of the same key replaces an earlier one, as in a map.
+    fn from_iter<I: IntoIterator<Item = (SliceKey, SliceSpec)>>(slices: I) -> Self {
+        let mut all = ServiceSlices::default();
+        for (key, spec) in slices {
+            all.insert(key, spec);
+        }
+        all.0.shrink_to_fit();
+        all
+    }
 }
 
 impl Specs {
@@ -937,13 +1013,27 @@ mod tests {
 
     fn hinted(last: u8, conditions: Conditions, node: &str, zones: &[&str]) -> Endpoint {
         let mut e = endpoint(last, conditions, node);
-        e.hints.zones = zones.iter().map(|z| z.to_string()).collect();
+        e.hints = Hints::new(names(zones), BTreeSet::new());
         e
     }
 
     fn node_hinted(mut e: Endpoint, nodes: &[&str]) -> Endpoint {
-        e.hints.nodes = nodes.iter().map(|n| n.to_string()).collect();
+        e.hints = with_nodes(&e.hints, nodes);
         e
+    }
+
+    fn names(names: &[&str]) -> BTreeSet<String> {
+        names.iter().map(|n| n.to_string()).collect()
+    }
+
+    /// `hints` with these node hints instead of its own.
+    fn with_nodes(hints: &Hints, nodes: &[&str]) -> Hints {
+        Hints::new(hints.zones().clone(), names(nodes))
+    }
+
+    /// `hints` with these zone hints instead of its own.
+    fn with_zones(hints: &Hints, zones: &[&str]) -> Hints {
+        Hints::new(names(zones), hints.nodes().clone())
     }
 
     /// The last address bytes of the Cluster and Local lists on node "me" in `zone`.
@@ -988,7 +1078,7 @@ mod tests {
             "zone unknown: hints ignored"
         );
         let mut partly = endpoints();
-        partly[0].hints.zones.clear();
+        partly[0].hints = with_zones(&partly[0].hints, &[]);
         assert_eq!(
             categorized_in("b", partly),
             (vec![2, 3, 4], vec![3]),
@@ -1022,21 +1112,21 @@ mod tests {
         };
         assert_eq!(categorized_in("a", endpoints()), (vec![3, 4], vec![3]));
         let mut elsewhere = endpoints();
-        elsewhere[1].hints.nodes = BTreeSet::from(["other".to_string()]);
-        elsewhere[2].hints.nodes = BTreeSet::from(["other".to_string()]);
+        elsewhere[1].hints = with_nodes(&elsewhere[1].hints, &["other"]);
+        elsewhere[2].hints = with_nodes(&elsewhere[2].hints, &["other"]);
         assert_eq!(
             categorized_in("a", elsewhere),
             (vec![2, 4], vec![3]),
             "no endpoint for this node: zone hints"
         );
         let mut partly = endpoints();
-        partly[0].hints.nodes.clear();
+        partly[0].hints = with_nodes(&partly[0].hints, &[]);
         assert_eq!(
             categorized_in("a", partly.clone()),
             (vec![2, 4], vec![3]),
             "a ready endpoint without node hints: zone hints"
         );
-        partly[0].hints.zones.clear();
+        partly[0].hints = with_zones(&partly[0].hints, &[]);
         assert_eq!(
             categorized_in("a", partly),
             (vec![2, 3, 4], vec![3]),
@@ -1049,10 +1139,9 @@ mod tests {
     fn hints_of_an_address_in_two_slices_merge_per_kind() {
         let port = || sp("http", Protocol::Tcp, Some(8080));
         let mut zoned = ep(2, true);
-        zoned.hints.zones = BTreeSet::from(["a".to_string()]);
+        zoned.hints = Hints::new(names(&["a"]), BTreeSet::new());
         let mut noded = ep(2, true);
-        noded.hints.nodes = BTreeSet::from(["me".to_string()]);
-        noded.hints.zones = BTreeSet::from(["b".to_string()]);
+        noded.hints = Hints::new(names(&["b"]), names(&["me"]));
         let model = Model::join(
             vec![web(false, None)],
             &[
@@ -1062,8 +1151,8 @@ mod tests {
             &mut NodePortAllocator::new(30000..=32767),
         );
         let hints = &model.services[&name("web")].ports[0].endpoints[0].hints;
-        assert_eq!(hints.zones, BTreeSet::from(["a".to_string()]));
-        assert_eq!(hints.nodes, BTreeSet::from(["me".to_string()]));
+        assert_eq!(hints.zones(), &names(&["a"]));
+        assert_eq!(hints.nodes(), &names(&["me"]));
     }
 
     #[test]

@@ -46,6 +46,9 @@ pub struct SyncReport {
     pub failed_services: BTreeMap<ServiceName, WriteFailure>,
     /// Those failures by service id, until they are named.
     failed_ids: BTreeMap<u32, WriteFailure>,
+    /// Writes refused for want of room, by operation and error (which names the flag that
+    /// sizes the map): one error line each per sync, not one per entry.
+    full: BTreeMap<(String, String), usize>,
     /// The endpoints of UDP service ports that this sync removed from the maps: their
     /// conntrack entries are to be flushed.
     pub removed_udp: BTreeSet<UdpEndpoint>,
@@ -750,6 +753,7 @@ impl Reconciler {
         report.uncounted = self.stats.take_uncounted();
         self.record_statuses(model, &desired, scope.as_ref(), &mut report, maps);
         self.name_failures(&mut report);
+        log_full_maps(&report);
         if report.failed == 0 {
             self.last = Some(last);
         }
@@ -1106,7 +1110,7 @@ impl Reconciler {
     /// Logs and counts the entries of `entries` that failed, each for the service id
     /// `service_id` gives it (from the entry, or what the maps hold for it); returns their
     /// indices.
-    fn failures<T: std::fmt::Debug, E: std::error::Error>(
+    fn failures<T: std::fmt::Debug, E: std::error::Error + 'static>(
         &mut self,
         report: &mut SyncReport,
         op: &str,
@@ -1132,14 +1136,21 @@ impl Reconciler {
         service_id: u32,
         op: &str,
         key: &str,
-        err: &dyn std::error::Error,
+        err: &(dyn std::error::Error + 'static),
     ) {
         report.failed += 1;
         self.failed_total += 1;
         let error = error_chain(err);
-        // A full map fails every write after the first (500k lines for a large cluster): the
-        // first few of a sync say why, its `sync done` line counts them all.
-        if report.failed <= LOGGED_FAILURES_PER_SYNC {
+        // A full map fails every write after the first (500k lines for a large cluster): it is
+        // said once per sync, with the count; of other failures the first few of a sync say why,
+        // and its `sync done` line counts them all.
+        if is_full(err) {
+            *report
+                .full
+                .entry((op.to_owned(), error.clone()))
+                .or_default() += 1;
+            debug!(op, key, service_id, %error, "map write failed");
+        } else if report.failed <= LOGGED_FAILURES_PER_SYNC {
             error!(op, key, service_id, %error, failed_total = self.failed_total, "map write failed");
         } else {
             debug!(op, key, service_id, %error, "map write failed");
@@ -1172,6 +1183,19 @@ impl Reconciler {
                 .and_modify(|f| f.writes += failure.writes)
                 .or_insert_with(|| failure.clone());
         }
+    }
+}
+
+/// Whether a write failed for want of room in the map.
+fn is_full(err: &(dyn std::error::Error + 'static)) -> bool {
+    err.downcast_ref::<std::io::Error>()
+        .is_some_and(|e| e.kind() == std::io::ErrorKind::StorageFull)
+}
+
+/// One error line per full map of the sync, with the writes it refused.
+fn log_full_maps(report: &SyncReport) {
+    for ((op, error), refused) in &report.full {
+        error!(op, refused, %error, "map full: writes refused");
     }
 }
 
@@ -1288,9 +1312,13 @@ mod tests {
         ResetStats(u16, u32),
     }
 
-    #[derive(Debug, thiserror::Error)]
-    #[error("map full")]
-    struct Full;
+    /// What the agent's map writer returns for a full map.
+    fn full() -> std::io::Error {
+        std::io::Error::new(
+            std::io::ErrorKind::StorageFull,
+            "the map is full: raise --backends-max",
+        )
+    }
 
     /// Records every operation and keeps the resulting contents; `fail_backends_of` makes
     /// backend inserts of one service id fail.
@@ -1302,18 +1330,21 @@ mod tests {
     }
 
     impl MapWriter for FakeMaps {
-        type Error = Full;
-        fn reset_stats(&mut self, resets: &[StatsReset]) -> Vec<(usize, Full)> {
+        type Error = std::io::Error;
+        fn reset_stats(&mut self, resets: &[StatsReset]) -> Vec<(usize, std::io::Error)> {
             for reset in resets {
                 self.ops.push(Op::ResetStats(reset.slot, reset.owner));
             }
             Vec::new()
         }
-        fn insert_backends(&mut self, entries: &[(BackendKey, Backend)]) -> Vec<(usize, Full)> {
+        fn insert_backends(
+            &mut self,
+            entries: &[(BackendKey, Backend)],
+        ) -> Vec<(usize, std::io::Error)> {
             let mut failed = Vec::new();
             for (i, &(key, value)) in entries.iter().enumerate() {
                 if self.fail_backends_of == Some(key.service_id) {
-                    failed.push((i, Full));
+                    failed.push((i, full()));
                     continue;
                 }
                 self.ops.push(Op::InsertBackend(key, value));
@@ -1321,21 +1352,24 @@ mod tests {
             }
             failed
         }
-        fn remove_backends(&mut self, keys: &[BackendKey]) -> Vec<(usize, Full)> {
+        fn remove_backends(&mut self, keys: &[BackendKey]) -> Vec<(usize, std::io::Error)> {
             for &key in keys {
                 self.ops.push(Op::RemoveBackend(key));
                 self.contents.backends.remove(&key);
             }
             Vec::new()
         }
-        fn insert_frontends(&mut self, entries: &[(FrontendKey, Frontend)]) -> Vec<(usize, Full)> {
+        fn insert_frontends(
+            &mut self,
+            entries: &[(FrontendKey, Frontend)],
+        ) -> Vec<(usize, std::io::Error)> {
             for &(key, value) in entries {
                 self.ops.push(Op::InsertFrontend(key, value));
                 self.contents.frontends.insert(key, value);
             }
             Vec::new()
         }
-        fn remove_frontends(&mut self, keys: &[FrontendKey]) -> Vec<(usize, Full)> {
+        fn remove_frontends(&mut self, keys: &[FrontendKey]) -> Vec<(usize, std::io::Error)> {
             for &key in keys {
                 self.ops.push(Op::RemoveFrontend(key));
                 self.contents.frontends.remove(&key);
@@ -1345,32 +1379,35 @@ mod tests {
         fn insert_origins(
             &mut self,
             entries: &[(FrontendKey, FrontendOrigin)],
-        ) -> Vec<(usize, Full)> {
+        ) -> Vec<(usize, std::io::Error)> {
             self.contents.origins.extend(entries.iter().copied());
             Vec::new()
         }
-        fn insert_statuses(&mut self, entries: &[(u32, ServiceStatus)]) -> Vec<(usize, Full)> {
+        fn insert_statuses(
+            &mut self,
+            entries: &[(u32, ServiceStatus)],
+        ) -> Vec<(usize, std::io::Error)> {
             self.contents.statuses.extend(entries.iter().copied());
             Vec::new()
         }
-        fn remove_statuses(&mut self, service_ids: &[u32]) -> Vec<(usize, Full)> {
+        fn remove_statuses(&mut self, service_ids: &[u32]) -> Vec<(usize, std::io::Error)> {
             for service_id in service_ids {
                 self.contents.statuses.remove(service_id);
             }
             Vec::new()
         }
-        fn remove_origins(&mut self, keys: &[FrontendKey]) -> Vec<(usize, Full)> {
+        fn remove_origins(&mut self, keys: &[FrontendKey]) -> Vec<(usize, std::io::Error)> {
             for key in keys {
                 self.contents.origins.remove(key);
             }
             Vec::new()
         }
-        fn insert_source_range(&mut self, range: SourceRange) -> Result<(), Full> {
+        fn insert_source_range(&mut self, range: SourceRange) -> Result<(), std::io::Error> {
             self.ops.push(Op::InsertSourceRange(range));
             self.contents.source_ranges.insert(range);
             Ok(())
         }
-        fn remove_source_range(&mut self, range: SourceRange) -> Result<(), Full> {
+        fn remove_source_range(&mut self, range: SourceRange) -> Result<(), std::io::Error> {
             self.ops.push(Op::RemoveSourceRange(range));
             self.contents.source_ranges.remove(&range);
             Ok(())
@@ -2145,7 +2182,7 @@ mod tests {
                 name("web"),
                 WriteFailure {
                     writes: 1,
-                    error: "backend insert: map full".into()
+                    error: "backend insert: the map is full: raise --backends-max".into()
                 }
             )])
         );
@@ -2296,7 +2333,10 @@ mod tests {
         let status = status_of(&maps);
         assert_eq!(
             status[0],
-            ("a".to_owned(), Failed("backend insert: map full".into()))
+            (
+                "a".to_owned(),
+                Failed("backend insert: the map is full: raise --backends-max".into())
+            )
         );
         assert_eq!(status[1], ("c".to_owned(), InSync));
         maps.fail_backends_of = None;

@@ -58,9 +58,15 @@ pub fn tallies(
             add(&mut port.origins, &[bytes(key), bytes(origin)]);
         }
     }
-    for (key, backend) in &contents.backends {
-        let port = ports.entry(key.service_id).or_default();
-        add(&mut port.backends, &[bytes(key), bytes(backend)]);
+    // A port's slots are consecutive keys: its sum is looked up once per port, not per slot
+    // (500k slots at 50k Services).
+    let mut backends = contents.backends.iter().peekable();
+    while let Some((key, _)) = backends.peek() {
+        let service_id = key.service_id;
+        let port = ports.entry(service_id).or_default();
+        while let Some((key, backend)) = backends.next_if(|(k, _)| k.service_id == service_id) {
+            add(&mut port.backends, &[bytes(key), bytes(backend)]);
+        }
     }
     for range in &contents.source_ranges {
         let port = ports.entry(range.service_id).or_default();

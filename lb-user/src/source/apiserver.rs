@@ -26,7 +26,7 @@ use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 
 use crate::maps::writer::WriteFailure;
-use crate::model::{Family, ServiceName, ServiceSpec, SliceSpec, Specs};
+use crate::model::{Family, ServiceName, ServiceSlices, ServiceSpec, SliceSpec, Specs};
 use crate::source::change_tracker::{ChangeTracker, Kind, ObjectVersion};
 use crate::source::events::WriteFailureEvents;
 use crate::source::k8s::{self, InvalidField};
@@ -418,7 +418,7 @@ impl ApiSource {
     /// spec it had.
     fn update_slices(&mut self, name: &ServiceName, specs: &mut Specs) {
         let mut before = specs.slices.remove(name).unwrap_or_default();
-        let slices: BTreeMap<_, _> = self
+        let slices: ServiceSlices = self
             .tracker
             .slices_of(name)
             .filter_map(|key| {

@@ -37,8 +37,9 @@ struct Seen {
 pub struct ChangeTracker {
     services: Seen,
     slices: Seen,
-    /// The slices of each service, by key.
-    slices_of: HashMap<ServiceName, BTreeSet<String>>,
+    /// The keys of each service's slices, sorted: a Vec rather than a set, as a service has one
+    /// slice or a few and a set's node has room for eleven.
+    slices_of: HashMap<ServiceName, Vec<String>>,
     changed: BTreeSet<ServiceName>,
 }
 
@@ -135,16 +136,22 @@ impl ChangeTracker {
             if let Some(before) = &before
                 && let Some(keys) = self.slices_of.get_mut(before)
             {
-                keys.remove(key);
+                if let Ok(i) = keys.binary_search_by(|k| k.as_str().cmp(key)) {
+                    keys.remove(i);
+                }
                 if keys.is_empty() {
                     self.slices_of.remove(before);
                 }
             }
             if let Some(after) = &after {
-                self.slices_of
+                // Most services have one slice.
+                let keys = self
+                    .slices_of
                     .entry(after.clone())
-                    .or_default()
-                    .insert(key.to_owned());
+                    .or_insert_with(|| Vec::with_capacity(1));
+                if let Err(i) = keys.binary_search_by(|k| k.as_str().cmp(key)) {
+                    keys.insert(i, key.to_owned());
+                }
             }
         }
         self.changed.extend(before);

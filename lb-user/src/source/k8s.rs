@@ -93,7 +93,8 @@ pub fn service(
             .transpose()?,
     };
 
-    let mut ports = Vec::new();
+    // Sized to the object: the specs live as long as the objects, one per Service.
+    let mut ports = Vec::with_capacity(spec.ports.as_ref().map_or(0, Vec::len));
     for (i, p) in spec.ports.iter().flatten().enumerate() {
         let field = |f: &str| format!("spec.ports[{i}].{f}");
         let Some(protocol) = protocol(p.protocol.as_deref(), || field("protocol"))? else {
@@ -323,7 +324,9 @@ pub fn endpoint_slice(
         return Ok(None);
     };
 
-    let mut ports = Vec::new();
+    // Sized to the object: the specs live as long as the objects, and a cluster has millions of
+    // endpoints.
+    let mut ports = Vec::with_capacity(slice.ports.as_ref().map_or(0, Vec::len));
     for (i, p) in slice.ports.iter().flatten().enumerate() {
         let field = |f: &str| format!("ports[{i}].{f}");
         let Some(protocol) = protocol(p.protocol.as_deref(), || field("protocol"))? else {
@@ -339,7 +342,7 @@ pub fn endpoint_slice(
         });
     }
 
-    let mut endpoints = Vec::new();
+    let mut endpoints = Vec::with_capacity(slice.endpoints.as_ref().map_or(0, Vec::len));
     for (i, e) in slice.endpoints.iter().flatten().enumerate() {
         // Consumers use the first address only (the API says the others are not used).
         let Some(addr) = e.addresses.first() else {
@@ -371,20 +374,18 @@ pub fn endpoint_slice(
                 terminating,
             },
             node_name: e.node_name.clone(),
-            hints: Hints {
-                zones: e
-                    .hints
+            hints: Hints::new(
+                e.hints
                     .iter()
                     .flat_map(|h| h.for_zones.iter().flatten())
                     .map(|z| z.name.clone())
                     .collect(),
-                nodes: e
-                    .hints
+                e.hints
                     .iter()
                     .flat_map(|h| h.for_nodes.iter().flatten())
                     .map(|n| n.name.clone())
                     .collect(),
-            },
+            ),
         });
     }
 
@@ -805,10 +806,10 @@ status:
         let e = &spec.endpoints[0];
         assert_eq!(e.node_name.as_deref(), Some("n1"));
         assert_eq!(
-            e.hints.zones.iter().collect::<Vec<_>>(),
+            e.hints.zones().iter().collect::<Vec<_>>(),
             ["zone-a", "zone-b"]
         );
-        assert_eq!(e.hints.nodes.iter().collect::<Vec<_>>(), ["n1"]);
+        assert_eq!(e.hints.nodes().iter().collect::<Vec<_>>(), ["n1"]);
         assert!(!e.conditions.ready && e.conditions.serving && e.conditions.terminating);
 
         let spec = service(&svc(&format!(
