@@ -752,8 +752,8 @@ pub struct StickyBackend6 {
 pub struct Config6 {
     /// The IPv6 --node-ip: the masquerade address where the FIB picks none.
     pub node_addr: Addr6,
-    /// The IPv6 --cluster-cidr; sources outside it are masqueraded. An unset one (all zero,
-    /// mask included) holds every source.
+    /// The IPv6 --cluster-cidr; sources outside it are masqueraded. Without one the agent
+    /// writes ::/128, which holds no source, as IPv4's 0.0.0.0/32.
     pub cluster_cidr_addr: Addr6,
     pub cluster_cidr_mask: Addr6,
 }
