@@ -98,6 +98,21 @@ impl LastSync {
         key
     }
 
+    /// The services whose IPv6 side has other ports than at this sync, or none any more.
+    fn v6_ports_changed(&self, model: &Model) -> Vec<ServiceName> {
+        let now = model
+            .services_v6
+            .iter()
+            .filter(|(name, service)| self.v6_ports.get(*name) != Some(&port_names(*service)))
+            .map(|(name, _)| name.clone());
+        let gone = self
+            .v6_ports
+            .keys()
+            .filter(|name| !model.services_v6.contains_key(*name))
+            .cloned();
+        now.chain(gone).collect()
+    }
+
     /// Returns the key if no other service has it.
     fn remove_catch_all(&mut self, cluster_ip: Ipv4Addr) -> Option<FrontendKey> {
         let key = FrontendKey::any_port(ipv4_be(cluster_ip.octets()));
@@ -785,7 +800,12 @@ impl Reconciler {
             .take()
             .filter(|last| last.settings == settings && !last.conflicted);
         let partial = match (&mut last, changed) {
-            (Some(last), Some(changed)) => self.update(model, changed, last),
+            (Some(last), Some(changed)) => {
+                // A change of the IPv6 side alone gives or takes port ids too.
+                let mut changed = changed.clone();
+                changed.extend(last.v6_ports_changed(model));
+                self.update(model, &changed, last)
+            }
             _ => None,
         };
         let (desired, last, scope) = match (last, partial) {
@@ -2548,6 +2568,24 @@ mod tests {
         assert_eq!(r.written6(), &MapContents6::default());
         assert_eq!(maps.contents.frontends, v4_before.frontends);
         assert_eq!(maps.contents.backends, v4_before.backends);
+
+        // An IPv6-only service comes and goes while no IPv4 side changes (the agent then
+        // names no service as changed): its ports get an id, then lose it.
+        let none = BTreeSet::new();
+        add_ipv6_side(&mut m, "web6", 0x11, vec![endpoint6(0xd)]);
+        let report = r.sync_changed(&m, Some(&none), &mut maps);
+        assert_eq!(report.failed, 0);
+        let web6 = maps.contents6.frontends[&fk6(cluster_ip6(0x11), 80)].service_id;
+        assert!(
+            maps.contents
+                .frontends
+                .values()
+                .all(|f| f.service_id != web6)
+        );
+        m.services_v6.clear();
+        r.sync_changed(&m, Some(&none), &mut maps);
+        assert_eq!(maps.contents6, MapContents6::default());
+        assert!(r.ids.values().all(|&id| id != web6));
     }
 
     #[test]
