@@ -189,9 +189,18 @@ fn ipv6_only_node_starts_and_counts_its_ipv6_frontends() -> Result<()> {
     Ok(())
 }
 
-/// `lb services --bpffs BPFFS -o json` in `node`: (frontend, kind, service_id, backend
-/// addresses) of each TCP frontend.
-fn services(node: &Netns, bpffs: &str) -> Result<Vec<(String, String, u64, Vec<String>)>> {
+/// A TCP frontend as `lb services -o json` lists it.
+#[derive(Clone, Debug)]
+struct Listed {
+    frontend: String,
+    kind: String,
+    service_id: u64,
+    /// Their addresses.
+    backends: Vec<String>,
+}
+
+/// `lb services --bpffs BPFFS -o json` in `node`: its TCP frontends.
+fn services(node: &Netns, bpffs: &str) -> Result<Vec<Listed>> {
     let output = node.exec(
         &lb_binary().to_string_lossy(),
         &["services", "--bpffs", bpffs, "-o", "json"],
@@ -210,12 +219,12 @@ fn services(node: &Netns, bpffs: &str) -> Result<Vec<(String, String, u64, Vec<S
                 .iter()
                 .map(|b| text(&b["address"]))
                 .collect::<Result<_>>()?;
-            Ok((
-                text(&row["frontend"])?,
-                text(&row["kind"])?,
-                row["service_id"].as_u64().context("service_id")?,
+            Ok(Listed {
+                frontend: text(&row["frontend"])?,
+                kind: text(&row["kind"])?,
+                service_id: row["service_id"].as_u64().context("service_id")?,
                 backends,
-            ))
+            })
         })
         .collect()
 }
@@ -256,10 +265,10 @@ fn dual_stack_service_ipv6_side_is_in_the_ipv6_maps() -> Result<()> {
     let row = |frontend: &str| {
         listed
             .iter()
-            .find(|(f, ..)| f == frontend)
+            .find(|l| l.frontend == frontend)
             .with_context(|| format!("{frontend} not in {listed:?}"))
     };
-    let v4_id = row(&format!("{CLUSTER_IP}:{PORT}"))?.2;
+    let v4_id = row(&format!("{CLUSTER_IP}:{PORT}"))?.service_id;
     let v6_endpoints = [
         format!("[2001:db8:244::b]:{TARGET_PORT}"),
         format!("[2001:db8:244::c]:{TARGET_PORT}"),
@@ -268,27 +277,30 @@ fn dual_stack_service_ipv6_side_is_in_the_ipv6_maps() -> Result<()> {
         (format!("[{CLUSTER_IP_V6}]:{PORT}"), "ClusterIP"),
         (format!("[{NODE_IP_V6}]:{NODE_PORT}"), "NodePort"),
     ] {
-        let (_, listed_kind, id, mut backends) = row(&frontend)?.clone();
-        backends.sort();
+        let mut row = row(&frontend)?.clone();
+        row.backends.sort();
         ensure!(
-            listed_kind == kind && id == v4_id && backends == v6_endpoints,
+            row.kind == kind && row.service_id == v4_id && row.backends == v6_endpoints,
             "{frontend}: {listed:?}"
         );
     }
-    let (_, _, v6_only_id, backends) = row(&format!("[{CLUSTER_IP_V6_ONLY}]:80"))?;
-    ensure!(*v6_only_id != v4_id && backends.is_empty(), "{listed:?}");
+    let v6_only = row(&format!("[{CLUSTER_IP_V6_ONLY}]:80"))?;
+    ensure!(
+        v6_only.service_id != v4_id && v6_only.backends.is_empty(),
+        "{listed:?}"
+    );
 
     // IPv4-only again: its IPv6 frontends (and the IPv6-only Service) are gone.
     node.agent.update_manifests(&service)?;
     let listed = services(&node.topology.node, &bpffs_arg)?;
     ensure!(
-        listed.iter().all(|(f, ..)| !f.starts_with('[')),
+        listed.iter().all(|l| !l.frontend.starts_with('[')),
         "IPv6 frontends left: {listed:?}"
     );
     ensure!(
         listed
             .iter()
-            .any(|(f, _, id, _)| *f == format!("{CLUSTER_IP}:{PORT}") && *id == v4_id),
+            .any(|l| l.frontend == format!("{CLUSTER_IP}:{PORT}") && l.service_id == v4_id),
         "{listed:?}"
     );
     Ok(())
