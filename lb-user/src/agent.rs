@@ -8,9 +8,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result};
-use ipnet::Ipv4Net;
+use ipnet::{Ipv4Net, Ipv6Net};
 use jiff::Timestamp;
-use lb_common::{AgentInfo, text_field};
+use lb_common::{Addr6, AgentInfo, Config6, text_field};
 use lb_common::{
     CONFIG_F_MASQUERADE_ALL, CONFIG_F_READY, CONFIG_F_STACK_FORWARDING, Config, RejectLimit,
     ipv4_be,
@@ -28,7 +28,7 @@ use lb_user::datapath::node_sysctls::{self, IcmpRateLimit};
 use lb_user::datapath::xdp_targets::XdpTargets;
 use lb_user::datapath::{self, Datapath, MapSizes};
 use lb_user::error_chain;
-use lb_user::maps::contents::MapContents;
+use lb_user::maps::contents::{MapContents, MapContents6};
 use lb_user::maps::writer::WriteFailure;
 use lb_user::model::node_addresses;
 use lb_user::model::nodeport::NodePortAllocator;
@@ -159,6 +159,7 @@ struct Loaded {
     migrated: usize,
     agent_info: AgentInfo,
     existing: MapContents,
+    existing6: MapContents6,
 }
 
 /// Loads the datapath (pinning its maps, converting conntrack of an earlier layout) and writes
@@ -212,6 +213,16 @@ fn load_datapath(
         clock: datapath::kernel_clock()?,
         timeouts: args.conntrack_timeouts(),
     })?;
+    // As IPv4's: without an IPv6 pod network, ::/128 holds no source.
+    let cluster_cidr6 = args
+        .cluster_cidr
+        .v6
+        .unwrap_or(Ipv6Net::new_assert(Ipv6Addr::UNSPECIFIED, 128));
+    datapath.write_config6(&Config6 {
+        node_addr: Addr6::from_octets(node_ips.v6.unwrap_or(Ipv6Addr::UNSPECIFIED).octets()),
+        cluster_cidr_addr: Addr6::from_octets(cluster_cidr6.network().octets()),
+        cluster_cidr_mask: Addr6::from_octets(cluster_cidr6.netmask().octets()),
+    })?;
 
     let icmp = IcmpRateLimit::read()?;
     let cpus = aya::util::nr_cpus()
@@ -241,11 +252,14 @@ fn load_datapath(
     datapath.write_agent_info(&agent_info)?;
 
     let existing = datapath.service_maps.read()?;
+    let existing6 = datapath.service_maps.read6()?;
     info!(
         bpffs = %args.bpffs.display(),
         node_ip = %node_ips,
         frontends = existing.frontends.len(),
         backends = existing.backends.len(),
+        frontends_v6 = existing6.frontends.len(),
+        backends_v6 = existing6.backends.len(),
         "datapath loaded, maps pinned"
     );
     Ok(Loaded {
@@ -253,6 +267,7 @@ fn load_datapath(
         migrated,
         agent_info,
         existing,
+        existing6,
     })
 }
 
@@ -916,6 +931,7 @@ impl State {
                 node_ips.v4.unwrap_or(Ipv4Addr::UNSPECIFIED),
                 loaded.existing,
             )
+            .with_ipv6(node_ips.v6.into_iter().collect(), loaded.existing6)
             .with_stats_slots(datapath.service_maps.stats_capacity())
             .with_node_port_addresses(node_port_addrs)
             .with_node_name(node_name(args)?)
@@ -945,7 +961,14 @@ impl State {
                 return false;
             }
         };
-        let repairs = self.reconciler.audit(actual);
+        let actual6 = match self.datapath.service_maps.read6() {
+            Ok(actual) => actual,
+            Err(err) => {
+                warn!(error = %error_chain(&err), "audit: reading the IPv6 service maps");
+                return false;
+            }
+        };
+        let repairs = self.reconciler.audit(actual) + self.reconciler.audit6(actual6);
         if repairs == 0 {
             return false;
         }

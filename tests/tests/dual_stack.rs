@@ -1,13 +1,16 @@
-//! Dual-stack configuration (issue 22, step 1): the agent takes one `--node-ip` and one
-//! `--cluster-cidr` per family and a Service of both families, and serves its IPv4 side as an
-//! IPv4-only Service is served, while the datapath does not serve IPv6 yet.
+//! Dual-stack configuration (issue 22, steps 1 and 2): the agent takes one `--node-ip` and one
+//! `--cluster-cidr` per family and a Service of both families, serves its IPv4 side as an
+//! IPv4-only Service is served, and writes its IPv6 side into the IPv6 maps (which `lb services`
+//! lists), while the datapath does not serve IPv6 yet.
 use std::{net::Ipv4Addr, time::Duration};
 
-use anyhow::{Result, ensure};
+use anyhow::{Context as _, Result, ensure};
 use lb_tests::{
-    agent::SYNC_DONE,
+    agent::{SYNC_DONE, lb_binary},
+    bpffs::Bpffs,
     echo::Proto,
-    node::{CLUSTER_IP, Node, vip},
+    netns::Netns,
+    node::{CLUSTER_IP, Node, PORT, TARGET_PORT, vip},
     paths::{check_external_to_node_port, check_pod_to_service},
     topology::{CLUSTER_CIDR, NODE_IP},
 };
@@ -183,6 +186,123 @@ fn ipv6_only_node_starts_and_counts_its_ipv6_frontends() -> Result<()> {
     );
     let synced = last_line(&log, SYNC_DONE);
     ensure!(synced.contains(" services=0 "), "no IPv4 side: {synced}");
+    Ok(())
+}
+
+/// A TCP frontend as `lb services -o json` lists it.
+#[derive(Clone, Debug)]
+struct Listed {
+    frontend: String,
+    kind: String,
+    service_id: u64,
+    /// Their addresses.
+    backends: Vec<String>,
+}
+
+/// `lb services --bpffs BPFFS -o json` in `node`: its TCP frontends.
+fn services(node: &Netns, bpffs: &str) -> Result<Vec<Listed>> {
+    let output = node.exec(
+        &lb_binary().to_string_lossy(),
+        &["services", "--bpffs", bpffs, "-o", "json"],
+    )?;
+    let rows: serde_json::Value = serde_json::from_slice(&output.stdout)
+        .with_context(|| String::from_utf8_lossy(&output.stdout).into_owned())?;
+    rows.as_array()
+        .context("a list")?
+        .iter()
+        .filter(|row| row["protocol"] == "tcp")
+        .map(|row| {
+            let text = |v: &serde_json::Value| v.as_str().map(str::to_owned).context("a string");
+            let backends = row["backends"]
+                .as_array()
+                .context("backends")?
+                .iter()
+                .map(|b| text(&b["address"]))
+                .collect::<Result<_>>()?;
+            Ok(Listed {
+                frontend: text(&row["frontend"])?,
+                kind: text(&row["kind"])?,
+                service_id: row["service_id"].as_u64().context("service_id")?,
+                backends,
+            })
+        })
+        .collect()
+}
+
+/// The dual-stack Service's IPv6 ClusterIP and its NodePort on the IPv6 node IP are in the
+/// IPv6 maps, as `lb services` lists them: with its IPv6 endpoints and the service id of its
+/// IPv4 side (one id space); the IPv6-only Service's ClusterIP without endpoints (its stale IPv4
+/// slice ignored). Once the Service is IPv4-only, they are gone and its IPv4 side stays.
+#[test]
+fn dual_stack_service_ipv6_side_is_in_the_ipv6_maps() -> Result<()> {
+    let bpffs = Bpffs::mount()?;
+    let bpffs_arg = bpffs.arg();
+    let node_ips = format!("{NODE_IP},{NODE_IP_V6}");
+    let cluster_cidrs = format!("{CLUSTER_CIDR},{CLUSTER_CIDR_V6}");
+    let mut node = Node::start(
+        3,
+        &[],
+        &[
+            "--node-ip",
+            &node_ips,
+            "--cluster-cidr",
+            &cluster_cidrs,
+            "--bpffs",
+            &bpffs_arg,
+        ],
+    )?;
+    let service = node
+        .service(Proto::Tcp, &["pod-b", "pod-c"])
+        .node_port(NODE_PORT)
+        .yaml();
+    let stale = [node.ip("pod-a")];
+    node.agent.update_manifests(&format!(
+        "{}{}",
+        dual_stack(&service, Proto::Tcp)?,
+        ipv6_only_with_ipv4_slice(Proto::Tcp, &stale)
+    ))?;
+    let listed = services(&node.topology.node, &bpffs_arg)?;
+    let row = |frontend: &str| {
+        listed
+            .iter()
+            .find(|l| l.frontend == frontend)
+            .with_context(|| format!("{frontend} not in {listed:?}"))
+    };
+    let v4_id = row(&format!("{CLUSTER_IP}:{PORT}"))?.service_id;
+    let v6_endpoints = [
+        format!("[2001:db8:244::b]:{TARGET_PORT}"),
+        format!("[2001:db8:244::c]:{TARGET_PORT}"),
+    ];
+    for (frontend, kind) in [
+        (format!("[{CLUSTER_IP_V6}]:{PORT}"), "ClusterIP"),
+        (format!("[{NODE_IP_V6}]:{NODE_PORT}"), "NodePort"),
+    ] {
+        let mut row = row(&frontend)?.clone();
+        row.backends.sort();
+        ensure!(
+            row.kind == kind && row.service_id == v4_id && row.backends == v6_endpoints,
+            "{frontend}: {listed:?}"
+        );
+    }
+    let v6_only = row(&format!("[{CLUSTER_IP_V6_ONLY}]:80"))?;
+    ensure!(
+        v6_only.service_id != v4_id && v6_only.backends.is_empty(),
+        "{listed:?}"
+    );
+
+    // IPv4-only again: its IPv6 frontends (and the IPv6-only Service) are gone.
+    node.agent.update_manifests(&service)?;
+    let listed = services(&node.topology.node, &bpffs_arg)?;
+    ensure!(
+        listed.iter().all(|l| !l.frontend.starts_with('[')),
+        "IPv6 frontends left: {listed:?}"
+    );
+    ensure!(
+        listed
+            .iter()
+            .any(|l| l.frontend == format!("{CLUSTER_IP}:{PORT}") && l.service_id == v4_id),
+        "{listed:?}"
+    );
     Ok(())
 }
 

@@ -1,5 +1,5 @@
 //! `lb conntrack` and `lb conntrack delete`: the connections of the pinned conntrack map.
-use std::net::SocketAddrV4;
+use std::net::SocketAddr;
 
 use anyhow::{Context as _, Result};
 use comfy_table::{Table, presets};
@@ -66,11 +66,11 @@ fn list(query: &ConntrackQuery, delete: bool) -> Result<()> {
 #[derive(Debug, Serialize)]
 struct Row {
     protocol: String,
-    client: SocketAddrV4,
-    service: SocketAddrV4,
-    backend: SocketAddrV4,
+    client: SocketAddr,
+    service: SocketAddr,
+    backend: SocketAddr,
     /// The source the backend sees, when the connection is masqueraded; else null.
-    masquerade: Option<SocketAddrV4>,
+    masquerade: Option<SocketAddr>,
     state: &'static str,
     expires_in_s: u64,
 }

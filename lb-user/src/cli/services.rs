@@ -1,21 +1,23 @@
 //! `lb services`: every frontend with its Service port, and the backends it sends new
 //! connections to, with their traffic counters (`ipvsadm -Ln --stats`).
 use std::collections::BTreeMap;
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::Path;
 
 use anyhow::Result;
 use aya::maps::{HashMap, MapData, PerCpuArray};
 use comfy_table::{Table, presets};
 use lb_common::{
-    Backend, BackendKey, BackendStats, FRONTEND_F_LOCAL, FRONTEND_F_MASQUERADE,
-    FRONTEND_F_PRESERVE_SOURCE, FRONTEND_F_SOURCE_RANGES, Frontend, FrontendKey, FrontendOrigin,
-    LOCAL_SLOT, SCHED_FLOW_HASH, SCHED_RANDOM, SCHED_ROUND_ROBIN, SCHED_SOURCE_HASH, map_name,
+    Backend, Backend6, BackendKey, BackendStats, FRONTEND_F_LOCAL, FRONTEND_F_MASQUERADE,
+    FRONTEND_F_PRESERVE_SOURCE, FRONTEND_F_SOURCE_RANGES, Frontend, FrontendKey, FrontendKey6,
+    FrontendOrigin, LOCAL_SLOT, SCHED_FLOW_HASH, SCHED_RANDOM, SCHED_ROUND_ROBIN,
+    SCHED_SOURCE_HASH, map_name,
 };
 use lb_user::error_chain;
 use lb_user::maps::connections::protocol_name;
 use lb_user::maps::pins;
 use lb_user::maps::stats_slots::{self, PortEndpoint};
+use lb_user::model::IpFamily;
 use serde::Serialize;
 
 use crate::cli::args::{Output, StatsArgs};
@@ -35,7 +37,7 @@ pub fn run(args: StatsArgs) -> Result<()> {
 pub struct PortsExhausted {
     /// "namespace/name" of its Service ("" when its origin is not pinned).
     pub service: String,
-    pub backend: SocketAddrV4,
+    pub backend: SocketAddr,
     /// New connections dropped (`drop_snat_ports_exhausted` of this endpoint).
     pub connections: u64,
 }
@@ -57,14 +59,86 @@ pub fn ports_exhausted(dir: &Path) -> Result<Vec<PortsExhausted>> {
     Ok(seen.into_values().collect())
 }
 
-/// What the pinned maps hold, as `lb services` shows it.
+/// A frontend of either family: where it is reached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+struct FrontendAt {
+    addr: IpAddr,
+    /// Host byte order; 0: a ClusterIP's catch-all.
+    port: u16,
+    proto: u8,
+}
+
+impl From<FrontendKey> for FrontendAt {
+    fn from(key: FrontendKey) -> Self {
+        FrontendAt {
+            addr: Ipv4Addr::from(key.addr.to_ne_bytes()).into(),
+            port: u16::from_be(key.port),
+            proto: key.proto,
+        }
+    }
+}
+
+impl From<FrontendKey6> for FrontendAt {
+    fn from(key: FrontendKey6) -> Self {
+        FrontendAt {
+            addr: Ipv6Addr::from(key.addr.octets()).into(),
+            port: u16::from_be(key.port),
+            proto: key.proto,
+        }
+    }
+}
+
+/// An endpoint of either family in a backend slot.
+#[derive(Debug, Clone, Copy)]
+struct SlotBackend {
+    address: SocketAddr,
+    /// Its counter slot and the slot's owner when it counts this endpoint; None: not counted
+    /// (IPv6 endpoints are not counted yet).
+    counter: Option<(u16, u32)>,
+}
+
+impl SlotBackend {
+    fn v4(service_id: u32, backend: &Backend) -> Self {
+        SlotBackend {
+            address: socket(backend.addr, backend.port).into(),
+            counter: Some((
+                backend.stats_slot,
+                PortEndpoint::new(service_id, backend).owner(),
+            )),
+        }
+    }
+
+    fn v6(backend: &Backend6) -> Self {
+        SlotBackend {
+            address: SocketAddr::new(
+                Ipv6Addr::from(backend.addr.octets()).into(),
+                u16::from_be(backend.port),
+            ),
+            counter: None,
+        }
+    }
+}
+
+/// What the pinned maps of both families hold, as `lb services` shows it.
 #[derive(Debug, Default)]
 struct Pinned {
-    frontends: BTreeMap<FrontendKey, Frontend>,
-    backends: BTreeMap<BackendKey, Backend>,
-    origins: BTreeMap<FrontendKey, FrontendOrigin>,
+    frontends: BTreeMap<FrontendAt, Frontend>,
+    /// By family: both families' lists have the same keys (one service id space).
+    backends: BTreeMap<(IpFamily, BackendKey), SlotBackend>,
+    origins: BTreeMap<FrontendAt, FrontendOrigin>,
     /// The counter slots the backends refer to, summed over CPUs (`owner` as on CPU 0).
     stats: BTreeMap<u16, BackendStats>,
+}
+
+/// Every entry of the hash map pinned as `name` in `dir`.
+fn pinned_entries<K: aya::Pod + Ord, V: aya::Pod>(
+    dir: &Path,
+    name: &str,
+) -> Result<BTreeMap<K, V>> {
+    pins::open::<HashMap<MapData, K, V>>(dir, name)?
+        .iter()
+        .collect::<Result<_, _>>()
+        .map_err(|e| anyhow::anyhow!("reading {name}: {}", error_chain(&e)))
 }
 
 impl Pinned {
@@ -72,23 +146,25 @@ impl Pinned {
         let read = |name: &str, e: aya::maps::MapError| {
             anyhow::anyhow!("reading {name}: {}", error_chain(&e))
         };
-        let frontends = pins::open::<HashMap<MapData, _, _>>(dir, map_name::FRONTENDS)?
-            .iter()
-            .collect::<Result<_, _>>()
-            .map_err(|e| read(map_name::FRONTENDS, e))?;
-        let backends: BTreeMap<BackendKey, Backend> =
-            pins::open::<HashMap<MapData, _, _>>(dir, map_name::BACKENDS)?
-                .iter()
-                .collect::<Result<_, _>>()
-                .map_err(|e| read(map_name::BACKENDS, e))?;
-        let origins = pins::open::<HashMap<MapData, _, _>>(dir, map_name::FRONTEND_ORIGINS)?
-            .iter()
-            .collect::<Result<_, _>>()
-            .map_err(|e| read(map_name::FRONTEND_ORIGINS, e))?;
+        let frontends4: BTreeMap<FrontendKey, Frontend> = pinned_entries(dir, map_name::FRONTENDS)?;
+        let frontends6: BTreeMap<FrontendKey6, Frontend> =
+            pinned_entries(dir, map_name::FRONTENDS6)?;
+        let backends4: BTreeMap<BackendKey, Backend> = pinned_entries(dir, map_name::BACKENDS)?;
+        let backends6: BTreeMap<BackendKey, Backend6> = pinned_entries(dir, map_name::BACKENDS6)?;
+        let origins4: BTreeMap<FrontendKey, FrontendOrigin> =
+            pinned_entries(dir, map_name::FRONTEND_ORIGINS)?;
+        let origins6: BTreeMap<FrontendKey6, FrontendOrigin> =
+            pinned_entries(dir, map_name::FRONTEND_ORIGINS6)?;
+        let frontends = (frontends4.into_iter().map(|(k, f)| (k.into(), f)))
+            .chain(frontends6.into_iter().map(|(k, f)| (k.into(), f)))
+            .collect();
+        let origins = (origins4.into_iter().map(|(k, o)| (k.into(), o)))
+            .chain(origins6.into_iter().map(|(k, o)| (k.into(), o)))
+            .collect();
         let name = map_name::BACKEND_STATS;
         let array: PerCpuArray<MapData, BackendStats> = pins::open(dir, name)?;
         // Only the slots in use: the array is mostly free slots, each as many values as CPUs.
-        let stats = stats_slots::in_use(backends.values())
+        let stats = stats_slots::in_use(backends4.values())
             .into_iter()
             .filter(|&slot| u32::from(slot) < array.len())
             .map(|slot| {
@@ -97,6 +173,15 @@ impl Pinned {
             })
             .collect::<Result<_, _>>()
             .map_err(|e| read(name, e))?;
+        let backends = backends4
+            .iter()
+            .map(|(k, b)| ((IpFamily::V4, *k), SlotBackend::v4(k.service_id, b)))
+            .chain(
+                backends6
+                    .iter()
+                    .map(|(k, b)| ((IpFamily::V6, *k), SlotBackend::v6(b))),
+            )
+            .collect();
         Ok(Pinned {
             frontends,
             backends,
@@ -109,7 +194,7 @@ impl Pinned {
 /// One frontend as `-o json` prints it.
 #[derive(Debug, Serialize)]
 struct Row {
-    /// "IP:PORT" (`[IPv6]:PORT` once IPv6 frontends exist).
+    /// "IP:PORT", "[IPv6]:PORT".
     frontend: String,
     protocol: String,
     /// ClusterIP, NodePort, externalIP or LoadBalancer.
@@ -133,7 +218,7 @@ struct Row {
 
 #[derive(Debug, Serialize)]
 struct BackendRow {
-    address: SocketAddrV4,
+    address: SocketAddr,
     /// Its first slot in the list (a Maglev table gives an endpoint many).
     slot: u32,
     /// Slots it fills in the list.
@@ -151,8 +236,8 @@ struct BackendRow {
     ports_exhausted: u64,
 }
 
-fn socket(addr: u32, port: u16) -> SocketAddrV4 {
-    SocketAddrV4::new(Ipv4Addr::from(addr.to_ne_bytes()), u16::from_be(port))
+fn socket(addr: u32, port: u16) -> std::net::SocketAddrV4 {
+    std::net::SocketAddrV4::new(Ipv4Addr::from(addr.to_ne_bytes()), u16::from_be(port))
 }
 
 fn scheduler_name(scheduler: u32) -> &'static str {
@@ -178,8 +263,8 @@ fn flag_names(flags: u32) -> Vec<&'static str> {
     .collect()
 }
 
-/// Every frontend but the ClusterIPs' catch-alls (which only reject), sorted by address, port
-/// and protocol; under each, the endpoints of the list its traffic policy uses, in slot order.
+/// Every frontend of both families but the ClusterIPs' catch-alls (which only reject), sorted
+/// by address (IPv4 first), port and protocol; under each, the endpoints of the list its traffic policy uses, in slot order.
 fn rows(pinned: &Pinned) -> Vec<Row> {
     pinned
         .frontends
@@ -192,27 +277,29 @@ fn rows(pinned: &Pinned) -> Vec<Row> {
             } else {
                 (0, frontend.backend_count, "ready")
             };
+            let family = IpFamily::of(key.addr);
             let mut backends: Vec<BackendRow> = Vec::new();
             for slot in 0..count {
                 let key = BackendKey {
                     service_id: frontend.service_id,
                     slot: base + slot,
                 };
-                let Some(backend) = pinned.backends.get(&key) else {
+                let Some(backend) = pinned.backends.get(&(family, key)) else {
                     continue;
                 };
-                let address = socket(backend.addr, backend.port);
+                let address = backend.address;
                 if let Some(row) = backends.iter_mut().find(|b| b.address == address) {
                     row.slots += 1;
                     continue;
                 }
                 // A slot that counts another endpoint (its claim is being rewritten) is none.
-                let owner = PortEndpoint::new(frontend.service_id, backend).owner();
-                let stats = pinned
-                    .stats
-                    .get(&backend.stats_slot)
-                    .filter(|stats| stats.owner == owner)
-                    .copied();
+                let stats = backend.counter.and_then(|(slot, owner)| {
+                    pinned
+                        .stats
+                        .get(&slot)
+                        .filter(|stats| stats.owner == owner)
+                        .copied()
+                });
                 let counted = stats.is_some();
                 let stats = stats.unwrap_or_default();
                 backends.push(BackendRow {
@@ -233,7 +320,7 @@ fn rows(pinned: &Pinned) -> Vec<Row> {
             };
             let (namespace, name) = (text(|o| &o.namespace), text(|o| &o.name));
             Row {
-                frontend: socket(key.addr, key.port).to_string(),
+                frontend: SocketAddr::new(key.addr, key.port).to_string(),
                 protocol: protocol_name(key.proto),
                 kind: origin.map_or("unknown", FrontendOrigin::kind_name),
                 service: if origin.is_some() {

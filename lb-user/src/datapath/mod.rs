@@ -10,9 +10,9 @@ pub mod map_pins;
 pub mod node_sysctls;
 pub mod xdp_targets;
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io;
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, Ipv6Addr};
 use std::os::fd::AsFd as _;
 use std::os::raw::c_int;
 use std::path::Path;
@@ -25,6 +25,8 @@ use aya::maps::{
 use aya::programs::{CgroupSockAddr, ProgramError, SchedClassifier, Xdp};
 use aya::{Ebpf, EbpfError, EbpfLoader};
 use bytemuck::Pod;
+use ipnet::Ipv6Net;
+use lb_common::{Addr6, Backend6, Config6, FrontendKey6, SourceRangeKey6};
 use lb_common::{AgentInfo, ServiceStatus};
 use lb_common::{
     Backend, BackendKey, BackendStats, Clock, Config, ConntrackEntry, ConntrackKey, Counter,
@@ -34,7 +36,7 @@ use lb_common::{
 use nix::libc::EAGAIN;
 use nix::time::{ClockId, clock_getres};
 
-use crate::maps::contents::{MapContents, SourceRange};
+use crate::maps::contents::{MapContents, MapContents6, SourceRange};
 use crate::maps::map_batch;
 use crate::maps::stats_slots::{self, StatsReset};
 use crate::maps::writer::MapWriter;
@@ -127,6 +129,7 @@ pub struct Datapath {
     ebpf: Ebpf,
     pub service_maps: ServiceMaps,
     config: Array<MapData, Config>,
+    config6: Array<MapData, Config6>,
     conntrack: HashMap<MapData, ConntrackKey, ConntrackEntry>,
     /// Connections whose handshake is not complete (`map_name::CONNTRACK_UNCONFIRMED`).
     unconfirmed: HashMap<MapData, ConntrackKey, ConntrackEntry>,
@@ -156,6 +159,15 @@ impl Datapath {
             (map_name::INTERMEDIATE_UNCONFIRMED, sizes.unconfirmed),
             (map_name::AFFINITY, sizes.affinity),
             (map_name::BACKEND_STATS, sizes.backend_stats),
+            // The IPv6 twins, sized by the same flags.
+            (map_name::FRONTENDS6, sizes.frontends),
+            (map_name::FRONTEND_ORIGINS6, sizes.frontends),
+            (map_name::BACKENDS6, sizes.backends),
+            (map_name::CONNTRACK6, sizes.conntrack),
+            (map_name::INTERMEDIATE6, sizes.conntrack),
+            (map_name::CONNTRACK6_UNCONFIRMED, sizes.unconfirmed),
+            (map_name::INTERMEDIATE6_UNCONFIRMED, sizes.unconfirmed),
+            (map_name::AFFINITY6, sizes.affinity),
         ];
         for (name, size) in wanted {
             loader.map_max_entries(name, size);
@@ -171,8 +183,15 @@ impl Datapath {
             origins: take_map(&mut ebpf, map_name::FRONTEND_ORIGINS)?,
             statuses: take_map(&mut ebpf, map_name::SERVICE_STATUS)?,
             stats: take_map(&mut ebpf, map_name::BACKEND_STATS)?,
+            v6: ServiceMaps6 {
+                frontends: take_map(&mut ebpf, map_name::FRONTENDS6)?,
+                backends: take_map(&mut ebpf, map_name::BACKENDS6)?,
+                source_ranges: take_map(&mut ebpf, map_name::SOURCE_RANGES6)?,
+                origins: take_map(&mut ebpf, map_name::FRONTEND_ORIGINS6)?,
+            },
         };
         let config = take_map(&mut ebpf, map_name::CONFIG)?;
+        let config6 = take_map(&mut ebpf, map_name::CONFIG6)?;
         let conntrack = take_map(&mut ebpf, map_name::CONNTRACK)?;
         let unconfirmed = take_map(&mut ebpf, map_name::CONNTRACK_UNCONFIRMED)?;
         let xdp_egress = take_map(&mut ebpf, map_name::XDP_EGRESS)?;
@@ -182,6 +201,7 @@ impl Datapath {
             ebpf,
             service_maps,
             config,
+            config6,
             conntrack,
             unconfirmed,
             xdp_egress,
@@ -310,6 +330,15 @@ impl Datapath {
             .map_err(|source| DatapathError::Map { name, source })
     }
 
+    pub fn write_config6(&mut self, config: &Config6) -> Result<(), DatapathError> {
+        self.config6
+            .set(0, config, 0)
+            .map_err(|source| DatapathError::Map {
+                name: map_name::CONFIG6,
+                source,
+            })
+    }
+
     pub fn write_config(&mut self, config: &Config) -> Result<(), DatapathError> {
         self.config
             .set(0, config, 0)
@@ -338,6 +367,81 @@ pub struct ServiceMaps {
     origins: HashMap<MapData, FrontendKey, FrontendOrigin>,
     statuses: HashMap<MapData, u32, ServiceStatus>,
     stats: PerCpuArray<MapData, BackendStats>,
+    v6: ServiceMaps6,
+}
+
+/// FRONTENDS6, BACKENDS6, SOURCE_RANGES6 and FRONTEND_ORIGINS6: the IPv6 twins.
+pub struct ServiceMaps6 {
+    frontends: HashMap<MapData, FrontendKey6, Frontend>,
+    backends: HashMap<MapData, BackendKey, Backend6>,
+    source_ranges: LpmTrie<MapData, SourceRangeKey6, u8>,
+    origins: HashMap<MapData, FrontendKey6, FrontendOrigin>,
+}
+
+fn source_range_key6(range: SourceRange<Ipv6Net>) -> Key<SourceRangeKey6> {
+    Key::new(
+        SourceRangeKey6::SERVICE_ID_BITS + u32::from(range.net.prefix_len()),
+        SourceRangeKey6 {
+            service_id: range.service_id,
+            addr: Addr6::from_octets(range.net.addr().octets()),
+        },
+    )
+}
+
+/// None for a key the reconciler does not write (a prefix shorter than the service id).
+fn source_range6(key: &Key<SourceRangeKey6>) -> Option<SourceRange<Ipv6Net>> {
+    let prefix_len = key
+        .prefix_len()
+        .checked_sub(SourceRangeKey6::SERVICE_ID_BITS)?;
+    let data = key.data();
+    let net = Ipv6Net::new(
+        Ipv6Addr::from(data.addr.octets()),
+        u8::try_from(prefix_len).ok()?,
+    )
+    .ok()?;
+    Some(SourceRange {
+        service_id: data.service_id,
+        net,
+    })
+}
+
+/// Every entry of a hash map.
+fn entries<K: aya::Pod + Ord, V: aya::Pod>(
+    map: &HashMap<MapData, K, V>,
+    name: &'static str,
+) -> Result<BTreeMap<K, V>, DatapathError> {
+    map.iter()
+        .collect::<Result<_, _>>()
+        .map_err(|source| DatapathError::Map { name, source })
+}
+
+impl ServiceMaps6 {
+    fn pinned(pin_dir: &Path) -> Result<Self, DatapathError> {
+        Ok(ServiceMaps6 {
+            frontends: pinned(pin_dir, map_name::FRONTENDS6)?,
+            backends: pinned(pin_dir, map_name::BACKENDS6)?,
+            source_ranges: pinned(pin_dir, map_name::SOURCE_RANGES6)?,
+            origins: pinned(pin_dir, map_name::FRONTEND_ORIGINS6)?,
+        })
+    }
+
+    fn read(&self) -> Result<MapContents6, DatapathError> {
+        let keys: Vec<Key<SourceRangeKey6>> = self
+            .source_ranges
+            .keys()
+            .collect::<Result<_, _>>()
+            .map_err(|source| DatapathError::Map {
+            name: map_name::SOURCE_RANGES6,
+            source,
+        })?;
+        Ok(MapContents6 {
+            frontends: entries(&self.frontends, map_name::FRONTENDS6)?,
+            backends: entries(&self.backends, map_name::BACKENDS6)?,
+            source_ranges: keys.iter().filter_map(source_range6).collect(),
+            origins: entries(&self.origins, map_name::FRONTEND_ORIGINS6)?,
+            statuses: BTreeMap::new(),
+        })
+    }
 }
 
 fn source_range_key(range: SourceRange) -> Key<SourceRangeKey> {
@@ -388,7 +492,13 @@ impl ServiceMaps {
             origins: pinned(pin_dir, map_name::FRONTEND_ORIGINS)?,
             statuses: pinned(pin_dir, map_name::SERVICE_STATUS)?,
             stats: pinned(pin_dir, map_name::BACKEND_STATS)?,
+            v6: ServiceMaps6::pinned(pin_dir)?,
         })
+    }
+
+    /// What the (pinned) IPv6 maps hold now.
+    pub fn read6(&self) -> Result<MapContents6, DatapathError> {
+        self.v6.read()
     }
 
     /// The size of BACKEND_STATS as it is (a pinned map keeps its size).
@@ -553,6 +663,48 @@ impl MapWriter for ServiceMaps {
         ignore_missing(self.source_ranges.remove(&source_range_key(range)))
             .map_err(io::Error::other)
     }
+
+    fn insert_backends6(&mut self, entries: &[(BackendKey, Backend6)]) -> Vec<(usize, io::Error)> {
+        update(self.v6.backends.map(), entries, "--backends-max")
+    }
+
+    fn remove_backends6(&mut self, keys: &[BackendKey]) -> Vec<(usize, io::Error)> {
+        delete(self.v6.backends.map(), keys)
+    }
+
+    fn insert_frontends6(
+        &mut self,
+        entries: &[(FrontendKey6, Frontend)],
+    ) -> Vec<(usize, io::Error)> {
+        update(self.v6.frontends.map(), entries, "--frontends-max")
+    }
+
+    fn remove_frontends6(&mut self, keys: &[FrontendKey6]) -> Vec<(usize, io::Error)> {
+        delete(self.v6.frontends.map(), keys)
+    }
+
+    fn insert_origins6(
+        &mut self,
+        entries: &[(FrontendKey6, FrontendOrigin)],
+    ) -> Vec<(usize, io::Error)> {
+        update(self.v6.origins.map(), entries, "--frontends-max")
+    }
+
+    fn remove_origins6(&mut self, keys: &[FrontendKey6]) -> Vec<(usize, io::Error)> {
+        delete(self.v6.origins.map(), keys)
+    }
+
+    fn insert_source_range6(&mut self, range: SourceRange<Ipv6Net>) -> Result<(), io::Error> {
+        self.v6
+            .source_ranges
+            .insert(&source_range_key6(range), 1, 0)
+            .map_err(io::Error::other)
+    }
+
+    fn remove_source_range6(&mut self, range: SourceRange<Ipv6Net>) -> Result<(), io::Error> {
+        ignore_missing(self.v6.source_ranges.remove(&source_range_key6(range)))
+            .map_err(io::Error::other)
+    }
 }
 
 /// The datapath's packet counters from the pinned COUNTERS map in `pin_dir`, summed over CPUs.
@@ -687,6 +839,12 @@ mod tests {
             origins: take_map(&mut ebpf, map_name::FRONTEND_ORIGINS).unwrap(),
             statuses: take_map(&mut ebpf, map_name::SERVICE_STATUS).unwrap(),
             stats: take_map(&mut ebpf, map_name::BACKEND_STATS).unwrap(),
+            v6: ServiceMaps6 {
+                frontends: take_map(&mut ebpf, map_name::FRONTENDS6).unwrap(),
+                backends: take_map(&mut ebpf, map_name::BACKENDS6).unwrap(),
+                source_ranges: take_map(&mut ebpf, map_name::SOURCE_RANGES6).unwrap(),
+                origins: take_map(&mut ebpf, map_name::FRONTEND_ORIGINS6).unwrap(),
+            },
         };
         let entries: Vec<(BackendKey, Backend)> = (0..6)
             .map(|slot| {

@@ -1,64 +1,127 @@
 //! The connections the datapath tracks, for `lb conntrack`: one per pair of conntrack entries
-//! (original and reply direction, see `lb_common::ConntrackEntry`), read from the pinned map.
+//! (original and reply direction, see `lb_common::ConntrackEntry`), read from the pinned maps
+//! of both families.
 use std::collections::BTreeMap;
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4};
 use std::path::Path;
 use std::time::Duration;
 
 use aya::maps::{Array, HashMap, Map, MapData, MapError};
 use lb_common::{
-    CT_F_MASQUERADE, CT_F_REPLY, Config, ConntrackEntry, ConntrackKey, ConntrackTimeouts,
-    IPPROTO_TCP, IPPROTO_UDP, conntrack_state_name, conntrack_timeout_ns, map_name,
+    Addr6, CT_F_MASQUERADE, CT_F_REPLY, Config, ConntrackEntry, ConntrackEntry6, ConntrackKey,
+    ConntrackKey6, ConntrackTimeouts, IPPROTO_TCP, IPPROTO_UDP, conntrack_state_name,
+    conntrack_timeout_ns, map_name,
 };
 use nix::libc::ENOENT;
 use nix::time::{ClockId, clock_gettime};
+
+/// The key of a conntrack entry of either family.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TupleKey {
+    V4(ConntrackKey),
+    V6(ConntrackKey6),
+}
+
+/// A conntrack entry of either family, as the join reads it: the packet's tuple (`src`, `dst`)
+/// and what it is rewritten to (`to_src`, `to_dst`).
+#[derive(Clone, Copy, Debug)]
+pub struct Tracked {
+    pub key: TupleKey,
+    pub proto: u8,
+    pub src: SocketAddr,
+    pub dst: SocketAddr,
+    pub to_src: SocketAddr,
+    pub to_dst: SocketAddr,
+    pub last_seen_ns: u64,
+    pub state: u8,
+    pub flags: u8,
+}
+
+impl From<(ConntrackKey, ConntrackEntry)> for Tracked {
+    fn from((key, entry): (ConntrackKey, ConntrackEntry)) -> Self {
+        Tracked {
+            key: TupleKey::V4(key),
+            proto: key.proto,
+            src: socket(key.src_addr, key.src_port).into(),
+            dst: socket(key.dst_addr, key.dst_port).into(),
+            to_src: socket(entry.src_addr, entry.src_port).into(),
+            to_dst: socket(entry.dst_addr, entry.dst_port).into(),
+            last_seen_ns: entry.last_seen_ns,
+            state: entry.state,
+            flags: entry.flags,
+        }
+    }
+}
+
+impl From<(ConntrackKey6, ConntrackEntry6)> for Tracked {
+    fn from((key, entry): (ConntrackKey6, ConntrackEntry6)) -> Self {
+        Tracked {
+            key: TupleKey::V6(key),
+            proto: key.proto,
+            src: socket6(key.src_addr, key.src_port),
+            dst: socket6(key.dst_addr, key.dst_port),
+            to_src: socket6(entry.src_addr, entry.src_port),
+            to_dst: socket6(entry.dst_addr, entry.dst_port),
+            last_seen_ns: entry.last_seen_ns,
+            state: entry.state,
+            flags: entry.flags,
+        }
+    }
+}
 
 /// One connection, joined from the entries of its two directions.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Connection {
     pub proto: u8,
-    pub client: SocketAddrV4,
+    pub client: SocketAddr,
     /// The frontend the client reached (ClusterIP, node address of a NodePort, ...).
-    pub service: SocketAddrV4,
-    pub backend: SocketAddrV4,
+    pub service: SocketAddr,
+    pub backend: SocketAddr,
     /// The source the backend sees, when it is not the client (masquerade).
-    pub masquerade: Option<SocketAddrV4>,
+    pub masquerade: Option<SocketAddr>,
     /// `tcp::*` or `CT_UDP_*` (`conntrack_state_name`).
     pub state: u8,
     /// When the connection expires unless a packet comes, in the datapath's clock (ns).
     pub expires_ns: u64,
     /// The keys of its entries: client → service, and backend → the source the backend saw.
     /// Either may be missing (being created, or removed behind the datapath's back).
-    pub original: Option<ConntrackKey>,
-    pub reply: Option<ConntrackKey>,
+    pub original: Option<TupleKey>,
+    pub reply: Option<TupleKey>,
 }
 
 fn socket(addr: u32, port: u16) -> SocketAddrV4 {
     SocketAddrV4::new(Ipv4Addr::from(addr.to_ne_bytes()), u16::from_be(port))
 }
 
+fn socket6(addr: Addr6, port: u16) -> SocketAddr {
+    SocketAddr::new(
+        IpAddr::V6(Ipv6Addr::from(addr.octets())),
+        u16::from_be(port),
+    )
+}
+
 /// What identifies a connection in either of its entries: protocol, client, service, backend
 /// and the source the backend sees.
-type Identity = (u8, SocketAddrV4, SocketAddrV4, SocketAddrV4, SocketAddrV4);
+type Identity = (u8, SocketAddr, SocketAddr, SocketAddr, SocketAddr);
 
-fn identity(key: &ConntrackKey, entry: &ConntrackEntry) -> Identity {
+fn identity(entry: &Tracked) -> Identity {
     if entry.flags & CT_F_REPLY == 0 {
         // client → service, rewritten to seen source → backend.
         (
-            key.proto,
-            socket(key.src_addr, key.src_port),
-            socket(key.dst_addr, key.dst_port),
-            socket(entry.dst_addr, entry.dst_port),
-            socket(entry.src_addr, entry.src_port),
+            entry.proto,
+            entry.src,
+            entry.dst,
+            entry.to_dst,
+            entry.to_src,
         )
     } else {
         // backend → seen source, rewritten to service → client.
         (
-            key.proto,
-            socket(entry.dst_addr, entry.dst_port),
-            socket(entry.src_addr, entry.src_port),
-            socket(key.src_addr, key.src_port),
-            socket(key.dst_addr, key.dst_port),
+            entry.proto,
+            entry.to_dst,
+            entry.to_src,
+            entry.src,
+            entry.dst,
         )
     }
 }
@@ -66,22 +129,23 @@ fn identity(key: &ConntrackKey, entry: &ConntrackEntry) -> Identity {
 /// The connections of `entries` that have a live entry at `now` (the datapath's clock, ns) with
 /// the datapath's `timeouts`: the datapath ignores expired entries, which stay in the LRU map
 /// until it needs the room. Sorted by protocol, client, service and backend.
-pub fn join(
-    entries: impl IntoIterator<Item = (ConntrackKey, ConntrackEntry)>,
+pub fn join<T: Into<Tracked>>(
+    entries: impl IntoIterator<Item = T>,
     now: u64,
     timeouts: &ConntrackTimeouts,
 ) -> Vec<Connection> {
     let mut connections: BTreeMap<Identity, Connection> = BTreeMap::new();
-    for (key, entry) in entries {
+    for entry in entries {
+        let entry: Tracked = entry.into();
         let expires_ns = entry.last_seen_ns.saturating_add(conntrack_timeout_ns(
-            key.proto,
+            entry.proto,
             entry.state,
             timeouts,
         ));
         if expires_ns < now {
             continue;
         }
-        let id = identity(&key, &entry);
+        let id = identity(&entry);
         let (proto, client, service, backend, seen) = id;
         let connection = connections.entry(id).or_insert_with(|| Connection {
             proto,
@@ -100,9 +164,9 @@ pub fn join(
             connection.state = entry.state;
         }
         if entry.flags & CT_F_REPLY == 0 {
-            connection.original = Some(key);
+            connection.original = Some(entry.key);
         } else {
-            connection.reply = Some(key);
+            connection.reply = Some(entry.key);
         }
     }
     connections.into_values().collect()
@@ -118,9 +182,14 @@ pub struct Filter {
 
 impl Filter {
     pub fn matches(&self, connection: &Connection) -> bool {
-        self.service.is_none_or(|s| s == connection.service)
-            && self.backend.is_none_or(|b| b == connection.backend)
-            && self.client.is_none_or(|c| c == *connection.client.ip())
+        self.service
+            .is_none_or(|s| SocketAddr::from(s) == connection.service)
+            && self
+                .backend
+                .is_none_or(|b| SocketAddr::from(b) == connection.backend)
+            && self
+                .client
+                .is_none_or(|c| IpAddr::from(c) == connection.client.ip())
     }
 }
 
@@ -158,40 +227,79 @@ pub fn pinned_timeouts(pin_dir: &Path) -> Result<ConntrackTimeouts, MapError> {
     Ok(config.get(&0, 0)?.timeouts)
 }
 
-/// The pinned conntrack maps in `pin_dir`: the main table and the unconfirmed connections'.
+/// The pinned conntrack maps in `pin_dir`: the main table and the unconfirmed connections', of
+/// both families.
 pub struct ConntrackMap {
     maps: Vec<HashMap<MapData, ConntrackKey, ConntrackEntry>>,
+    maps6: Vec<HashMap<MapData, ConntrackKey6, ConntrackEntry6>>,
+}
+
+/// A removal of a key that is not there is no failure.
+fn removed(result: Result<(), MapError>) -> Result<(), MapError> {
+    match result {
+        Err(MapError::SyscallError(err)) if err.io_error.raw_os_error() == Some(ENOENT) => Ok(()),
+        other => other,
+    }
 }
 
 impl ConntrackMap {
-    /// The unconfirmed table is left out when it is not pinned (an agent of before it).
+    /// A table not pinned (by an agent of before it: the unconfirmed one, IPv6's) is left out.
     pub fn open(pin_dir: &Path) -> Result<Self, MapError> {
-        let open = |name: &str| -> Result<_, MapError> {
-            let data = MapData::from_pin(pin_dir.join(name))?;
-            HashMap::try_from(Map::from_map_data(data)?)
-        };
-        let mut maps = vec![open(map_name::CONNTRACK)?];
-        if pin_dir.join(map_name::CONNTRACK_UNCONFIRMED).exists() {
-            maps.push(open(map_name::CONNTRACK_UNCONFIRMED)?);
+        fn open<K: aya::Pod, V: aya::Pod>(
+            pin_dir: &Path,
+            names: &[&str],
+        ) -> Result<Vec<HashMap<MapData, K, V>>, MapError> {
+            names
+                .iter()
+                .filter(|name| pin_dir.join(name).exists())
+                .map(|name| {
+                    let data = MapData::from_pin(pin_dir.join(name))?;
+                    HashMap::try_from(Map::from_map_data(data)?)
+                })
+                .collect()
         }
-        Ok(ConntrackMap { maps })
+        // The main table must be there: opened whether pinned or not, so that its absence is an
+        // error.
+        let main = MapData::from_pin(pin_dir.join(map_name::CONNTRACK))?;
+        let mut maps = vec![HashMap::try_from(Map::from_map_data(main)?)?];
+        maps.extend(open(pin_dir, &[map_name::CONNTRACK_UNCONFIRMED])?);
+        let maps6 = open(
+            pin_dir,
+            &[map_name::CONNTRACK6, map_name::CONNTRACK6_UNCONFIRMED],
+        )?;
+        Ok(ConntrackMap { maps, maps6 })
     }
 
-    /// Every entry of both tables; those the datapath replaces or moves during the walk may be
+    /// Every entry of the tables; those the datapath replaces or moves during the walk may be
     /// missed or seen twice.
-    pub fn entries(&self) -> Result<Vec<(ConntrackKey, ConntrackEntry)>, MapError> {
-        self.maps.iter().flat_map(|map| map.iter()).collect()
+    pub fn entries(&self) -> Result<Vec<Tracked>, MapError> {
+        let v4 = self
+            .maps
+            .iter()
+            .flat_map(|map| map.iter())
+            .map(|entry| entry.map(Tracked::from));
+        let v6 = self
+            .maps6
+            .iter()
+            .flat_map(|map| map.iter())
+            .map(|entry| entry.map(Tracked::from));
+        v4.chain(v6).collect()
     }
 
     /// Deletes both entries of `connection`, from either table; entries already gone are no
     /// failure.
     pub fn delete(&mut self, connection: &Connection) -> Result<(), MapError> {
-        for map in &mut self.maps {
-            for key in [connection.original, connection.reply].iter().flatten() {
-                match map.remove(key) {
-                    Err(MapError::SyscallError(err))
-                        if err.io_error.raw_os_error() == Some(ENOENT) => {}
-                    other => other?,
+        for key in [connection.original, connection.reply].iter().flatten() {
+            match key {
+                TupleKey::V4(key) => {
+                    for map in &mut self.maps {
+                        removed(map.remove(key))?;
+                    }
+                }
+                TupleKey::V6(key) => {
+                    for map in &mut self.maps6 {
+                        removed(map.remove(key))?;
+                    }
                 }
             }
         }
@@ -217,6 +325,10 @@ mod tests {
     }
 
     fn addr(s: &str) -> SocketAddrV4 {
+        s.parse().unwrap()
+    }
+
+    fn at(s: &str) -> SocketAddr {
         s.parse().unwrap()
     }
 
@@ -325,23 +437,23 @@ mod tests {
         assert_eq!(connections.len(), 3, "{connections:#?}");
         let tcp = &connections[0];
         assert_eq!(tcp.proto, IPPROTO_TCP);
-        assert_eq!(tcp.client, addr("198.51.100.2:40000"));
-        assert_eq!(tcp.service, addr("198.51.100.1:30080"));
-        assert_eq!(tcp.backend, addr("10.244.1.3:8080"));
-        assert_eq!(tcp.masquerade, Some(addr("198.51.100.1:61000")));
+        assert_eq!(tcp.client, at("198.51.100.2:40000"));
+        assert_eq!(tcp.service, at("198.51.100.1:30080"));
+        assert_eq!(tcp.backend, at("10.244.1.3:8080"));
+        assert_eq!(tcp.masquerade, Some(at("198.51.100.1:61000")));
         assert_eq!(tcp.state, tcp::ESTABLISHED);
         assert_eq!(tcp.expires_ns, now - SECOND + TCP_ESTABLISHED_NS);
         let tcp_keys: Vec<_> = all[..4]
             .iter()
             .filter(|(k, _)| k.proto == IPPROTO_TCP)
-            .map(|(k, _)| *k)
+            .map(|(k, _)| TupleKey::V4(*k))
             .collect();
         assert!(tcp_keys.contains(&tcp.original.unwrap()));
         assert!(tcp_keys.contains(&tcp.reply.unwrap()));
         assert_ne!(tcp.original, tcp.reply);
 
         let udp = &connections[1];
-        assert_eq!(udp.client, addr("10.244.1.2:40001"));
+        assert_eq!(udp.client, at("10.244.1.2:40001"));
         assert_eq!(udp.masquerade, None);
         assert!(udp.original.is_some() && udp.reply.is_some());
         assert_eq!(
@@ -349,9 +461,63 @@ mod tests {
             (UDP_STREAM_NS - 2 * SECOND) / SECOND
         );
         let orphan = &connections[2];
-        assert_eq!(orphan.client, addr("10.244.1.2:40002"));
-        assert_eq!(orphan.backend, addr("10.244.1.4:53"));
+        assert_eq!(orphan.client, at("10.244.1.2:40002"));
+        assert_eq!(orphan.backend, at("10.244.1.4:53"));
         assert_eq!((orphan.original, orphan.reply.is_some()), (None, true));
+    }
+
+    #[test]
+    fn ipv6_entries_make_a_connection_of_ipv6_addresses() {
+        let key6 = |src: &str, dst: &str| {
+            let (src, dst) = (at(src), at(dst));
+            let addr = |a: SocketAddr| match a.ip() {
+                IpAddr::V6(ip) => Addr6::from_octets(ip.octets()),
+                IpAddr::V4(_) => unreachable!("IPv6 test addresses"),
+            };
+            ConntrackKey6 {
+                src_addr: addr(src),
+                dst_addr: addr(dst),
+                src_port: port_be(src.port()),
+                dst_port: port_be(dst.port()),
+                proto: IPPROTO_TCP,
+                ..ConntrackKey6::default()
+            }
+        };
+        let entry6 = |to: ConntrackKey6, flags: u8| ConntrackEntry6 {
+            last_seen_ns: SECOND,
+            src_addr: to.src_addr,
+            dst_addr: to.dst_addr,
+            src_port: to.src_port,
+            dst_port: to.dst_port,
+            state: tcp::ESTABLISHED,
+            flags,
+            ..ConntrackEntry6::default()
+        };
+        let (client, service) = ("[2001:db8:1::2]:40000", "[2001:db8:96::10]:80");
+        let (backend, node) = ("[2001:db8:244::b]:8080", "[2001:db8:100::10]:61000");
+        let original = key6(client, service);
+        let reply = key6(backend, node);
+        let connections = super::join(
+            [
+                (original, entry6(key6(node, backend), CT_F_MASQUERADE)),
+                (
+                    reply,
+                    entry6(key6(service, client), CT_F_REPLY | CT_F_MASQUERADE),
+                ),
+            ],
+            2 * SECOND,
+            &TIMEOUTS,
+        );
+        assert_eq!(connections.len(), 1, "{connections:#?}");
+        let c = &connections[0];
+        assert_eq!(
+            (c.client, c.service, c.backend, c.masquerade),
+            (at(client), at(service), at(backend), Some(at(node)))
+        );
+        assert_eq!(
+            (c.original, c.reply),
+            (Some(TupleKey::V6(original)), Some(TupleKey::V6(reply)))
+        );
     }
 
     #[test]

@@ -1,34 +1,162 @@
 //! What the service maps hold, as the reconciler wants them and as `lb status` reads them: the
 //! type every side of a sync shares, in a leaf so that none of them imports another for it.
+//! Each family has its own maps (docs/ipv6.md): [`MapContents`] for IPv4, [`MapContents6`] for
+//! IPv6, one type over [`MapFamily`].
 use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::net::{Ipv4Addr, Ipv6Addr};
 
 use ipnet::Ipv4Net;
-use lb_common::{Backend, BackendKey, Frontend, FrontendKey, FrontendOrigin, ServiceStatus};
+use lb_common::{
+    Addr6, Backend, Backend6, BackendKey, Frontend, FrontendKey, FrontendKey6, FrontendOrigin,
+    ServiceStatus, ipv4_be, port_be,
+};
 
-/// An entry of `SOURCE_RANGES`: sources in `net` may reach the load balancer IPs of service
-/// port `service_id`.
+use crate::model::Family;
+
+/// An entry of `SOURCE_RANGES` (`SOURCE_RANGES6` for an `Ipv6Net`): sources in `net` may reach
+/// the load balancer IPs of service port `service_id`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub struct SourceRange {
+pub struct SourceRange<N = Ipv4Net> {
     pub service_id: u32,
-    pub net: Ipv4Net,
+    pub net: N,
 }
 
-/// Desired contents of the service maps.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct MapContents {
-    pub frontends: BTreeMap<FrontendKey, Frontend>,
-    pub backends: BTreeMap<BackendKey, Backend>,
-    pub source_ranges: BTreeSet<SourceRange>,
+/// An endpoint as a `BACKENDS` or `BACKENDS6` value holds it.
+pub trait BackendValue: Copy + Ord + fmt::Debug {
+    /// The endpoint alone, without its counter slot.
+    fn endpoint(&self) -> Self;
+    /// The bytes the Maglev permutation of the endpoint hashes: its address and port as they
+    /// sit in the map.
+    fn maglev_name(&self) -> Vec<u8>;
+}
+
+impl BackendValue for Backend {
+    fn endpoint(&self) -> Self {
+        Backend::endpoint(self)
+    }
+    fn maglev_name(&self) -> Vec<u8> {
+        [self.addr.to_ne_bytes().as_slice(), &self.port.to_ne_bytes()].concat()
+    }
+}
+
+impl BackendValue for Backend6 {
+    fn endpoint(&self) -> Self {
+        Backend6::endpoint(self)
+    }
+    fn maglev_name(&self) -> Vec<u8> {
+        [self.addr.octets().as_slice(), &self.port.to_ne_bytes()].concat()
+    }
+}
+
+/// The service map entries of one family: `FRONTENDS` and `BACKENDS` for IPv4, their twins
+/// for IPv6.
+pub trait MapFamily: Family {
+    type FrontendKey: Copy + Ord + fmt::Debug;
+    type Backend: BackendValue;
+    fn frontend_key(addr: Self, port: u16, proto: u8) -> Self::FrontendKey;
+    /// The catch-all key of a ClusterIP.
+    fn any_port(addr: Self) -> Self::FrontendKey;
+    /// The key's address.
+    fn frontend_addr(key: &Self::FrontendKey) -> Self;
+    /// The key's port, host byte order (0: a catch-all).
+    fn frontend_port(key: &Self::FrontendKey) -> u16;
+    /// The endpoint `addr`:`port`, not counted.
+    fn backend(addr: Self, port: u16) -> Self::Backend;
+}
+
+impl MapFamily for Ipv4Addr {
+    type FrontendKey = FrontendKey;
+    type Backend = Backend;
+    fn frontend_key(addr: Self, port: u16, proto: u8) -> FrontendKey {
+        FrontendKey {
+            addr: ipv4_be(addr.octets()),
+            port: port_be(port),
+            proto,
+            _pad: 0,
+        }
+    }
+    fn any_port(addr: Self) -> FrontendKey {
+        FrontendKey::any_port(ipv4_be(addr.octets()))
+    }
+    fn frontend_addr(key: &FrontendKey) -> Self {
+        Ipv4Addr::from(key.addr.to_ne_bytes())
+    }
+    fn frontend_port(key: &FrontendKey) -> u16 {
+        u16::from_be(key.port)
+    }
+    fn backend(addr: Self, port: u16) -> Backend {
+        Backend {
+            addr: ipv4_be(addr.octets()),
+            port: port_be(port),
+            stats_slot: 0,
+        }
+    }
+}
+
+impl MapFamily for Ipv6Addr {
+    type FrontendKey = FrontendKey6;
+    type Backend = Backend6;
+    fn frontend_key(addr: Self, port: u16, proto: u8) -> FrontendKey6 {
+        FrontendKey6 {
+            addr: Addr6::from_octets(addr.octets()),
+            port: port_be(port),
+            proto,
+            _pad: 0,
+        }
+    }
+    fn any_port(addr: Self) -> FrontendKey6 {
+        FrontendKey6::any_port(Addr6::from_octets(addr.octets()))
+    }
+    fn frontend_addr(key: &FrontendKey6) -> Self {
+        Ipv6Addr::from(key.addr.octets())
+    }
+    fn frontend_port(key: &FrontendKey6) -> u16 {
+        u16::from_be(key.port)
+    }
+    fn backend(addr: Self, port: u16) -> Backend6 {
+        Backend6 {
+            addr: Addr6::from_octets(addr.octets()),
+            port: port_be(port),
+            stats_slot: 0,
+        }
+    }
+}
+
+/// Desired contents of one family's service maps.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FamilyContents<A: MapFamily> {
+    pub frontends: BTreeMap<A::FrontendKey, Frontend>,
+    pub backends: BTreeMap<BackendKey, A::Backend>,
+    pub source_ranges: BTreeSet<SourceRange<A::Net>>,
     /// The Service port and kind of each frontend but the catch-alls (for `lb services`).
-    pub origins: BTreeMap<FrontendKey, FrontendOrigin>,
+    pub origins: BTreeMap<A::FrontendKey, FrontendOrigin>,
     /// What each service port wants the other maps to hold, by service id (for `lb status`);
-    /// written after them at each sync.
+    /// written after them at each sync. IPv4's only: `SERVICE_STATUS` does not count IPv6
+    /// entries yet, and an IPv6 contents' is empty.
     pub statuses: BTreeMap<u32, ServiceStatus>,
 }
 
-impl MapContents {
+/// The IPv4 service maps' contents.
+pub type MapContents = FamilyContents<Ipv4Addr>;
+/// The IPv6 service maps' contents.
+pub type MapContents6 = FamilyContents<Ipv6Addr>;
+
+impl<A: MapFamily> Default for FamilyContents<A> {
+    fn default() -> Self {
+        FamilyContents {
+            frontends: BTreeMap::new(),
+            backends: BTreeMap::new(),
+            source_ranges: BTreeSet::new(),
+            origins: BTreeMap::new(),
+            statuses: BTreeMap::new(),
+        }
+    }
+}
+
+impl<A: MapFamily> FamilyContents<A> {
     /// How many entries of `self` and `other` differ: in one only, or with other values.
-    pub fn differences(&self, other: &MapContents) -> usize {
+    pub fn differences(&self, other: &FamilyContents<A>) -> usize {
         fn differing<K: Ord, V: PartialEq>(a: &BTreeMap<K, V>, b: &BTreeMap<K, V>) -> usize {
             let changed_or_lost = a.iter().filter(|(k, v)| b.get(k) != Some(*v)).count();
             changed_or_lost + b.keys().filter(|k| !a.contains_key(k)).count()
@@ -41,5 +169,15 @@ impl MapContents {
                 .source_ranges
                 .symmetric_difference(&other.source_ranges)
                 .count()
+    }
+
+    /// The largest service id the entries hold (0: none).
+    pub fn max_service_id(&self) -> u32 {
+        self.frontends
+            .values()
+            .map(|f| f.service_id)
+            .chain(self.backends.keys().map(|k| k.service_id))
+            .max()
+            .unwrap_or(0)
     }
 }

@@ -1,6 +1,10 @@
 //! The writes of a sync into the service maps, as a trait: the aya maps implement it
 //! (`datapath::ServiceMaps`), a fake does in tests.
-use lb_common::{Backend, BackendKey, Frontend, FrontendKey, FrontendOrigin, ServiceStatus};
+use ipnet::Ipv6Net;
+use lb_common::{
+    Backend, Backend6, BackendKey, Frontend, FrontendKey, FrontendKey6, FrontendOrigin,
+    ServiceStatus,
+};
 
 use crate::maps::contents::SourceRange;
 use crate::maps::stats_slots::StatsReset;
@@ -29,6 +33,22 @@ pub trait MapWriter {
     fn remove_statuses(&mut self, service_ids: &[u32]) -> Vec<(usize, Self::Error)>;
     fn insert_source_range(&mut self, range: SourceRange) -> Result<(), Self::Error>;
     fn remove_source_range(&mut self, range: SourceRange) -> Result<(), Self::Error>;
+    // The IPv6 maps, as their IPv4 twins above.
+    fn insert_backends6(&mut self, entries: &[(BackendKey, Backend6)])
+    -> Vec<(usize, Self::Error)>;
+    fn remove_backends6(&mut self, keys: &[BackendKey]) -> Vec<(usize, Self::Error)>;
+    fn insert_frontends6(
+        &mut self,
+        entries: &[(FrontendKey6, Frontend)],
+    ) -> Vec<(usize, Self::Error)>;
+    fn remove_frontends6(&mut self, keys: &[FrontendKey6]) -> Vec<(usize, Self::Error)>;
+    fn insert_origins6(
+        &mut self,
+        entries: &[(FrontendKey6, FrontendOrigin)],
+    ) -> Vec<(usize, Self::Error)>;
+    fn remove_origins6(&mut self, keys: &[FrontendKey6]) -> Vec<(usize, Self::Error)>;
+    fn insert_source_range6(&mut self, range: SourceRange<Ipv6Net>) -> Result<(), Self::Error>;
+    fn remove_source_range6(&mut self, range: SourceRange<Ipv6Net>) -> Result<(), Self::Error>;
 }
 
 /// A service's failed map writes in one sync.

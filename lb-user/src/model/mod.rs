@@ -622,27 +622,42 @@ impl Model {
             .sum()
     }
 
-    /// Every service port with its identity.
+    /// Every service port of the IPv4 side with its identity.
     pub fn ports(&self) -> impl Iterator<Item = (ServicePortId, &Service, &ServicePort)> {
-        self.services.iter().flat_map(|(name, service)| {
-            service.ports.iter().map(move |port| {
-                (
-                    ServicePortId {
-                        service: name.clone(),
-                        port_name: port.name.clone(),
-                        protocol: port.protocol,
-                    },
-                    service,
-                    port,
-                )
-            })
-        })
+        ports_of(&self.services)
+    }
+
+    /// Every service port of the IPv6 side with its identity (the same as its IPv4 side's, for
+    /// a dual-stack Service).
+    pub fn ports_v6(
+        &self,
+    ) -> impl Iterator<Item = (ServicePortId, &Service<Ipv6Addr>, &ServicePort<Ipv6Addr>)> {
+        ports_of(&self.services_v6)
     }
 
     /// Ready endpoints over all service ports.
     pub fn ready_endpoints(&self) -> usize {
         self.services.values().map(Service::ready_endpoints).sum()
     }
+}
+
+/// Every port of `services` with its identity.
+fn ports_of<A: Family>(
+    services: &BTreeMap<ServiceName, Service<A>>,
+) -> impl Iterator<Item = (ServicePortId, &Service<A>, &ServicePort<A>)> {
+    services.iter().flat_map(|(name, service)| {
+        service.ports.iter().map(move |port| {
+            (
+                ServicePortId {
+                    service: name.clone(),
+                    port_name: port.name.clone(),
+                    protocol: port.protocol,
+                },
+                service,
+                port,
+            )
+        })
+    })
 }
 
 /// The nodePorts of the node-exposed ports that have none and want one, from `node_ports`:

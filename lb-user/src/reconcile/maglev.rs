@@ -2,7 +2,7 @@
 //! which every backend holds about M/N entries, and removing one of N backends moves little more
 //! than that backend's own entries. The datapath indexes it with the flow hash; the table is
 //! computed here, once per change.
-use lb_common::Backend;
+use crate::maps::contents::BackendValue;
 
 /// Entries per backend, at least: the table size is a prime ≥ 100 × backends.
 pub const ENTRIES_PER_BACKEND: usize = 100;
@@ -42,21 +42,21 @@ fn is_prime(n: usize) -> bool {
 /// The lookup table of `size` entries (prime, ≥ the backends; 0 without backends) over
 /// `backends` (sorted, no duplicates). Each backend walks its own permutation of the table (offset and skip from two hashes
 /// of its address and port) and, in turn, takes the next entry still free.
-pub fn table(backends: &[Backend], size: usize) -> Vec<Backend> {
+pub fn table<B: BackendValue>(backends: &[B], size: usize) -> Vec<B> {
     if size == 0 || backends.is_empty() {
         return Vec::new();
     }
     let permutations: Vec<(usize, usize)> = backends
         .iter()
         .map(|b| {
-            let name = [b.addr.to_ne_bytes().as_slice(), &b.port.to_ne_bytes()].concat();
+            let name = b.maglev_name();
             let offset = fnv1a(&name, 0xcbf2_9ce4_8422_2325) as usize % size;
             let skip = fnv1a(&name, 0x6c62_272e_07bb_0142) as usize % (size - 1) + 1;
             (offset, skip)
         })
         .collect();
     let mut next = vec![0usize; backends.len()];
-    let mut entries: Vec<Option<Backend>> = vec![None; size];
+    let mut entries: Vec<Option<B>> = vec![None; size];
     let mut filled = 0;
     'fill: loop {
         for (i, &(offset, skip)) in permutations.iter().enumerate() {
@@ -86,6 +86,7 @@ fn fnv1a(bytes: &[u8], basis: u64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use lb_common::Backend;
 
     fn backends(n: u8) -> Vec<Backend> {
         (0..n)
@@ -107,7 +108,7 @@ mod tests {
         assert_eq!(table_size(2, 809), 809, "fits, at most 4 × the wanted size");
         assert_eq!(table_size(1, 809), 101);
         assert_eq!(table_size(3, 400), 401, "not a table size");
-        assert_eq!(table(&[], 0).len(), 0);
+        assert_eq!(table::<Backend>(&[], 0).len(), 0);
     }
 
     /// Every backend holds close to M/N entries: measured within ±10% for N = 3..=50.

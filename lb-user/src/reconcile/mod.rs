@@ -6,18 +6,22 @@ pub mod sync_status;
 pub mod udp_flush;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, Ipv6Addr};
+
+use ipnet::Ipv6Net;
 
 use lb_common::{
-    Backend, BackendKey, FRONTEND_F_LOCAL, FRONTEND_F_MASQUERADE, FRONTEND_F_PRESERVE_SOURCE,
-    FRONTEND_F_SOURCE_RANGES, Frontend, FrontendKey, FrontendOrigin, KIND_CLUSTER_IP,
-    KIND_EXTERNAL_IP, KIND_LOAD_BALANCER, KIND_NODE_PORT, LOCAL_SLOT, ServiceStatus, ipv4_be,
-    port_be,
+    Backend, Backend6, BackendKey, FRONTEND_F_LOCAL, FRONTEND_F_MASQUERADE,
+    FRONTEND_F_PRESERVE_SOURCE, FRONTEND_F_SOURCE_RANGES, Frontend, FrontendKey, FrontendKey6,
+    FrontendOrigin, KIND_CLUSTER_IP, KIND_EXTERNAL_IP, KIND_LOAD_BALANCER, KIND_NODE_PORT,
+    LOCAL_SLOT, ServiceStatus, ipv4_be,
 };
 use tracing::{debug, error, warn};
 
 use crate::error_chain;
-use crate::maps::contents::{MapContents, SourceRange};
+use crate::maps::contents::{
+    BackendValue, FamilyContents, MapContents, MapContents6, MapFamily, SourceRange,
+};
 use crate::maps::stats_slots::{PortEndpoint, StatsReset, StatsSlots};
 use crate::maps::writer::{MapWriter, WriteFailure};
 use crate::model::{
@@ -83,6 +87,9 @@ struct LastSync {
     catch_alls: BTreeMap<FrontendKey, usize>,
     /// A frontend was claimed by two services: which one has it depends on every service.
     conflicted: bool,
+    /// The ports of each service's IPv6 side, whose ids a change releases as it does those of
+    /// the IPv4 side's `Contribution`.
+    v6_ports: BTreeMap<ServiceName, Vec<(String, Protocol)>>,
 }
 
 impl LastSync {
@@ -92,6 +99,21 @@ impl LastSync {
         *self.catch_alls.entry(key).or_default() += 1;
         desired.frontends.entry(key).or_default();
         key
+    }
+
+    /// The services whose IPv6 side has other ports than at this sync, or none any more.
+    fn v6_ports_changed(&self, model: &Model) -> Vec<ServiceName> {
+        let now = model
+            .services_v6
+            .iter()
+            .filter(|(name, service)| self.v6_ports.get(*name) != Some(&port_names(*service)))
+            .map(|(name, _)| name.clone());
+        let gone = self
+            .v6_ports
+            .keys()
+            .filter(|name| !model.services_v6.contains_key(*name))
+            .cloned();
+        now.chain(gone).collect()
     }
 
     /// Returns the key if no other service has it.
@@ -115,15 +137,53 @@ struct Settings {
     default_scheduler: Scheduler,
 }
 
-/// What one service put into the desired contents.
+/// What one service put into the desired contents of a family.
 #[derive(Debug)]
-struct Contribution {
-    cluster_ip: Ipv4Addr,
+struct Contribution<A: MapFamily = Ipv4Addr> {
+    cluster_ip: A,
     /// Its ports' names and protocols.
     ports: Vec<(String, Protocol)>,
-    frontends: Vec<FrontendKey>,
+    frontends: Vec<A::FrontendKey>,
     backends: Vec<BackendKey>,
-    source_ranges: Vec<SourceRange>,
+    source_ranges: Vec<SourceRange<A::Net>>,
+}
+
+/// What the reconciler keeps of one family.
+trait Side: MapFamily {
+    /// The node addresses of this family NodePorts are served on.
+    fn node_port_addrs(reconciler: &Reconciler) -> &[Self];
+    /// What this family's maps hold, as far as the reconciler knows.
+    fn written(reconciler: &Reconciler) -> &FamilyContents<Self>;
+    /// `backend` with its counter slot of service port `service_id`.
+    fn counted(stats: &mut StatsSlots, service_id: u32, backend: Self::Backend) -> Self::Backend;
+}
+
+impl Side for Ipv4Addr {
+    fn node_port_addrs(reconciler: &Reconciler) -> &[Self] {
+        &reconciler.node_port_addrs
+    }
+    fn written(reconciler: &Reconciler) -> &MapContents {
+        &reconciler.written
+    }
+    fn counted(stats: &mut StatsSlots, service_id: u32, backend: Backend) -> Backend {
+        Backend {
+            stats_slot: stats.slot(PortEndpoint::new(service_id, &backend)),
+            ..backend
+        }
+    }
+}
+
+impl Side for Ipv6Addr {
+    fn node_port_addrs(reconciler: &Reconciler) -> &[Self] {
+        &reconciler.node_port_addrs6
+    }
+    fn written(reconciler: &Reconciler) -> &MapContents6 {
+        &reconciler.written6
+    }
+    /// Not counted yet: the counter slots (`StatsSlots`) are keyed by IPv4 endpoints.
+    fn counted(_: &mut StatsSlots, _: u32, backend: Backend6) -> Backend6 {
+        backend
+    }
 }
 
 /// The keys a sync diffs.
@@ -230,6 +290,8 @@ impl<'a, K: Ord + Copy> Keys<'a, K> {
 pub struct Reconciler {
     /// The node addresses NodePorts are served on.
     node_port_addrs: Vec<Ipv4Addr>,
+    /// The node's IPv6 addresses NodePorts are served on.
+    node_port_addrs6: Vec<Ipv6Addr>,
     /// This node's name: endpoints with this nodeName are local (traffic policy Local).
     node_name: String,
     /// This node's topology.kubernetes.io/zone, for topology hints; "" ignores them.
@@ -245,6 +307,8 @@ pub struct Reconciler {
     adopt_ids: bool,
     /// What the maps hold, as far as we know: read back at start, then what we wrote.
     written: MapContents,
+    /// The same of the IPv6 maps, which each sync computes and diffs whole.
+    written6: MapContents6,
     /// Failed map writes since start.
     pub failed_total: u64,
     /// What the last sync put in the maps, when the next sync may start from it.
@@ -256,15 +320,11 @@ pub struct Reconciler {
 impl Reconciler {
     /// `existing`: the contents of the (pinned) maps at start.
     pub fn new(node_addr: Ipv4Addr, existing: MapContents) -> Self {
-        let max_id = existing
-            .frontends
-            .values()
-            .map(|f| f.service_id)
-            .chain(existing.backends.keys().map(|k| k.service_id))
-            .max()
-            .unwrap_or(0);
+        let max_id = existing.max_service_id();
         Self {
             node_port_addrs: vec![node_addr],
+            node_port_addrs6: Vec::new(),
+            written6: MapContents6::default(),
             node_name: String::new(),
             zone: String::new(),
             default_scheduler: Scheduler::default(),
@@ -276,6 +336,16 @@ impl Reconciler {
             last: None,
             stats: StatsSlots::default(),
         }
+    }
+
+    /// Serves the IPv6 side of services too, with NodePorts on `node_port_addrs`; `existing`:
+    /// the contents of the (pinned) IPv6 maps at start, whose service ids are the same space as
+    /// IPv4's.
+    pub fn with_ipv6(mut self, node_port_addrs: Vec<Ipv6Addr>, existing: MapContents6) -> Self {
+        self.next_id = self.next_id.max(existing.max_service_id() + 1);
+        self.node_port_addrs6 = node_port_addrs;
+        self.written6 = existing;
+        self
     }
 
     /// Counts endpoints in a `BACKEND_STATS` of `capacity` slots, keeping the slots the maps
@@ -329,6 +399,11 @@ impl Reconciler {
         &self.written
     }
 
+    /// What the IPv6 maps hold, as far as the reconciler knows.
+    pub fn written6(&self) -> &MapContents6 {
+        &self.written6
+    }
+
     /// kube-proxy's periodic full sync, as an audit: `actual` is what the maps hold now. Returns
     /// how many entries differ from what this reconciler wrote (changed, lost or added behind
     /// its back); if any, it takes `actual` as written and makes the next sync a full one, which
@@ -338,6 +413,16 @@ impl Reconciler {
         if differences > 0 {
             self.written = actual;
             self.last = None;
+        }
+        differences
+    }
+
+    /// [`Reconciler::audit`] of the IPv6 maps. The next sync repairs what differs: each one
+    /// diffs the whole IPv6 side.
+    pub fn audit6(&mut self, actual: MapContents6) -> usize {
+        let differences = self.written6.differences(&actual);
+        if differences > 0 {
+            self.written6 = actual;
         }
         differences
     }
@@ -355,18 +440,23 @@ impl Reconciler {
         let mut ids = BTreeMap::new();
         let mut taken = BTreeSet::new();
         let mut fresh = Vec::new();
-        for (id, service, port) in model.ports() {
-            let adopted = self
-                .adopt_ids
-                .then(|| {
-                    self.written.frontends.get(&frontend_key(
-                        service.cluster_ip,
-                        port.port,
-                        port.protocol.ipproto(),
-                    ))
-                })
-                .flatten()
-                .map(|f| f.service_id);
+        // Both families' ports, IPv4's first: a dual-stack port has one id, a port of one
+        // family only an id of its own in the same space.
+        let v4 = model.ports().map(|(id, service, port)| {
+            let key = frontend_key(service.cluster_ip, port.port, port.protocol.ipproto());
+            (id, self.written.frontends.get(&key))
+        });
+        let v6 = model.ports_v6().map(|(id, service, port)| {
+            let key =
+                Ipv6Addr::frontend_key(service.cluster_ip, port.port, port.protocol.ipproto());
+            (id, self.written6.frontends.get(&key))
+        });
+        let mut seen = BTreeSet::new();
+        for (id, written) in v4.chain(v6) {
+            if !seen.insert(id.clone()) {
+                continue;
+            }
+            let adopted = written.filter(|_| self.adopt_ids).map(|f| f.service_id);
             match self.ids.get(&id).copied().or(adopted) {
                 Some(sid) if taken.insert(sid) => {
                     ids.insert(id, sid);
@@ -386,6 +476,11 @@ impl Reconciler {
             services: BTreeMap::new(),
             catch_alls: BTreeMap::new(),
             conflicted: false,
+            v6_ports: model
+                .services_v6
+                .iter()
+                .map(|(name, service)| (name.clone(), port_names(service)))
+                .collect(),
         };
         for (name, service) in &model.services {
             let (contribution, conflicted) = self.put_service(name, service, &mut desired);
@@ -401,19 +496,15 @@ impl Reconciler {
 
     /// Puts the map contents of service `name` into `desired`; returns what it put there, and
     /// whether a frontend was skipped as another service's.
-    fn put_service(
+    fn put_service<A: Side>(
         &mut self,
         name: &ServiceName,
-        service: &Service,
-        desired: &mut MapContents,
-    ) -> (Contribution, bool) {
+        service: &Service<A>,
+        desired: &mut FamilyContents<A>,
+    ) -> (Contribution<A>, bool) {
         let mut contribution = Contribution {
             cluster_ip: service.cluster_ip,
-            ports: service
-                .ports
-                .iter()
-                .map(|p| (p.name.clone(), p.protocol))
-                .collect(),
+            ports: port_names(service),
             frontends: Vec::new(),
             backends: Vec::new(),
             source_ranges: Vec::new(),
@@ -427,13 +518,13 @@ impl Reconciler {
 
     /// Puts one port's backend lists, frontends and source ranges into `desired`; whether a
     /// frontend of it was taken by another service port (then skipped).
-    fn put_port(
+    fn put_port<A: Side>(
         &mut self,
         name: &ServiceName,
-        service: &Service,
-        port: &ServicePort,
-        desired: &mut MapContents,
-        contribution: &mut Contribution,
+        service: &Service<A>,
+        port: &ServicePort<A>,
+        desired: &mut FamilyContents<A>,
+        contribution: &mut Contribution<A>,
     ) -> bool {
         let id = ServicePortId {
             service: name.clone(),
@@ -480,7 +571,7 @@ impl Reconciler {
                 scheduler: scheduler.datapath(),
             };
             if let Some(other) = desired.frontends.get(&key) {
-                warn!(service_port = %id, addr = %Ipv4Addr::from(key.addr.to_ne_bytes()), port = u16::from_be(key.port), proto = key.proto, other_service_id = other.service_id, "frontend already taken by another service port: skipped");
+                warn!(service_port = %id, addr = %A::frontend_addr(&key), port = A::frontend_port(&key), other_service_id = other.service_id, "frontend already taken by another service port: skipped");
                 conflicted = true;
                 continue;
             }
@@ -494,12 +585,12 @@ impl Reconciler {
 
     /// The frontends of one port, with their flags and kinds: its ClusterIP, then its
     /// NodePorts, externalIPs and load balancer IPs.
-    fn port_frontends(
+    fn port_frontends<A: Side>(
         &self,
-        service: &Service,
-        port: &ServicePort,
+        service: &Service<A>,
+        port: &ServicePort<A>,
         external_local: bool,
-    ) -> Vec<(FrontendKey, u32, u32)> {
+    ) -> Vec<(A::FrontendKey, u32, u32)> {
         let traffic = &service.traffic;
         let external = &service.external;
         let proto = port.protocol.ipproto();
@@ -509,7 +600,7 @@ impl Reconciler {
             0
         };
         let mut frontends = vec![(
-            frontend_key(service.cluster_ip, port.port, proto),
+            A::frontend_key(service.cluster_ip, port.port, proto),
             cluster_ip_flags,
             KIND_CLUSTER_IP,
         )];
@@ -521,9 +612,9 @@ impl Reconciler {
             FRONTEND_F_MASQUERADE
         };
         if let Some(node_port) = port.node_port {
-            for addr in &self.node_port_addrs {
+            for addr in A::node_port_addrs(self) {
                 frontends.push((
-                    frontend_key(*addr, node_port, proto),
+                    A::frontend_key(*addr, node_port, proto),
                     external_flags,
                     KIND_NODE_PORT,
                 ));
@@ -531,7 +622,7 @@ impl Reconciler {
         }
         for addr in &external.external_ips {
             frontends.push((
-                frontend_key(*addr, port.port, proto),
+                A::frontend_key(*addr, port.port, proto),
                 external_flags,
                 KIND_EXTERNAL_IP,
             ));
@@ -543,7 +634,7 @@ impl Reconciler {
         };
         for addr in &external.load_balancer_ips {
             frontends.push((
-                frontend_key(*addr, port.port, proto),
+                A::frontend_key(*addr, port.port, proto),
                 load_balancer_flags,
                 KIND_LOAD_BALANCER,
             ));
@@ -563,33 +654,46 @@ impl Reconciler {
         let mut desired = MapContents::default();
         let mut scope = Scope::default();
         for name in changed {
-            let mut old_ids = BTreeMap::new();
+            let mut old_ports = last.v6_ports.remove(name).unwrap_or_default();
             if let Some(old) = last.services.remove(name) {
                 if let Some(key) = last.remove_catch_all(old.cluster_ip) {
                     scope.frontends.insert(key);
                 }
-                for (port_name, protocol) in &old.ports {
-                    let id = ServicePortId {
-                        service: name.clone(),
-                        port_name: port_name.clone(),
-                        protocol: *protocol,
-                    };
-                    if let Some(sid) = self.ids.remove(&id) {
-                        scope.old_ids.insert(sid);
-                        old_ids.insert(id, sid);
-                    }
-                }
+                old_ports.extend(old.ports.iter().cloned());
                 scope.add(&old);
             }
-            let Some(service) = model.services.get(name) else {
-                continue;
-            };
-            for port in &service.ports {
+            let mut old_ids = BTreeMap::new();
+            for (port_name, protocol) in old_ports {
                 let id = ServicePortId {
                     service: name.clone(),
-                    port_name: port.name.clone(),
-                    protocol: port.protocol,
+                    port_name,
+                    protocol,
                 };
+                if let Some(sid) = self.ids.remove(&id) {
+                    scope.old_ids.insert(sid);
+                    old_ids.insert(id, sid);
+                }
+            }
+            let service = model.services.get(name);
+            let service_v6 = model.services_v6.get(name);
+            if let Some(service_v6) = service_v6 {
+                last.v6_ports.insert(name.clone(), port_names(service_v6));
+            }
+            // Both families' ports, IPv4's first, as `full` gives them ids.
+            let ports = service
+                .map(port_names)
+                .into_iter()
+                .chain(service_v6.map(port_names))
+                .flatten();
+            for (port_name, protocol) in ports {
+                let id = ServicePortId {
+                    service: name.clone(),
+                    port_name,
+                    protocol,
+                };
+                if self.ids.contains_key(&id) {
+                    continue;
+                }
                 let sid = old_ids.get(&id).copied().unwrap_or_else(|| {
                     self.next_id += 1;
                     self.next_id - 1
@@ -597,6 +701,9 @@ impl Reconciler {
                 scope.ports.insert(sid, id.clone());
                 self.ids.insert(id, sid);
             }
+            let Some(service) = service else {
+                continue;
+            };
             let (contribution, conflicted) = self.put_service(name, service, &mut desired);
             // Another service's frontend: unchanged services are not in `desired`.
             let taken = contribution.frontends.iter().any(|key| {
@@ -629,27 +736,17 @@ impl Reconciler {
     /// Puts the list of `service_id` at slots `base..` (0 or `LOCAL_SLOT`) into `desired`: the
     /// Maglev table of the endpoints, or the endpoints with every one that stays in the slot it
     /// has in the maps; returns its length.
-    fn list(
+    fn list<A: Side>(
         &mut self,
         service_id: u32,
         base: u32,
-        endpoints: &[&Endpoint],
+        endpoints: &[&Endpoint<A>],
         maglev: bool,
-        desired: &mut MapContents,
+        desired: &mut FamilyContents<A>,
     ) -> u32 {
-        let mut wanted: Vec<Backend> = endpoints
+        let mut wanted: Vec<A::Backend> = endpoints
             .iter()
-            .map(|e| {
-                let endpoint = Backend {
-                    addr: ipv4_be(e.addr.octets()),
-                    port: port_be(e.port),
-                    stats_slot: 0,
-                };
-                Backend {
-                    stats_slot: self.stats.slot(PortEndpoint::new(service_id, &endpoint)),
-                    ..endpoint
-                }
-            })
+            .map(|e| A::counted(&mut self.stats, service_id, A::backend(e.addr, e.port)))
             .collect();
         wanted.sort_unstable();
         wanted.dedup();
@@ -657,8 +754,7 @@ impl Reconciler {
             service_id,
             slot: base,
         };
-        let previous: Vec<Backend> = self
-            .written
+        let previous: Vec<A::Backend> = A::written(self)
             .backends
             .range(first..)
             .take_while(|(k, _)| k.service_id == service_id && k.slot & LOCAL_SLOT == base)
@@ -707,7 +803,12 @@ impl Reconciler {
             .take()
             .filter(|last| last.settings == settings && !last.conflicted);
         let partial = match (&mut last, changed) {
-            (Some(last), Some(changed)) => self.update(model, changed, last),
+            (Some(last), Some(changed)) => {
+                // A change of the IPv6 side alone gives or takes port ids too.
+                let mut changed = changed.clone();
+                changed.extend(last.v6_ports_changed(model));
+                self.update(model, &changed, last)
+            }
             _ => None,
         };
         let (desired, last, scope) = match (last, partial) {
@@ -731,6 +832,7 @@ impl Reconciler {
         let mut report = self.apply(&desired, scope.as_ref(), maps);
         let udp_after = udp_endpoints(&self.written);
         report.removed_udp = udp_before.difference(&udp_after).copied().collect();
+        self.apply6(model, &mut report, maps);
         // The endpoints that left their service ports, and those given a slot this sync whose
         // backends could not be written.
         let endpoints_after = endpoints(&self.written);
@@ -781,6 +883,163 @@ impl Reconciler {
         self.remove_source_ranges(desired, &keys, &mut report, maps);
         self.remove_backends(desired, &keys, &mut report, maps);
         report
+    }
+
+    /// The IPv6 maps' contents for `model`'s IPv6 side, with the service ids the last
+    /// [`Reconciler::full`] or [`Reconciler::update`] gave its ports.
+    fn desired6(&mut self, model: &Model) -> MapContents6 {
+        let mut desired = MapContents6::default();
+        for (name, service) in &model.services_v6 {
+            self.put_service(name, service, &mut desired);
+        }
+        for service in model.services_v6.values() {
+            let catch_all = Ipv6Addr::any_port(service.cluster_ip);
+            desired.frontends.entry(catch_all).or_default();
+        }
+        desired
+    }
+
+    /// Brings the IPv6 maps to `model`'s IPv6 side, in the order of [`Reconciler::apply`]: new
+    /// backends and source ranges, origins, frontends (catch-alls last); then the frontends,
+    /// origins, source ranges and slots no longer wanted. A service whose backend or source
+    /// range writes failed keeps its old frontends. The IPv6 side is computed and diffed whole
+    /// at each sync: few services have one yet, and a change of the IPv4 side alone writes
+    /// nothing here.
+    fn apply6<W: MapWriter>(&mut self, model: &Model, report: &mut SyncReport, maps: &mut W) {
+        let desired = self.desired6(model);
+
+        let backends = changed(&desired.backends, &self.written6.backends);
+        let failures = maps.insert_backends6(&backends);
+        let failed = self.failures(
+            report,
+            "IPv6 backend insert",
+            &backends,
+            failures,
+            |_, (key, _)| key.service_id,
+        );
+        let mut broken: BTreeSet<u32> = failed.iter().map(|&i| backends[i].0.service_id).collect();
+        for (key, value) in skip_indices(&backends, &failed) {
+            match self.written6.backends.insert(*key, *value) {
+                Some(_) => report.backends_updated += 1,
+                None => report.backends_added += 1,
+            }
+        }
+
+        let missing: Vec<SourceRange<Ipv6Net>> = desired
+            .source_ranges
+            .difference(&self.written6.source_ranges)
+            .copied()
+            .collect();
+        for range in missing {
+            match maps.insert_source_range6(range) {
+                Ok(()) => {
+                    self.written6.source_ranges.insert(range);
+                    report.source_ranges_added += 1;
+                }
+                Err(err) => {
+                    let key = format!("{range:?}");
+                    let op = "IPv6 source range insert";
+                    self.failed(report, range.service_id, op, &key, &err);
+                    broken.insert(range.service_id);
+                }
+            }
+        }
+
+        let service_of =
+            |key: &FrontendKey6| desired.frontends.get(key).map_or(0, |f| f.service_id);
+        let origins: Vec<(FrontendKey6, FrontendOrigin)> =
+            changed(&desired.origins, &self.written6.origins)
+                .into_iter()
+                .filter(|(key, _)| !broken.contains(&service_of(key)))
+                .collect();
+        let failures = maps.insert_origins6(&origins);
+        let failed = self.failures(
+            report,
+            "IPv6 frontend origin insert",
+            &origins,
+            failures,
+            |_, (key, _)| service_of(key),
+        );
+        for (key, value) in skip_indices(&origins, &failed) {
+            self.written6.origins.insert(*key, *value);
+        }
+
+        let (ports, catch_alls): (Vec<_>, Vec<_>) =
+            changed(&desired.frontends, &self.written6.frontends)
+                .into_iter()
+                .filter(|(_, value)| !broken.contains(&value.service_id))
+                .partition(|(key, _)| key.port != 0);
+        let frontends: Vec<(FrontendKey6, Frontend)> =
+            ports.into_iter().chain(catch_alls).collect();
+        let failures = maps.insert_frontends6(&frontends);
+        let failed = self.failures(
+            report,
+            "IPv6 frontend insert",
+            &frontends,
+            failures,
+            |_, (_, value)| value.service_id,
+        );
+        for (key, value) in skip_indices(&frontends, &failed) {
+            match self.written6.frontends.insert(*key, *value) {
+                Some(_) => report.frontends_updated += 1,
+                None => report.frontends_added += 1,
+            }
+        }
+
+        let stale = gone(&desired.frontends, self.written6.frontends.keys());
+        let failures = maps.remove_frontends6(&stale);
+        let failed = self.failures(report, "IPv6 frontend remove", &stale, failures, |_, _| 0);
+        for key in skip_indices(&stale, &failed) {
+            self.written6.frontends.remove(key);
+            report.frontends_removed += 1;
+        }
+        let stale_origins: Vec<FrontendKey6> = gone(&desired.origins, self.written6.origins.keys())
+            .into_iter()
+            .filter(|key| !self.written6.frontends.contains_key(key))
+            .collect();
+        let failures = maps.remove_origins6(&stale_origins);
+        let op = "IPv6 frontend origin remove";
+        let failed = self.failures(report, op, &stale_origins, failures, |_, _| 0);
+        for key in skip_indices(&stale_origins, &failed) {
+            self.written6.origins.remove(key);
+        }
+
+        let stale_ranges: Vec<SourceRange<Ipv6Net>> = self
+            .written6
+            .source_ranges
+            .difference(&desired.source_ranges)
+            .copied()
+            .collect();
+        for range in stale_ranges {
+            match maps.remove_source_range6(range) {
+                Ok(()) => {
+                    self.written6.source_ranges.remove(&range);
+                    report.source_ranges_removed += 1;
+                }
+                Err(err) => {
+                    let key = format!("{range:?}");
+                    let op = "IPv6 source range remove";
+                    self.failed(report, range.service_id, op, &key, &err);
+                }
+            }
+        }
+
+        let counted = SlotsCounted::by(self.written6.frontends.values());
+        let stale: Vec<BackendKey> = self
+            .written6
+            .backends
+            .keys()
+            .filter(|k| !desired.backends.contains_key(k) && !counted.holds(k))
+            .copied()
+            .collect();
+        let failures = maps.remove_backends6(&stale);
+        let failed = self.failures(report, "IPv6 backend remove", &stale, failures, |_, key| {
+            key.service_id
+        });
+        for key in skip_indices(&stale, &failed) {
+            self.written6.backends.remove(key);
+            report.backends_removed += 1;
+        }
     }
 
     /// Claims the new counter slots, before any backend refers to them: a new connection takes
@@ -1007,29 +1266,15 @@ impl Reconciler {
         report: &mut SyncReport,
         maps: &mut W,
     ) {
-        let mut counted: BTreeMap<u32, (u32, u32)> = BTreeMap::new();
-        let written_frontends = keys
-            .frontends
-            .held_by(&self.written.frontends)
-            .filter_map(|k| self.written.frontends.get(k));
-        for f in written_frontends {
-            let c = counted.entry(f.service_id).or_default();
-            *c = (c.0.max(f.backend_count), c.1.max(f.local_count));
-        }
-        let still_counted = |k: &BackendKey| {
-            counted.get(&k.service_id).is_some_and(|&(cluster, local)| {
-                let count = if k.slot & LOCAL_SLOT == 0 {
-                    cluster
-                } else {
-                    local
-                };
-                k.slot & !LOCAL_SLOT < count
-            })
-        };
+        let counted = SlotsCounted::by(
+            keys.frontends
+                .held_by(&self.written.frontends)
+                .filter_map(|k| self.written.frontends.get(k)),
+        );
         let stale: Vec<BackendKey> = keys
             .backends
             .held_by(&self.written.backends)
-            .filter(|k| !desired.backends.contains_key(k) && !still_counted(k))
+            .filter(|k| !desired.backends.contains_key(k) && !counted.holds(k))
             .copied()
             .collect();
         let failures = maps.remove_backends(&stale);
@@ -1199,6 +1444,43 @@ fn log_full_maps(report: &SyncReport) {
     }
 }
 
+/// The backend slots of each service port that frontends count, the Cluster and the Local list's.
+struct SlotsCounted(BTreeMap<u32, (u32, u32)>);
+
+impl SlotsCounted {
+    fn by<'a>(frontends: impl Iterator<Item = &'a Frontend>) -> Self {
+        let mut counted: BTreeMap<u32, (u32, u32)> = BTreeMap::new();
+        for f in frontends {
+            let c = counted.entry(f.service_id).or_default();
+            *c = (c.0.max(f.backend_count), c.1.max(f.local_count));
+        }
+        SlotsCounted(counted)
+    }
+
+    /// Some frontend counts slot `key`.
+    fn holds(&self, key: &BackendKey) -> bool {
+        self.0
+            .get(&key.service_id)
+            .is_some_and(|&(cluster, local)| {
+                let count = if key.slot & LOCAL_SLOT == 0 {
+                    cluster
+                } else {
+                    local
+                };
+                key.slot & !LOCAL_SLOT < count
+            })
+    }
+}
+
+/// The names and protocols of a service's ports.
+fn port_names<A: MapFamily>(service: &Service<A>) -> Vec<(String, Protocol)> {
+    service
+        .ports
+        .iter()
+        .map(|p| (p.name.clone(), p.protocol))
+        .collect()
+}
+
 /// The endpoints of the service ports of the slots `keys` in `contents`.
 fn endpoints_of<'a>(
     contents: &MapContents,
@@ -1261,20 +1543,20 @@ fn skip_indices<'a, T>(entries: &'a [T], skip: &'a BTreeSet<usize>) -> impl Iter
 /// The slots of `wanted` (sorted, no duplicates) given the slots `previous` held: an endpoint
 /// that stays keeps its slot while the slot still exists, the others fill the holes. So an
 /// endpoint's sessionAffinity clients (which remember the slot) only move with the endpoint.
-fn assign_slots(previous: &[Backend], wanted: &[Backend]) -> Vec<Backend> {
+fn assign_slots<B: BackendValue>(previous: &[B], wanted: &[B]) -> Vec<B> {
     // By endpoint: one that got another counter slot keeps its place.
-    let mut slots: Vec<Option<Backend>> = previous
+    let mut slots: Vec<Option<B>> = previous
         .iter()
         .take(wanted.len())
         .map(|b| {
             wanted
-                .binary_search_by_key(&b.endpoint(), Backend::endpoint)
+                .binary_search_by_key(&b.endpoint(), BackendValue::endpoint)
                 .ok()
                 .map(|i| wanted[i])
         })
         .collect();
     slots.resize(wanted.len(), None);
-    let mut placed: Vec<Backend> = slots.iter().flatten().copied().collect();
+    let mut placed: Vec<B> = slots.iter().flatten().copied().collect();
     placed.sort_unstable();
     let mut unplaced = wanted.iter().filter(|b| placed.binary_search(b).is_err());
     slots
@@ -1287,12 +1569,7 @@ fn assign_slots(previous: &[Backend], wanted: &[Backend]) -> Vec<Backend> {
 }
 
 fn frontend_key(addr: Ipv4Addr, port: u16, proto: u8) -> FrontendKey {
-    FrontendKey {
-        addr: ipv4_be(addr.octets()),
-        port: port_be(port),
-        proto,
-        _pad: 0,
-    }
+    Ipv4Addr::frontend_key(addr, port, proto)
 }
 
 #[cfg(test)]
@@ -1300,6 +1577,7 @@ mod tests {
     use super::*;
     use crate::model::{Conditions, Protocol, Service, ServiceName, ServicePort, TargetPort};
     use ipnet::Ipv4Net;
+    use lb_common::port_be;
 
     #[derive(Debug, Clone, Copy, PartialEq, Eq)]
     enum Op {
@@ -1326,6 +1604,7 @@ mod tests {
     struct FakeMaps {
         ops: Vec<Op>,
         contents: MapContents,
+        contents6: MapContents6,
         fail_backends_of: Option<u32>,
     }
 
@@ -1410,6 +1689,57 @@ mod tests {
         fn remove_source_range(&mut self, range: SourceRange) -> Result<(), std::io::Error> {
             self.ops.push(Op::RemoveSourceRange(range));
             self.contents.source_ranges.remove(&range);
+            Ok(())
+        }
+        fn insert_backends6(&mut self, entries: &[(BackendKey, Backend6)]) -> Vec<(usize, Full)> {
+            let mut failed = Vec::new();
+            for (i, &(key, value)) in entries.iter().enumerate() {
+                if self.fail_backends_of == Some(key.service_id) {
+                    failed.push((i, Full));
+                    continue;
+                }
+                self.contents6.backends.insert(key, value);
+            }
+            failed
+        }
+        fn remove_backends6(&mut self, keys: &[BackendKey]) -> Vec<(usize, Full)> {
+            for key in keys {
+                self.contents6.backends.remove(key);
+            }
+            Vec::new()
+        }
+        fn insert_frontends6(
+            &mut self,
+            entries: &[(FrontendKey6, Frontend)],
+        ) -> Vec<(usize, Full)> {
+            self.contents6.frontends.extend(entries.iter().copied());
+            Vec::new()
+        }
+        fn remove_frontends6(&mut self, keys: &[FrontendKey6]) -> Vec<(usize, Full)> {
+            for key in keys {
+                self.contents6.frontends.remove(key);
+            }
+            Vec::new()
+        }
+        fn insert_origins6(
+            &mut self,
+            entries: &[(FrontendKey6, FrontendOrigin)],
+        ) -> Vec<(usize, Full)> {
+            self.contents6.origins.extend(entries.iter().copied());
+            Vec::new()
+        }
+        fn remove_origins6(&mut self, keys: &[FrontendKey6]) -> Vec<(usize, Full)> {
+            for key in keys {
+                self.contents6.origins.remove(key);
+            }
+            Vec::new()
+        }
+        fn insert_source_range6(&mut self, range: SourceRange<Ipv6Net>) -> Result<(), Full> {
+            self.contents6.source_ranges.insert(range);
+            Ok(())
+        }
+        fn remove_source_range6(&mut self, range: SourceRange<Ipv6Net>) -> Result<(), Full> {
+            self.contents6.source_ranges.remove(&range);
             Ok(())
         }
     }
@@ -2100,6 +2430,220 @@ mod tests {
             port_frontend(&maps.contents).map(|f| f.backend_count),
             Some(0)
         );
+    }
+
+    const NODE6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x100, 0, 0, 0, 0, 0x10);
+
+    fn cluster_ip6(last: u16) -> Ipv6Addr {
+        Ipv6Addr::new(0x2001, 0xdb8, 0x96, 0, 0, 0, 0, last)
+    }
+
+    fn endpoint6(last: u16) -> Endpoint<Ipv6Addr> {
+        Endpoint {
+            addr: Ipv6Addr::new(0x2001, 0xdb8, 0x244, 0, 0, 0, 0, last),
+            port: 8080,
+            conditions: Conditions {
+                ready: true,
+                serving: true,
+                terminating: false,
+            },
+            node_name: None,
+            hints: Default::default(),
+        }
+    }
+
+    /// The IPv6 side of `m`'s service `service` (its ports, with `endpoints`), on ClusterIP
+    /// `cluster_ip6(ip)`.
+    fn add_ipv6_side(m: &mut Model, service: &str, ip: u16, endpoints: Vec<Endpoint<Ipv6Addr>>) {
+        let ports = m.services.get(&name(service)).map_or_else(
+            || {
+                vec![ServicePort {
+                    name: "http".into(),
+                    protocol: Protocol::Tcp,
+                    port: 80,
+                    node_port: None,
+                    target_port: TargetPort::Name("http".into()),
+                    endpoints: Vec::new(),
+                }]
+            },
+            |v4| {
+                v4.ports
+                    .iter()
+                    .map(|p| ServicePort {
+                        endpoints: Vec::new(),
+                        ..p.clone()
+                    })
+                    .collect()
+            },
+        );
+        let ports = ports
+            .into_iter()
+            .map(|p| ServicePort {
+                name: p.name,
+                protocol: p.protocol,
+                port: p.port,
+                node_port: p.node_port,
+                target_port: p.target_port,
+                endpoints: endpoints.clone(),
+            })
+            .collect();
+        m.services_v6.insert(
+            name(service),
+            Service {
+                cluster_ip: cluster_ip6(ip),
+                affinity_timeout_s: None,
+                traffic: Default::default(),
+                scheduler: None,
+                external: Default::default(),
+                ports,
+            },
+        );
+    }
+
+    fn fk6(ip: Ipv6Addr, port: u16) -> FrontendKey6 {
+        Ipv6Addr::frontend_key(ip, port, lb_common::IPPROTO_TCP)
+    }
+
+    #[test]
+    fn ipv6_side_is_written_to_the_ipv6_maps_with_the_ipv4_sides_service_id() {
+        let mut m = model(&[("web", 10, Some(30080), vec![endpoint(2, true)])]);
+        add_ipv6_side(&mut m, "web", 0x10, vec![endpoint6(0xc), endpoint6(0xb)]);
+        // IPv6-only: an id of its own in the same space.
+        add_ipv6_side(&mut m, "web6", 0x11, vec![endpoint6(0xd)]);
+        let mut r = Reconciler::new(NODE, MapContents::default())
+            .with_ipv6(vec![NODE6], MapContents6::default());
+        let mut maps = FakeMaps::default();
+        let report = r.sync(&m, &mut maps);
+        assert_eq!(report.failed, 0);
+
+        let v4_id = maps.contents.frontends[&fk(Ipv4Addr::new(10, 96, 0, 10), 80)].service_id;
+        let v6 = &maps.contents6;
+        let cluster_ip = v6.frontends[&fk6(cluster_ip6(0x10), 80)];
+        let node_port = v6.frontends[&fk6(NODE6, 30080)];
+        assert_eq!(
+            cluster_ip.service_id, v4_id,
+            "one id space, one id per port"
+        );
+        assert_eq!((cluster_ip.backend_count, cluster_ip.flags), (2, 0));
+        assert_eq!(
+            (node_port.service_id, node_port.flags),
+            (v4_id, FRONTEND_F_MASQUERADE)
+        );
+        assert!(
+            v6.frontends
+                .contains_key(&Ipv6Addr::any_port(cluster_ip6(0x10)))
+        );
+        let only_v6 = v6.frontends[&fk6(cluster_ip6(0x11), 80)].service_id;
+        assert!(only_v6 != v4_id && only_v6 != 0);
+        assert!(
+            maps.contents
+                .frontends
+                .values()
+                .all(|f| f.service_id != only_v6)
+        );
+
+        let backends: Vec<(BackendKey, Ipv6Addr)> = v6
+            .backends
+            .iter()
+            .map(|(k, b)| (*k, Ipv6Addr::from(b.addr.octets())))
+            .collect();
+        let key = |service_id, slot| BackendKey { service_id, slot };
+        assert_eq!(
+            backends,
+            [
+                (key(v4_id, 0), endpoint6(0xb).addr),
+                (key(v4_id, 1), endpoint6(0xc).addr),
+                (key(only_v6, 0), endpoint6(0xd).addr),
+            ]
+        );
+        assert!(v6.backends.values().all(|b| b.port == port_be(8080)));
+        let kinds: Vec<(Ipv6Addr, u32)> = v6
+            .origins
+            .iter()
+            .map(|(k, o)| (Ipv6Addr::from(k.addr.octets()), o.kind))
+            .collect();
+        assert!(kinds.contains(&(cluster_ip6(0x10), KIND_CLUSTER_IP)));
+        assert!(kinds.contains(&(NODE6, KIND_NODE_PORT)));
+        assert_eq!(r.written6(), &maps.contents6);
+        // The IPv4 maps hold no IPv6 entry: the IPv6-only service has no IPv4 frontend.
+        assert_eq!(
+            maps.contents.frontends.len(),
+            3,
+            "{:?}",
+            maps.contents.frontends
+        );
+    }
+
+    #[test]
+    fn ipv6_side_gone_or_changed_is_removed_or_rewritten() {
+        let mut m = model(&[("web", 10, Some(30080), vec![endpoint(2, true)])]);
+        add_ipv6_side(&mut m, "web", 0x10, vec![endpoint6(0xb), endpoint6(0xc)]);
+        let mut r = Reconciler::new(NODE, MapContents::default())
+            .with_ipv6(vec![NODE6], MapContents6::default());
+        let mut maps = FakeMaps::default();
+        r.sync(&m, &mut maps);
+        let v4_before = maps.contents.clone();
+        let web: BTreeSet<ServiceName> = [name("web")].into();
+
+        // One IPv6 endpoint leaves: its slot goes, the frontends count one.
+        m.services_v6.get_mut(&name("web")).unwrap().ports[0]
+            .endpoints
+            .retain(|e| e.addr != endpoint6(0xc).addr);
+        let report = r.sync_changed(&m, Some(&web), &mut maps);
+        assert_eq!(report.failed, 0);
+        assert_eq!(maps.contents6.backends.len(), 1);
+        assert_eq!(
+            maps.contents6.frontends[&fk6(NODE6, 30080)].backend_count,
+            1
+        );
+
+        // IPv4-only again: every IPv6 entry goes, the IPv4 ones stay as they were.
+        m.services_v6.clear();
+        let report = r.sync_changed(&m, Some(&web), &mut maps);
+        assert_eq!(report.failed, 0);
+        assert_eq!(maps.contents6, MapContents6::default());
+        assert_eq!(r.written6(), &MapContents6::default());
+        assert_eq!(maps.contents.frontends, v4_before.frontends);
+        assert_eq!(maps.contents.backends, v4_before.backends);
+
+        // An IPv6-only service comes and goes while no IPv4 side changes (the agent then
+        // names no service as changed): its ports get an id, then lose it.
+        let none = BTreeSet::new();
+        add_ipv6_side(&mut m, "web6", 0x11, vec![endpoint6(0xd)]);
+        let report = r.sync_changed(&m, Some(&none), &mut maps);
+        assert_eq!(report.failed, 0);
+        let web6 = maps.contents6.frontends[&fk6(cluster_ip6(0x11), 80)].service_id;
+        assert!(
+            maps.contents
+                .frontends
+                .values()
+                .all(|f| f.service_id != web6)
+        );
+        m.services_v6.clear();
+        r.sync_changed(&m, Some(&none), &mut maps);
+        assert_eq!(maps.contents6, MapContents6::default());
+        assert!(r.ids.values().all(|&id| id != web6));
+    }
+
+    #[test]
+    fn restart_adopts_ipv6_only_ids_and_writes_nothing() {
+        let mut m = model(&[("web", 10, None, vec![endpoint(2, true)])]);
+        add_ipv6_side(&mut m, "web", 0x10, vec![endpoint6(0xb)]);
+        add_ipv6_side(&mut m, "web6", 0x11, vec![endpoint6(0xd)]);
+        let mut first = Reconciler::new(NODE, MapContents::default())
+            .with_ipv6(vec![NODE6], MapContents6::default());
+        let mut maps = FakeMaps::default();
+        first.next_id = 7;
+        first.sync(&m, &mut maps);
+
+        let mut restarted = Reconciler::new(NODE, maps.contents.clone())
+            .with_ipv6(vec![NODE6], maps.contents6.clone());
+        let before = (maps.contents.clone(), maps.contents6.clone());
+        maps.ops.clear();
+        let report = restarted.sync(&m, &mut maps);
+        assert!(!report.changed(), "{report:?}");
+        assert_eq!((maps.contents.clone(), maps.contents6.clone()), before);
+        assert_eq!(restarted.next_id, first.next_id);
     }
 
     #[test]
