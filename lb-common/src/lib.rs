@@ -44,7 +44,22 @@ pub mod map_name {
     pub const TC_IPV6_PROGRAMS: &str = "LB_TC_IPV6_PROGRAMS_V1";
     /// Not pinned (not in `ALL`): the interface indexes are the running agent's.
     pub const XDP_EGRESS: &str = "LB_XDP_EGRESS_V1";
-    pub const ALL: [&str; 20] = [
+    /// The IPv6 twins of the maps whose keys or values hold an address (docs/ipv6.md): the
+    /// same roles as their IPv4 maps, with `FrontendKey6`, `Backend6`, `ConntrackKey6`, ... The
+    /// maps keyed by service id or counter slot (`BACKEND_STATS`, `SERVICE_STATUS`,
+    /// `ROUND_ROBIN`) serve both families: one service id space.
+    pub const FRONTENDS6: &str = "LB_FRONTEND6_V1";
+    pub const BACKENDS6: &str = "LB_BACKEND6_V1";
+    pub const CONNTRACK6: &str = "LB_CT6_V1";
+    pub const CONNTRACK6_UNCONFIRMED: &str = "LB_CT6_UNCONFIRMED_V1";
+    pub const INTERMEDIATE6: &str = "LB_INTERMEDIATE6_V1";
+    pub const INTERMEDIATE6_UNCONFIRMED: &str = "LB_INTERMEDIATE6_UNCONFIRMED_V1";
+    pub const AFFINITY6: &str = "LB_AFFINITY6_V1";
+    pub const SOURCE_RANGES6: &str = "LB_SOURCE_RANGE6_V1";
+    pub const FRONTEND_ORIGINS6: &str = "LB_FRONTEND_ORIGIN6_V1";
+    /// The IPv6 addresses of the agent's flags (`Config6`); the rest of `CONFIG` holds for both.
+    pub const CONFIG6: &str = "LB_CONFIG6_V1";
+    pub const ALL: [&str; 30] = [
         FRONTENDS,
         BACKENDS,
         CONNTRACK,
@@ -64,6 +79,16 @@ pub mod map_name {
         REJECT_LIMIT,
         CONNTRACK_UNCONFIRMED,
         INTERMEDIATE_UNCONFIRMED,
+        FRONTENDS6,
+        BACKENDS6,
+        CONNTRACK6,
+        CONNTRACK6_UNCONFIRMED,
+        INTERMEDIATE6,
+        INTERMEDIATE6_UNCONFIRMED,
+        AFFINITY6,
+        SOURCE_RANGES6,
+        FRONTEND_ORIGINS6,
+        CONFIG6,
         TC_IPV6_PROGRAMS,
     ];
 }
@@ -570,6 +595,185 @@ pub struct CachedHop {
     pub macs0: u32,
     pub macs1: u32,
     pub macs2: u32,
+}
+
+/// An IPv6 address in network byte order, as the four 32-bit words that hold its bytes as they
+/// sit in a packet (`w0` the first four). Scalars, not a byte array: the BPF target zeroes and
+/// copies arrays with byte-loop memset/memcpy calls, and compares words four at a time.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct Addr6 {
+    pub w0: u32,
+    pub w1: u32,
+    pub w2: u32,
+    pub w3: u32,
+}
+
+impl Addr6 {
+    /// The address of `octets` (`Ipv6Addr::octets`).
+    pub const fn from_octets(o: [u8; 16]) -> Self {
+        Addr6 {
+            w0: u32::from_ne_bytes([o[0], o[1], o[2], o[3]]),
+            w1: u32::from_ne_bytes([o[4], o[5], o[6], o[7]]),
+            w2: u32::from_ne_bytes([o[8], o[9], o[10], o[11]]),
+            w3: u32::from_ne_bytes([o[12], o[13], o[14], o[15]]),
+        }
+    }
+
+    /// The address's 16 bytes, in order.
+    pub const fn octets(&self) -> [u8; 16] {
+        let [a, b, c, d] = self.w0.to_ne_bytes();
+        let [e, f, g, h] = self.w1.to_ne_bytes();
+        let [i, j, k, l] = self.w2.to_ne_bytes();
+        let [m, n, o, p] = self.w3.to_ne_bytes();
+        [a, b, c, d, e, f, g, h, i, j, k, l, m, n, o, p]
+    }
+}
+
+/// Key of `FRONTENDS6`: [`FrontendKey`] of an IPv6 address. Its value is a [`Frontend`], whose
+/// `service_id` is in the one id space of both families: a dual-stack service port's IPv4 and
+/// IPv6 frontends have the same id, and their backend lists are in `BACKENDS` and `BACKENDS6`
+/// under the same [`BackendKey`]s.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct FrontendKey6 {
+    pub addr: Addr6,
+    /// Network byte order.
+    pub port: u16,
+    pub proto: u8,
+    pub _pad: u8,
+}
+
+impl FrontendKey6 {
+    /// The catch-all key of a ClusterIP, as [`FrontendKey::any_port`].
+    pub const fn any_port(addr: Addr6) -> Self {
+        Self {
+            addr,
+            port: 0,
+            proto: 0,
+            _pad: 0,
+        }
+    }
+}
+
+/// Value of `BACKENDS6` (keyed by [`BackendKey`]): one IPv6 endpoint, as [`Backend`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct Backend6 {
+    pub addr: Addr6,
+    /// Network byte order.
+    pub port: u16,
+    /// As [`Backend::stats_slot`]: the slots of `BACKEND_STATS` are shared by both families.
+    pub stats_slot: u16,
+}
+
+impl Backend6 {
+    /// The endpoint alone, without its counter slot, as [`Backend::endpoint`].
+    pub const fn endpoint(&self) -> Backend6 {
+        Backend6 {
+            addr: self.addr,
+            port: self.port,
+            stats_slot: 0,
+        }
+    }
+}
+
+/// Key of `CONNTRACK6`, `CONNTRACK6_UNCONFIRMED`, and key and value of `INTERMEDIATE6` and
+/// `INTERMEDIATE6_UNCONFIRMED`: [`ConntrackKey`] of an IPv6 packet.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct ConntrackKey6 {
+    pub src_addr: Addr6,
+    pub dst_addr: Addr6,
+    /// Network byte order.
+    pub src_port: u16,
+    /// Network byte order.
+    pub dst_port: u16,
+    pub proto: u8,
+    // Scalars, as in `ConntrackKey`.
+    pub _pad0: u8,
+    pub _pad1: u16,
+}
+
+/// Value of `CONNTRACK6` and `CONNTRACK6_UNCONFIRMED`: [`ConntrackEntry`] with IPv6 addresses,
+/// field for field, so that the conntrack code is written once over both.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct ConntrackEntry6 {
+    pub last_seen_ns: u64,
+    /// New source address.
+    pub src_addr: Addr6,
+    /// New destination address.
+    pub dst_addr: Addr6,
+    /// New source port, network byte order.
+    pub src_port: u16,
+    /// New destination port, network byte order.
+    pub dst_port: u16,
+    pub service_id: u32,
+    pub state: u8,
+    /// `CT_F_*`.
+    pub flags: u8,
+    /// The length `hop` was resolved for, counted as IPv4's total length is: the whole packet
+    /// from the IPv6 header on (payload length + 40, extension headers included), which is
+    /// what the FIB's MTU check compares. 0: no hop cached.
+    pub hop_len: u16,
+    pub hop: CachedHop,
+    pub stats_slot: u32,
+    pub stats_owner: u32,
+    pub window: tcp::TcpWindow,
+}
+
+/// The data of a `SOURCE_RANGES6` key, as [`SourceRangeKey`]: a prefix of
+/// `SERVICE_ID_BITS + n` matches the first `n` bits of `addr`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct SourceRangeKey6 {
+    pub service_id: u32,
+    pub addr: Addr6,
+}
+
+impl SourceRangeKey6 {
+    pub const SERVICE_ID_BITS: u32 = 32;
+    pub const FULL_PREFIX: u32 = Self::SERVICE_ID_BITS + 128;
+}
+
+/// Key of `AFFINITY6`: an IPv6 client of a service port.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct AffinityKey6 {
+    pub service_id: u32,
+    pub client_addr: Addr6,
+}
+
+/// Value of `AFFINITY6`: [`StickyBackend`] of an IPv6 endpoint.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct StickyBackend6 {
+    pub last_seen_ns: u64,
+    pub backend: Backend6,
+    pub slot: u32,
+}
+
+/// The single value of `CONFIG6` (index 0): the IPv6 addresses of the agent's flags. All zero
+/// on a node without an IPv6 `--node-ip`. Everything else of `Config` holds for both families.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct Config6 {
+    /// The IPv6 --node-ip: the masquerade address where the FIB picks none.
+    pub node_addr: Addr6,
+    /// The IPv6 --cluster-cidr; sources outside it are masqueraded. An unset one (all zero,
+    /// mask included) holds every source.
+    pub cluster_cidr_addr: Addr6,
+    pub cluster_cidr_mask: Addr6,
 }
 
 /// Map layouts of earlier releases, which an upgrading agent converts into today's (the pinned
@@ -1439,6 +1643,15 @@ const _: () = {
     assert!(core::mem::size_of::<FragmentKey>() == 12);
     assert!(core::mem::size_of::<FirstFragment>() == 16);
     assert!(core::mem::size_of::<RejectLimit>() == 32);
+    assert!(core::mem::size_of::<Addr6>() == 16);
+    assert!(core::mem::size_of::<FrontendKey6>() == 20);
+    assert!(core::mem::size_of::<Backend6>() == 20);
+    assert!(core::mem::size_of::<ConntrackKey6>() == 40);
+    assert!(core::mem::size_of::<ConntrackEntry6>() == 88);
+    assert!(core::mem::size_of::<SourceRangeKey6>() * 8 == SourceRangeKey6::FULL_PREFIX as usize);
+    assert!(core::mem::size_of::<AffinityKey6>() == 20);
+    assert!(core::mem::size_of::<StickyBackend6>() == 32);
+    assert!(core::mem::size_of::<Config6>() == 48);
     assert!(Counter::ALL[Counter::COUNT as usize - 1] as u32 == Counter::COUNT - 1);
 };
 
@@ -1473,6 +1686,15 @@ mod user {
     unsafe impl aya::Pod for FragmentKey {}
     unsafe impl aya::Pod for FirstFragment {}
     unsafe impl aya::Pod for RejectLimit {}
+    unsafe impl aya::Pod for Addr6 {}
+    unsafe impl aya::Pod for FrontendKey6 {}
+    unsafe impl aya::Pod for Backend6 {}
+    unsafe impl aya::Pod for ConntrackKey6 {}
+    unsafe impl aya::Pod for ConntrackEntry6 {}
+    unsafe impl aya::Pod for SourceRangeKey6 {}
+    unsafe impl aya::Pod for AffinityKey6 {}
+    unsafe impl aya::Pod for StickyBackend6 {}
+    unsafe impl aya::Pod for Config6 {}
 }
 
 #[cfg(test)]
@@ -1602,6 +1824,17 @@ mod tests {
         assert_eq!(field_text(&field), "abc");
         let field: [u8; 8] = text_field("ns");
         assert_eq!(field_text(&field), "ns");
+    }
+
+    #[test]
+    fn ipv6_words_hold_the_address_bytes_in_packet_order() {
+        let octets = [
+            0x20, 0x01, 0x0d, 0xb8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x01, 0x02,
+        ];
+        let addr = Addr6::from_octets(octets);
+        assert_eq!(addr.w0.to_ne_bytes(), [0x20, 0x01, 0x0d, 0xb8]);
+        assert_eq!(addr.w3.to_ne_bytes(), [0, 0, 0x01, 0x02]);
+        assert_eq!(addr.octets(), octets);
     }
 
     #[test]

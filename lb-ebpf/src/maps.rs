@@ -14,6 +14,10 @@ use lb_common::{
     FirstFragment, FragmentKey, Frontend, FrontendKey, FrontendOrigin, RejectLimit, SockBackendKey,
     SockRevNat, SockRevNatKey, SourceRangeKey, StickyBackend, default_size,
 };
+use lb_common::{
+    AffinityKey6, Backend6, Config6, ConntrackEntry6, ConntrackKey6, FrontendKey6, SourceRangeKey6,
+    StickyBackend6,
+};
 use lb_common::{AgentInfo, ServiceStatus};
 
 #[map(name = "LB_FRONTEND_V4")]
@@ -105,6 +109,50 @@ static SOURCE_RANGES: LpmTrie<SourceRangeKey, u8> =
 /// agent lists the ones that can.
 #[map(name = "LB_XDP_EGRESS_V1")]
 static XDP_EGRESS: HashMap<u32, u8> = HashMap::with_max_entries(default_size::XDP_EGRESS, 0);
+
+// The IPv6 twins of the maps above (docs/ipv6.md), sized as theirs: the agent sizes both
+// families' maps from the same flags.
+
+#[map(name = "LB_FRONTEND6_V1")]
+static FRONTENDS6: HashMap<FrontendKey6, Frontend> =
+    HashMap::with_max_entries(default_size::FRONTENDS, 0);
+
+#[map(name = "LB_BACKEND6_V1")]
+static BACKENDS6: HashMap<BackendKey, Backend6> =
+    HashMap::with_max_entries(default_size::BACKENDS, 0);
+
+#[map(name = "LB_CT6_V1")]
+static CONNTRACK6: LruHashMap<ConntrackKey6, ConntrackEntry6> =
+    LruHashMap::with_max_entries(default_size::CONNTRACK, 0);
+
+#[map(name = "LB_CT6_UNCONFIRMED_V1")]
+static UNCONFIRMED6: LruHashMap<ConntrackKey6, ConntrackEntry6> =
+    LruHashMap::with_max_entries(default_size::CONNTRACK_UNCONFIRMED, 0);
+
+#[map(name = "LB_INTERMEDIATE6_V1")]
+static INTERMEDIATE6: LruHashMap<ConntrackKey6, ConntrackKey6> =
+    LruHashMap::with_max_entries(default_size::CONNTRACK, 0);
+
+#[map(name = "LB_INTERMEDIATE6_UNCONFIRMED_V1")]
+static INTERMEDIATE6_UNCONFIRMED: LruHashMap<ConntrackKey6, ConntrackKey6> =
+    LruHashMap::with_max_entries(default_size::CONNTRACK_UNCONFIRMED, 0);
+
+#[map(name = "LB_AFFINITY6_V1")]
+static AFFINITY6: LruHashMap<AffinityKey6, StickyBackend6> =
+    LruHashMap::with_max_entries(default_size::AFFINITY, 0);
+
+/// The value is unused, as in `SOURCE_RANGES`.
+#[map(name = "LB_SOURCE_RANGE6_V1")]
+static SOURCE_RANGES6: LpmTrie<SourceRangeKey6, u8> =
+    LpmTrie::with_max_entries(default_size::SOURCE_RANGES, 0);
+
+/// Written and read by the agent only, as `FRONTEND_ORIGINS`.
+#[map(name = "LB_FRONTEND_ORIGIN6_V1")]
+static FRONTEND_ORIGINS6: HashMap<FrontendKey6, FrontendOrigin> =
+    HashMap::with_max_entries(default_size::FRONTENDS, BPF_F_NO_PREALLOC);
+
+#[map(name = "LB_CONFIG6_V1")]
+static CONFIG6: Array<Config6> = Array::with_max_entries(1, 0);
 
 /// This CPU's share of the REJECT rate limit, written by the agent.
 #[map(name = "LB_REJECT_LIMIT_V1")]

@@ -163,6 +163,15 @@ impl Datapath {
             (map_name::INTERMEDIATE_UNCONFIRMED, sizes.unconfirmed),
             (map_name::AFFINITY, sizes.affinity),
             (map_name::BACKEND_STATS, sizes.backend_stats),
+            // The IPv6 twins, sized by the same flags.
+            (map_name::FRONTENDS6, sizes.frontends),
+            (map_name::FRONTEND_ORIGINS6, sizes.frontends),
+            (map_name::BACKENDS6, sizes.backends),
+            (map_name::CONNTRACK6, sizes.conntrack),
+            (map_name::INTERMEDIATE6, sizes.conntrack),
+            (map_name::CONNTRACK6_UNCONFIRMED, sizes.unconfirmed),
+            (map_name::INTERMEDIATE6_UNCONFIRMED, sizes.unconfirmed),
+            (map_name::AFFINITY6, sizes.affinity),
         ];
         for (name, size) in wanted {
             loader.map_max_entries(name, size);
