@@ -3,16 +3,15 @@
 //! call starts with a fresh stack and is verified on its own, so IPv4's programs grow by the jump
 //! only and IPv6 gets the stack its 16-byte addresses need.
 use aya_ebpf::{
-    bindings::TC_ACT_OK,
+    bindings::{TC_ACT_OK, TC_ACT_SHOT},
     macros::{classifier, map},
     maps::ProgramArray,
     programs::TcContext,
 };
 use lb_common::{Counter, tc_ipv6_slot};
 
-use crate::{maps, packet::PacketAccess};
+use crate::{maps, nat6, packet, translate6};
 
-const ETH_TYPE_OFFSET: usize = 12;
 const ETH_P_IPV6: u16 = 0x86dd;
 
 /// Filled by the agent at load (`tc_ipv6_slot`); pinned, so that its entries outlive the agent
@@ -20,12 +19,15 @@ const ETH_P_IPV6: u16 = 0x86dd;
 #[map(name = "LB_TC_IPV6_PROGRAMS_V1")]
 static TC_IPV6_PROGRAMS: ProgramArray = ProgramArray::with_max_entries(tc_ipv6_slot::COUNT, 0);
 
-/// The frame carries IPv6 (EtherType 0x86DD, no VLAN tag: tc sees the tag stripped).
+/// The packet is IPv6: the skb's protocol, the EtherType (a VLAN tag is stripped before tc).
+/// Read from the context, not the packet: a packet access here would give every state the
+/// verifier walks through the IPv4 program a packet range, and cost it thousands of states.
 #[inline(always)]
 pub fn is_ipv6(ctx: &TcContext) -> bool {
-    // Direct access, not TcContext's own `load` (a helper call).
-    PacketAccess::load::<u16>(ctx, ETH_TYPE_OFFSET)
-        .is_ok_and(|ether_type| u16::from_be(ether_type) == ETH_P_IPV6)
+    // SAFETY: the context pointer is the kernel's __sk_buff for this run, readable throughout.
+    let protocol = unsafe { (*ctx.skb.skb).protocol };
+    // The 16-bit field as it sits in the skb (network order), widened.
+    u16::from_be(protocol as u16) == ETH_P_IPV6
 }
 
 /// Jumps to the IPv6 program in `slot`. Returns only if the jump failed (the slot is empty until
@@ -40,11 +42,26 @@ pub fn tail_call(ctx: &TcContext, slot: u32) -> i32 {
 }
 
 #[classifier]
-pub fn lb_ingress6(_ctx: TcContext) -> i32 {
-    maps::count(Counter::Passed);
-    TC_ACT_OK as i32
+pub fn lb_ingress6(ctx: TcContext) -> i32 {
+    packet::pull_headers(&ctx);
+    let translated =
+        translate6::translation(&ctx).and_then(|(packet, to)| nat6::rewrite(&ctx, &packet, &to));
+    match translated {
+        // Handed to the stack, which routes the rewritten packet.
+        Ok(()) => TC_ACT_OK as i32,
+        Err(reason) => {
+            maps::count(reason);
+            if crate::passes(reason) {
+                TC_ACT_OK as i32
+            } else {
+                TC_ACT_SHOT as i32
+            }
+        }
+    }
 }
 
+/// Nothing to do yet: what `lb_ingress6` translates (connections not masqueraded) needs no
+/// source rewrite after routing.
 #[classifier]
 pub fn lb_egress6(_ctx: TcContext) -> i32 {
     TC_ACT_OK as i32

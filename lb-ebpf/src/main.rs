@@ -16,6 +16,7 @@
 
 mod affinity;
 mod conntrack;
+mod conntrack6;
 mod egress;
 mod forward;
 mod fragment;
@@ -25,13 +26,16 @@ mod ipv6;
 mod maps;
 mod masquerade;
 mod nat;
+mod nat6;
 mod packet;
 mod parse;
+mod parse6;
 mod reject;
 mod service;
 mod sock;
 mod tcp;
 mod translate;
+mod translate6;
 mod zero;
 
 use aya_ebpf::{
@@ -242,6 +246,7 @@ fn passes(reason: Counter) -> bool {
             | Counter::PassedBadIpChecksum
             | Counter::PassedTcpNoConnection
             | Counter::XdpPassed
+            | Counter::PassedIpv6ExtensionHeader
     )
 }
 
