@@ -44,6 +44,9 @@ pub mod map_name {
     pub const TC_IPV6_PROGRAMS: &str = "LB_TC_IPV6_PROGRAMS_V1";
     /// Not pinned (not in `ALL`): the interface indexes are the running agent's.
     pub const XDP_EGRESS: &str = "LB_XDP_EGRESS_V1";
+    /// Not pinned (not in `ALL`): each CPU's IPv6 conntrack entry under construction
+    /// (`ConntrackEntry6`, a per-CPU array of one), kept off the programs' stack.
+    pub const CONNTRACK6_SCRATCH: &str = "LB_CT6_SCRATCH_V1";
     /// The IPv6 twins of the maps whose keys or values hold an address (docs/ipv6.md): the
     /// same roles as their IPv4 maps, with `FrontendKey6`, `Backend6`, `ConntrackKey6`, ... The
     /// maps keyed by service id or counter slot (`BACKEND_STATS`, `SERVICE_STATUS`,

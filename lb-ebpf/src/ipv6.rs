@@ -20,8 +20,7 @@ const ETH_P_IPV6: u16 = 0x86dd;
 static TC_IPV6_PROGRAMS: ProgramArray = ProgramArray::with_max_entries(tc_ipv6_slot::COUNT, 0);
 
 /// The packet is IPv6: the skb's protocol, the EtherType (a VLAN tag is stripped before tc).
-/// Read from the context, not the packet: a packet access here would give every state the
-/// verifier walks through the IPv4 program a packet range, and cost it thousands of states.
+/// Read from the context: no packet access is needed to tell.
 #[inline(always)]
 pub fn is_ipv6(ctx: &TcContext) -> bool {
     // SAFETY: the context pointer is the kernel's __sk_buff for this run, readable throughout.
@@ -51,13 +50,18 @@ pub fn lb_ingress6(ctx: TcContext) -> i32 {
         Ok(()) => TC_ACT_OK as i32,
         Err(reason) => {
             maps::count(reason);
-            if crate::passes(reason) {
+            if passes(reason) {
                 TC_ACT_OK as i32
             } else {
                 TC_ACT_SHOT as i32
             }
         }
     }
+}
+
+/// `main::passes`, and IPv6's own reason to pass, which the IPv4 programs never give.
+fn passes(reason: Counter) -> bool {
+    reason == Counter::PassedIpv6ExtensionHeader || crate::passes(reason)
 }
 
 /// Nothing to do yet: what `lb_ingress6` translates (connections not masqueraded) needs no

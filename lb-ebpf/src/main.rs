@@ -246,7 +246,6 @@ fn passes(reason: Counter) -> bool {
             | Counter::PassedBadIpChecksum
             | Counter::PassedTcpNoConnection
             | Counter::XdpPassed
-            | Counter::PassedIpv6ExtensionHeader
     )
 }
 

@@ -27,6 +27,7 @@ const IPPROTO_FRAGMENT: u8 = 44;
 const IPPROTO_AH: u8 = 51;
 const TCP_SYN: u8 = 0x02;
 const TCP_ACK: u8 = 0x10;
+const TCP_RST: u8 = 0x04;
 const SERVICE_ID: u32 = 7;
 const PAYLOAD: &[u8] = b"hello, service";
 
@@ -560,6 +561,32 @@ fn cluster_ip_from_pod() {
         assert_eq!(datapath.counter(Counter::NewConnection), 1);
         assert_eq!(datapath.conntrack_len(), 2);
     }
+}
+
+/// A client's SYN on the tuple of a connection the backend reset opens a new connection, which
+/// takes the closed one's entries over.
+#[test]
+fn syn_reopens_a_closed_connection() {
+    let datapath = Datapath::with_cluster_ip(&ENDPOINTS[..1]);
+    let l4 = ETH_HLEN + IPV6_HLEN;
+    let syn = packet(Proto::Tcp, CLIENT, CLUSTER_IP, TCP_SYN, &[]);
+    let (_, backend) = datapath.translate(&syn, Proto::Tcp, l4);
+    let reset = packet(Proto::Tcp, backend, CLIENT, TCP_RST | TCP_ACK, &[]);
+    assert_eq!(
+        datapath.translate(&reset, Proto::Tcp, l4),
+        (CLUSTER_IP, CLIENT)
+    );
+    let original = ct_key(Proto::Tcp, CLIENT, CLUSTER_IP);
+    assert_eq!(datapath.conntrack(&original).unwrap().state, tcp::CLOSE);
+    assert_eq!(datapath.translate(&syn, Proto::Tcp, l4).1, backend);
+    assert_eq!(datapath.conntrack(&original).unwrap().state, tcp::SYN_SENT);
+    let reply = datapath
+        .conntrack(&ct_key(Proto::Tcp, backend, CLIENT))
+        .unwrap();
+    assert_eq!(reply.state, tcp::SYN_SENT);
+    assert_eq!(datapath.counter(Counter::NewConnection), 2);
+    assert_eq!(datapath.counter(Counter::ConntrackTakenOver), 1);
+    assert_eq!(datapath.conntrack_len(), 2);
 }
 
 /// Not the ClusterIP's port, or no service at all: passed untouched, untracked.
