@@ -17,7 +17,7 @@ pub mod map_name {
     pub const BACKENDS: &str = "LB_BACKEND_V1";
     pub const CONNTRACK: &str = "LB_CT_V4";
     pub const CONFIG: &str = "LB_CONFIG_V4";
-    pub const COUNTERS: &str = "LB_COUNTER_V10";
+    pub const COUNTERS: &str = "LB_COUNTER_V11";
     pub const AFFINITY: &str = "LB_AFFINITY_V1";
     pub const ROUND_ROBIN: &str = "LB_RR_V1";
     pub const SOURCE_RANGES: &str = "LB_SOURCE_RANGE_V1";
@@ -38,8 +38,15 @@ pub mod map_name {
     pub const CONNTRACK_UNCONFIRMED: &str = "LB_CT_UNCONFIRMED_V1";
     /// The intermediate tuples of the connections in `CONNTRACK_UNCONFIRMED`, as `INTERMEDIATE`.
     pub const INTERMEDIATE_UNCONFIRMED: &str = "LB_INTERMEDIATE_UNCONFIRMED_V1";
+    /// The tc programs' IPv6 twins, which `lb_ingress` and `lb_egress` tail-call (a program
+    /// array indexed by `tc_ipv6_slot`). Pinned: a program array loses its entries when its last
+    /// user reference goes, and the attached programs outlive the agent.
+    pub const TC_IPV6_PROGRAMS: &str = "LB_TC_IPV6_PROGRAMS_V1";
     /// Not pinned (not in `ALL`): the interface indexes are the running agent's.
     pub const XDP_EGRESS: &str = "LB_XDP_EGRESS_V1";
+    /// Not pinned (not in `ALL`): each CPU's IPv6 conntrack entry under construction
+    /// (`ConntrackEntry6`, a per-CPU array of one), kept off the programs' stack.
+    pub const CONNTRACK6_SCRATCH: &str = "LB_CT6_SCRATCH_V1";
     /// The IPv6 twins of the maps whose keys or values hold an address (docs/ipv6.md): the
     /// same roles as their IPv4 maps, with `FrontendKey6`, `Backend6`, `ConntrackKey6`, ... The
     /// maps keyed by service id or counter slot (`BACKEND_STATS`, `SERVICE_STATUS`,
@@ -55,7 +62,7 @@ pub mod map_name {
     pub const FRONTEND_ORIGINS6: &str = "LB_FRONTEND_ORIGIN6_V1";
     /// The IPv6 addresses of the agent's flags (`Config6`); the rest of `CONFIG` holds for both.
     pub const CONFIG6: &str = "LB_CONFIG6_V1";
-    pub const ALL: [&str; 29] = [
+    pub const ALL: [&str; 30] = [
         FRONTENDS,
         BACKENDS,
         CONNTRACK,
@@ -85,7 +92,17 @@ pub mod map_name {
         SOURCE_RANGES6,
         FRONTEND_ORIGINS6,
         CONFIG6,
+        TC_IPV6_PROGRAMS,
     ];
+}
+
+/// Slots of `map_name::TC_IPV6_PROGRAMS`.
+pub mod tc_ipv6_slot {
+    /// `program_name::INGRESS6`, tail-called by `lb_ingress`.
+    pub const INGRESS: u32 = 0;
+    /// `program_name::EGRESS6`, tail-called by `lb_egress`.
+    pub const EGRESS: u32 = 1;
+    pub const COUNT: u32 = 2;
 }
 
 /// Names of the programs in the eBPF object.
@@ -97,6 +114,10 @@ pub mod program_name {
     pub const EGRESS: &str = "lb_egress";
     /// XDP on the external interface (`lb agent --xdp`): the fast path of external traffic.
     pub const XDP: &str = "lb_xdp";
+    /// `lb_ingress`'s IPv6 twin, tail-called for IPv6 packets (`tc_ipv6_slot::INGRESS`).
+    pub const INGRESS6: &str = "lb_ingress6";
+    /// `lb_egress`'s IPv6 twin, tail-called for IPv6 packets (`tc_ipv6_slot::EGRESS`).
+    pub const EGRESS6: &str = "lb_egress6";
     /// cgroup/connect4: TCP and connected UDP sockets of the node reaching a service.
     pub const CONNECT4: &str = "lb_connect4";
     /// cgroup/sendmsg4: unconnected UDP sockets of the node sending to a service.
@@ -1382,10 +1403,16 @@ pub enum Counter {
     /// Every masquerade port a new connection tried was held, some by unconfirmed connections:
     /// one of those was dropped and its port taken (Linux's early_drop of unassured entries).
     ConntrackEarlyDrop,
+    /// An IPv6 packet whose extension header chain the parser does not walk (longer than it
+    /// follows, truncated, or AH/ESP before the transport header): passed untouched.
+    PassedIpv6ExtensionHeader,
+    /// The tail call into an IPv6 program failed (its slot empty: the agent had not filled the
+    /// program array yet): the packet passed untouched.
+    PassedTailCallFailed,
 }
 
 impl Counter {
-    pub const COUNT: u32 = 32;
+    pub const COUNT: u32 = 34;
     pub const ALL: [Counter; Self::COUNT as usize] = [
         Counter::NewConnection,
         Counter::Masqueraded,
@@ -1419,6 +1446,8 @@ impl Counter {
         Counter::ConntrackTakenOver,
         Counter::ConntrackUnconfirmedEvicted,
         Counter::ConntrackEarlyDrop,
+        Counter::PassedIpv6ExtensionHeader,
+        Counter::PassedTailCallFailed,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -1455,6 +1484,8 @@ impl Counter {
             Counter::ConntrackTakenOver => "conntrack_taken_over",
             Counter::ConntrackUnconfirmedEvicted => "conntrack_unconfirmed_evicted",
             Counter::ConntrackEarlyDrop => "conntrack_early_drop",
+            Counter::PassedIpv6ExtensionHeader => "passed_ipv6_extension_header",
+            Counter::PassedTailCallFailed => "passed_tail_call_failed",
         }
     }
 
@@ -1543,6 +1574,12 @@ impl Counter {
             Counter::ConntrackEarlyDrop => {
                 "unconfirmed connections dropped for their masquerade port: every port a new connection tried was held"
             }
+            Counter::PassedIpv6ExtensionHeader => {
+                "IPv6 packets with an extension header chain the parser does not walk, passed untouched"
+            }
+            Counter::PassedTailCallFailed => {
+                "IPv6 packets passed untouched because the IPv6 program was not installed (tail call failed)"
+            }
         }
     }
 
@@ -1581,7 +1618,9 @@ impl Counter {
             | Counter::ConntrackConfirmed
             | Counter::ConntrackTakenOver
             | Counter::ConntrackUnconfirmedEvicted
-            | Counter::ConntrackEarlyDrop => None,
+            | Counter::ConntrackEarlyDrop
+            | Counter::PassedIpv6ExtensionHeader
+            | Counter::PassedTailCallFailed => None,
         }
     }
 }

@@ -9,27 +9,33 @@
 //! reverse-translated and forwarded by tc; everything else passes untouched. `lb_ingress` and
 //! `lb_xdp` run the same translation core (translate.rs) over their own packet access
 //! (packet.rs). The node's own sockets are translated at connect and send time by the cgroup
-//! socket hooks (`sock`).
+//! socket hooks (`sock`). IPv6 packets jump to programs of their own, `lb_ingress6` and
+//! `lb_egress6` (ipv6.rs).
 #![no_std]
 #![no_main]
 
 mod affinity;
 mod conntrack;
+mod conntrack6;
 mod egress;
 mod forward;
 mod fragment;
 mod icmp;
 mod intermediate;
+mod ipv6;
 mod maps;
 mod masquerade;
 mod nat;
+mod nat6;
 mod packet;
 mod parse;
+mod parse6;
 mod reject;
 mod service;
 mod sock;
 mod tcp;
 mod translate;
+mod translate6;
 mod zero;
 
 use aya_ebpf::{
@@ -40,7 +46,9 @@ use aya_ebpf::{
     macros::{cgroup_sock_addr, classifier, xdp},
     programs::{SockAddrContext, TcContext, XdpContext},
 };
-use lb_common::{CONFIG_F_STACK_FORWARDING, CT_F_MASQUERADE, CT_F_REPLY, ConntrackKey, Counter};
+use lb_common::{
+    CONFIG_F_STACK_FORWARDING, CT_F_MASQUERADE, CT_F_REPLY, ConntrackKey, Counter, tc_ipv6_slot,
+};
 
 use crate::{
     forward::{Caching, NextHop},
@@ -50,6 +58,9 @@ use crate::{
 
 #[classifier]
 pub fn lb_ingress(ctx: TcContext) -> i32 {
+    if ipv6::is_ipv6(&ctx) {
+        return ipv6::tail_call(&ctx, tc_ipv6_slot::INGRESS);
+    }
     match try_ingress(&ctx) {
         Ok(action) => action,
         Err(reason) => {
@@ -146,6 +157,9 @@ fn mark_masqueraded(ctx: &TcContext) {
 
 #[classifier]
 pub fn lb_egress(ctx: TcContext) -> i32 {
+    if ipv6::is_ipv6(&ctx) {
+        return ipv6::tail_call(&ctx, tc_ipv6_slot::EGRESS);
+    }
     match egress::translate(&ctx) {
         Err(Counter::DropRewriteFailed) => {
             maps::count(Counter::DropRewriteFailed);

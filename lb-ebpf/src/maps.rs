@@ -73,7 +73,7 @@ static FRAGMENTS: LruHashMap<FragmentKey, FirstFragment> =
 #[map(name = "LB_CONFIG_V4")]
 static CONFIG: Array<Config> = Array::with_max_entries(1, 0);
 
-#[map(name = "LB_COUNTER_V10")]
+#[map(name = "LB_COUNTER_V11")]
 static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(Counter::COUNT, 0);
 
 /// An array, not a hash by endpoint: the verifier inlines its lookup into a few instructions, where
@@ -410,4 +410,39 @@ pub fn first_fragment(key: &FragmentKey) -> Option<FirstFragment> {
 /// Best effort: when the map is full, LRU eviction makes room.
 pub fn remember_first_fragment(key: &FragmentKey, first: &FirstFragment) {
     let _ = FRAGMENTS.insert(key, first, 0);
+}
+
+/// Read in place, as `config`.
+pub fn config6() -> Option<&'static Config6> {
+    CONFIG6.get(0)
+}
+
+pub fn frontend6(key: &FrontendKey6) -> Option<Frontend> {
+    // SAFETY: the value is copied out at once; the agent replaces frontends whole.
+    unsafe { FRONTENDS6.get(key).copied() }
+}
+
+pub fn backend6(key: &BackendKey) -> Option<Backend6> {
+    // SAFETY: the value is copied out at once; the agent replaces backends whole.
+    unsafe { BACKENDS6.get(key).copied() }
+}
+
+/// The IPv6 entry of `key`, as `conntrack`: the main table, else the unconfirmed one.
+pub fn conntrack6(key: &ConntrackKey6) -> Option<&'static mut ConntrackEntry6> {
+    // SAFETY: as in `conntrack`.
+    CONNTRACK6
+        .get_ptr_mut(key)
+        .or_else(|| UNCONFIRMED6.get_ptr_mut(key))
+        .map(|entry| unsafe { &mut *entry })
+}
+
+/// Into the IPv6 main table. `flags` as `conntrack_insert`'s.
+pub fn conntrack6_insert(key: &ConntrackKey6, entry: &ConntrackEntry6, flags: u32) -> bool {
+    CONNTRACK6.insert(key, entry, u64::from(flags)).is_ok()
+}
+
+/// Deletes the IPv6 entry of `key` from both tables.
+pub fn conntrack6_remove(key: &ConntrackKey6) {
+    let _ = CONNTRACK6.remove(key);
+    let _ = UNCONFIRMED6.remove(key);
 }

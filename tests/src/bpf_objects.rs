@@ -119,3 +119,54 @@ pub fn pinned_links(dir: &Path) -> Result<BTreeMap<String, PinnedLinkInfo>> {
     }
     Ok(links)
 }
+
+/// The id of the program in each slot of the program array pinned at `path` (`None`: empty).
+pub fn program_array_ids(path: &Path) -> Result<Vec<Option<u32>>> {
+    use std::os::fd::{AsFd as _, AsRawFd as _};
+
+    use nix::libc;
+
+    /// The lookup member of union bpf_attr.
+    #[repr(C)]
+    struct LookupAttr {
+        map_fd: u32,
+        _pad: u32,
+        key: u64,
+        value: u64,
+        flags: u64,
+    }
+    const BPF_MAP_LOOKUP_ELEM: libc::c_long = 1;
+    let map = aya::maps::MapData::from_pin(path)
+        .with_context(|| format!("pinned map {}", path.display()))?;
+    let slots = map.info()?.max_entries();
+    (0..slots)
+        .map(|slot: u32| {
+            let mut id: u32 = 0;
+            let mut attr = LookupAttr {
+                map_fd: map.fd().as_fd().as_raw_fd() as u32,
+                _pad: 0,
+                key: &slot as *const u32 as u64,
+                value: &mut id as *mut u32 as u64,
+                flags: 0,
+            };
+            // SAFETY: `attr` is the lookup member of union bpf_attr; `slot` and `id` are live
+            // for the call. A program array's lookup from user space answers the program's id.
+            let ret = unsafe {
+                libc::syscall(
+                    libc::SYS_bpf,
+                    BPF_MAP_LOOKUP_ELEM,
+                    &mut attr as *mut LookupAttr,
+                    std::mem::size_of::<LookupAttr>() as libc::c_uint,
+                )
+            };
+            if ret == 0 {
+                return Ok(Some(id));
+            }
+            let err = std::io::Error::last_os_error();
+            match err.raw_os_error() {
+                Some(libc::ENOENT) => Ok(None),
+                _ => Err(err).with_context(|| format!("{} slot {slot}", path.display())),
+            }
+        })
+        .collect()
+}

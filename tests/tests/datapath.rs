@@ -1459,7 +1459,10 @@ fn non_service_traffic_is_untouched() {
     for packet in &packets {
         datapath.assert_untouched(packet);
     }
-    assert_eq!(datapath.counter(Counter::Passed), packets.len() as u64);
+    // The IPv6 packet is lb_ingress6's, which this fixture does not load (datapath6.rs does): the
+    // tail call to it fails and passes the packet.
+    assert_eq!(datapath.counter(Counter::Passed), packets.len() as u64 - 1);
+    assert_eq!(datapath.counter(Counter::PassedTailCallFailed), 1);
     assert_eq!(datapath.conntrack_len(), 0);
 }
 

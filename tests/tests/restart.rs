@@ -17,7 +17,7 @@ use anyhow::{Context as _, Result, bail, ensure};
 use aya::programs::links::LinkType;
 use lb_tests::{
     agent::{Agent, lb_binary, stats_at},
-    bpf_objects::{BpfIds, PinnedLinkInfo, pinned_links},
+    bpf_objects::{BpfIds, PinnedLinkInfo, pinned_links, program_array_ids},
     bpffs::Bpffs,
     cgroup::Cgroup,
     echo::{EchoServer, Proto, request},
@@ -265,6 +265,16 @@ fn restart(node: &mut SurvivalNode, scenario: Scenario) -> Result<()> {
     }
     node.check_new_connections()
         .context("new connections while no agent runs")?;
+    let ipv6_programs = pin_dir.join(lb_common::map_name::TC_IPV6_PROGRAMS);
+    let slots = program_array_ids(&ipv6_programs)?;
+    ensure!(
+        slots
+            .iter()
+            .all(|id| id.is_some_and(|id| old_programs.programs.contains(&id))),
+        "while no agent runs, the IPv6 programs' slots hold {slots:?}, not the agent's programs \
+         {:?}",
+        old_programs.programs
+    );
     if node.xdp {
         let forwarded = node.xdp_forwarded()?;
         ensure!(
@@ -319,6 +329,15 @@ fn restart(node: &mut SurvivalNode, scenario: Scenario) -> Result<()> {
     ensure!(
         links_after.len() == links_before.len(),
         "links before the restart {links_before:?}, after {links_after:?}"
+    );
+    // The new agent's IPv6 programs replaced the old one's, which the release below awaits.
+    let slots = program_array_ids(&ipv6_programs)?;
+    ensure!(
+        slots
+            .iter()
+            .all(|id| id.is_some_and(|id| !old_programs.programs.contains(&id))),
+        "after the restart the IPv6 programs' slots hold {slots:?}, the old agent's {:?}",
+        old_programs.programs
     );
     old_programs
         .await_released(RELEASE)

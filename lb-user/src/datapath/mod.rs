@@ -4,6 +4,7 @@ pub mod bpffs;
 pub mod cgroup_hooks;
 pub mod cgroup_mount;
 pub mod forward_rules;
+pub mod ipv6_programs;
 pub mod link_pins;
 pub mod links;
 pub mod map_pins;
@@ -73,6 +74,11 @@ pub enum DatapathError {
         name: &'static str,
         source: ProgramError,
     },
+    #[error("program {name}: duplicating its file descriptor: {source}")]
+    ProgramFd {
+        name: &'static str,
+        source: io::Error,
+    },
     #[error(transparent)]
     MapPins(#[from] map_pins::MapPinError),
     #[error("the kernel's jiffy (resolution of CLOCK_MONOTONIC_COARSE): {0}")]
@@ -141,7 +147,8 @@ pub struct Datapath {
 impl Datapath {
     /// Loads the object with every map pinned in `pin_dir` (reused when already pinned with this
     /// build's layout, so conntrack survives an agent restart; an incompatible pinned map is an
-    /// error before anything changes) and loads the ingress program.
+    /// error before anything changes) and loads the tc programs, the IPv6 ones in the program
+    /// array their IPv4 twins tail-call.
     pub fn load(pin_dir: &Path, sizes: MapSizes) -> Result<Self, DatapathError> {
         let mut loader = EbpfLoader::new();
         for name in map_name::ALL {
@@ -208,11 +215,16 @@ impl Datapath {
             agent,
             reject_limit,
         };
-        for name in [program_name::INGRESS, program_name::EGRESS] {
+        let ipv6 = ipv6_programs::PROGRAMS.map(|(name, _)| name);
+        for name in [program_name::INGRESS, program_name::EGRESS]
+            .into_iter()
+            .chain(ipv6)
+        {
             let program: &mut SchedClassifier = datapath.program(name)?;
             load_program(|| program.load())
                 .map_err(|source| DatapathError::Program { name, source })?;
         }
+        ipv6_programs::fill_program_array(&mut datapath.ebpf)?;
         Ok(datapath)
     }
 

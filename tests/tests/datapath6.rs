@@ -1,0 +1,631 @@
+//! The IPv6 tc datapath (`lb_ingress` tail-calling `lb_ingress6`) run on crafted packets with
+//! BPF_PROG_TEST_RUN, as datapath.rs does for IPv4: no interface, no pinned map, a private copy
+//! of the object per test. The packets are built here byte by byte, extension headers included,
+//! and the TCP/UDP checksums of what comes out are computed here over the IPv6 pseudo-header
+//! (RFC 8200 8.1), independently of the datapath's incremental updates. Run as root.
+use std::net::{Ipv6Addr, SocketAddrV6};
+
+use aya::{
+    Ebpf, EbpfLoader,
+    maps::{Array, HashMap, MapData, PerCpuArray},
+    programs::{SchedClassifier, TestRun, TestRunOptions},
+};
+use lb_common::{
+    Addr6, Backend6, BackendKey, CONFIG_F_READY, CT_F_REPLY, CT_UDP_UNREPLIED, Config,
+    ConntrackEntry6, ConntrackKey6, Counter, Frontend, FrontendKey6, IPPROTO_TCP, IPPROTO_UDP,
+    map_name, port_be, program_name, tcp,
+};
+
+const TC_ACT_OK: u32 = 0;
+const ETH_HLEN: usize = 14;
+const IPV6_HLEN: usize = 40;
+const IPPROTO_ICMPV6: u8 = 58;
+const IPPROTO_DSTOPTS: u8 = 60;
+const IPPROTO_HOPOPTS: u8 = 0;
+const IPPROTO_ROUTING: u8 = 43;
+const IPPROTO_FRAGMENT: u8 = 44;
+const IPPROTO_AH: u8 = 51;
+const TCP_SYN: u8 = 0x02;
+const TCP_ACK: u8 = 0x10;
+const TCP_RST: u8 = 0x04;
+const SERVICE_ID: u32 = 7;
+const PAYLOAD: &[u8] = b"hello, service";
+
+const fn addr(last: u16) -> Ipv6Addr {
+    Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, last)
+}
+const fn pod(last: u16, port: u16) -> SocketAddrV6 {
+    SocketAddrV6::new(
+        Ipv6Addr::new(0xfd00, 0x10, 0x244, 1, 0, 0, 0, last),
+        port,
+        0,
+        0,
+    )
+}
+
+/// In `fd00:10:96::/112`, as a cluster's IPv6 service CIDR.
+const CLUSTER_IP: SocketAddrV6 = SocketAddrV6::new(
+    Ipv6Addr::new(0xfd00, 0x10, 0x96, 0, 0, 0, 0, 0x10),
+    80,
+    0,
+    0,
+);
+const CLIENT: SocketAddrV6 = pod(0x10, 40000);
+const ENDPOINTS: [SocketAddrV6; 3] = [pod(0x21, 8080), pod(0x22, 8080), pod(0x23, 8080)];
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Proto {
+    Tcp,
+    Udp,
+}
+
+impl Proto {
+    fn number(self) -> u8 {
+        match self {
+            Proto::Tcp => IPPROTO_TCP,
+            Proto::Udp => IPPROTO_UDP,
+        }
+    }
+
+    /// The checksum's offset in the transport header.
+    fn check_offset(self) -> usize {
+        match self {
+            Proto::Tcp => 16,
+            Proto::Udp => 6,
+        }
+    }
+}
+
+/// An extension header of 8 bytes: options headers carry a PadN option filling them; a fragment
+/// header is the first and only fragment (an atomic fragment).
+fn extension_header(kind: u8, next: u8) -> [u8; 8] {
+    match kind {
+        IPPROTO_FRAGMENT => [next, 0, 0, 0, 0x12, 0x34, 0x56, 0x78],
+        // Routing type 0 is deprecated; a type the node does not know with segments left 0 is
+        // skipped by the stack, and walked by us as any other.
+        IPPROTO_ROUTING => [next, 0, 253, 0, 0, 0, 0, 0],
+        _ => [next, 0, 1, 4, 0, 0, 0, 0],
+    }
+}
+
+/// The ones' complement sum of the IPv6 pseudo-header and `l4` (checksum field included).
+fn pseudo_header_sum(src: &Ipv6Addr, dst: &Ipv6Addr, proto: u8, l4: &[u8]) -> u16 {
+    let mut bytes = Vec::new();
+    bytes.extend_from_slice(&src.octets());
+    bytes.extend_from_slice(&dst.octets());
+    bytes.extend_from_slice(&(l4.len() as u32).to_be_bytes());
+    bytes.extend_from_slice(&[0, 0, 0, proto]);
+    bytes.extend_from_slice(l4);
+    if bytes.len() % 2 == 1 {
+        bytes.push(0);
+    }
+    let mut sum: u32 = bytes
+        .chunks(2)
+        .map(|w| u32::from(u16::from_be_bytes([w[0], w[1]])))
+        .sum();
+    while sum > 0xffff {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    sum as u16
+}
+
+/// An Ethernet + IPv6 frame: `chain` the extension headers in order, then `proto`'s header and
+/// payload `l4` (its checksum computed here when it is TCP, UDP or ICMPv6).
+fn frame(src: &Ipv6Addr, dst: &Ipv6Addr, chain: &[u8], proto: u8, l4: &[u8]) -> Vec<u8> {
+    let mut l4 = l4.to_vec();
+    let check = match proto {
+        IPPROTO_TCP => Some(16),
+        IPPROTO_UDP => Some(6),
+        IPPROTO_ICMPV6 => Some(2),
+        _ => None,
+    };
+    if let Some(check) = check {
+        l4[check..check + 2].fill(0);
+        let sum = !pseudo_header_sum(src, dst, proto, &l4);
+        l4[check..check + 2].copy_from_slice(&sum.to_be_bytes());
+    }
+    let mut extensions = Vec::new();
+    for (i, &kind) in chain.iter().enumerate() {
+        let next = chain.get(i + 1).copied().unwrap_or(proto);
+        extensions.extend_from_slice(&extension_header(kind, next));
+    }
+    let first = chain.first().copied().unwrap_or(proto);
+    let payload_len = (extensions.len() + l4.len()) as u16;
+    let mut bytes = vec![0x02, 0, 0, 0, 0, 0x02, 0x02, 0, 0, 0, 0, 0x01, 0x86, 0xdd];
+    bytes.extend_from_slice(&[0x60, 0, 0, 0]);
+    bytes.extend_from_slice(&payload_len.to_be_bytes());
+    bytes.extend_from_slice(&[first, 64]);
+    bytes.extend_from_slice(&src.octets());
+    bytes.extend_from_slice(&dst.octets());
+    bytes.extend_from_slice(&extensions);
+    bytes.extend_from_slice(&l4);
+    bytes
+}
+
+/// A TCP segment (`flags`) or UDP datagram from `src` to `dst` carrying `PAYLOAD`, after the
+/// extension headers `chain`.
+fn packet(proto: Proto, src: SocketAddrV6, dst: SocketAddrV6, flags: u8, chain: &[u8]) -> Vec<u8> {
+    let mut l4 = Vec::new();
+    l4.extend_from_slice(&src.port().to_be_bytes());
+    l4.extend_from_slice(&dst.port().to_be_bytes());
+    match proto {
+        Proto::Tcp => {
+            l4.extend_from_slice(&1000u32.to_be_bytes());
+            l4.extend_from_slice(&0u32.to_be_bytes());
+            l4.extend_from_slice(&[5 << 4, flags]);
+            l4.extend_from_slice(&65535u16.to_be_bytes());
+            l4.extend_from_slice(&[0, 0, 0, 0]);
+        }
+        Proto::Udp => {
+            l4.extend_from_slice(&((8 + PAYLOAD.len()) as u16).to_be_bytes());
+            l4.extend_from_slice(&[0, 0]);
+        }
+    }
+    l4.extend_from_slice(PAYLOAD);
+    frame(src.ip(), dst.ip(), chain, proto.number(), &l4)
+}
+
+/// The addresses and ports of `output`, which must be `input` with those rewritten only, and
+/// whose TCP/UDP checksum must be right over the new pseudo-header.
+fn verify(input: &[u8], output: &[u8], proto: Proto, l4: usize) -> (SocketAddrV6, SocketAddrV6) {
+    assert_eq!(output.len(), input.len());
+    let check = l4 + proto.check_offset();
+    let unchanged = |range: std::ops::Range<usize>| {
+        assert_eq!(
+            output[range.clone()],
+            input[range.clone()],
+            "bytes {range:?}"
+        );
+    };
+    unchanged(0..ETH_HLEN + 8);
+    unchanged(ETH_HLEN + IPV6_HLEN..l4);
+    unchanged(l4 + 4..check);
+    unchanged(check + 2..input.len());
+    let ip = |at: usize| Ipv6Addr::from(<[u8; 16]>::try_from(&output[at..at + 16]).unwrap());
+    let (src, dst) = (ip(ETH_HLEN + 8), ip(ETH_HLEN + 24));
+    assert_eq!(
+        pseudo_header_sum(&src, &dst, proto.number(), &output[l4..]),
+        0xffff,
+        "{proto:?} checksum over the IPv6 pseudo-header"
+    );
+    let port = |at: usize| u16::from_be_bytes([output[at], output[at + 1]]);
+    (
+        SocketAddrV6::new(src, port(l4), 0, 0),
+        SocketAddrV6::new(dst, port(l4 + 2), 0, 0),
+    )
+}
+
+fn a6(ip: &Ipv6Addr) -> Addr6 {
+    Addr6::from_octets(ip.octets())
+}
+
+fn ct_key(proto: Proto, src: SocketAddrV6, dst: SocketAddrV6) -> ConntrackKey6 {
+    ConntrackKey6 {
+        src_addr: a6(src.ip()),
+        dst_addr: a6(dst.ip()),
+        src_port: port_be(src.port()),
+        dst_port: port_be(dst.port()),
+        proto: proto.number(),
+        _pad0: 0,
+        _pad1: 0,
+    }
+}
+
+fn rewrite_of(entry: &ConntrackEntry6) -> (SocketAddrV6, SocketAddrV6) {
+    let sock = |a: &Addr6, p: u16| SocketAddrV6::new(a.octets().into(), u16::from_be(p), 0, 0);
+    (
+        sock(&entry.src_addr, entry.src_port),
+        sock(&entry.dst_addr, entry.dst_port),
+    )
+}
+
+/// A private, unpinned copy of the object: `lb_ingress` and the IPv6 programs loaded, the program
+/// array filled as the agent fills it (or left empty).
+struct Datapath {
+    ebpf: Ebpf,
+}
+
+impl Datapath {
+    fn new(fill_program_array: bool) -> Self {
+        let mut loader = EbpfLoader::new();
+        // Small maps: many copies are loaded at once.
+        for name in [
+            map_name::FRONTENDS,
+            map_name::BACKENDS,
+            map_name::CONNTRACK,
+            map_name::FRONTENDS6,
+            map_name::BACKENDS6,
+            map_name::CONNTRACK6,
+            map_name::CONNTRACK6_UNCONFIRMED,
+            map_name::INTERMEDIATE6,
+            map_name::INTERMEDIATE6_UNCONFIRMED,
+        ] {
+            loader.map_max_entries(name, 64);
+        }
+        let mut ebpf = loader
+            .load(lb_user::datapath::EBPF_OBJECT)
+            .expect("load the object (run as root)");
+        for name in [
+            program_name::INGRESS,
+            program_name::INGRESS6,
+            program_name::EGRESS6,
+        ] {
+            let program: &mut SchedClassifier = ebpf.program_mut(name).unwrap().try_into().unwrap();
+            lb_user::datapath::load_program(|| program.load())
+                .unwrap_or_else(|err| panic!("verifier accepts {name}: {err}"));
+        }
+        if fill_program_array {
+            lb_user::datapath::ipv6_programs::fill_program_array(&mut ebpf).unwrap();
+        }
+        let config = Config {
+            flags: CONFIG_F_READY,
+            clock: lb_user::datapath::kernel_clock().unwrap(),
+            ..Config::default()
+        };
+        let mut array: Array<_, Config> =
+            ebpf.map_mut(map_name::CONFIG).unwrap().try_into().unwrap();
+        array.set(0, config, 0).unwrap();
+        Self { ebpf }
+    }
+
+    /// Ready, with the ClusterIP (TCP and UDP) served by `endpoints`.
+    fn with_cluster_ip(endpoints: &[SocketAddrV6]) -> Self {
+        let mut datapath = Self::new(true);
+        let mut backends: HashMap<_, BackendKey, Backend6> = datapath
+            .ebpf
+            .map_mut(map_name::BACKENDS6)
+            .unwrap()
+            .try_into()
+            .unwrap();
+        for (slot, endpoint) in (0..).zip(endpoints) {
+            let backend = Backend6 {
+                addr: a6(endpoint.ip()),
+                port: port_be(endpoint.port()),
+                stats_slot: 0,
+            };
+            let key = BackendKey {
+                service_id: SERVICE_ID,
+                slot,
+            };
+            backends.insert(key, backend, 0).unwrap();
+        }
+        let mut frontends: HashMap<_, FrontendKey6, Frontend> = datapath
+            .ebpf
+            .map_mut(map_name::FRONTENDS6)
+            .unwrap()
+            .try_into()
+            .unwrap();
+        for proto in [Proto::Tcp, Proto::Udp] {
+            let key = FrontendKey6 {
+                addr: a6(CLUSTER_IP.ip()),
+                port: port_be(CLUSTER_IP.port()),
+                proto: proto.number(),
+                _pad: 0,
+            };
+            let frontend = Frontend {
+                service_id: SERVICE_ID,
+                backend_count: endpoints.len() as u32,
+                ..Frontend::default()
+            };
+            frontends.insert(key, frontend, 0).unwrap();
+        }
+        datapath
+    }
+
+    /// Runs `lb_ingress` on `packet`.
+    fn run(&self, packet: &[u8]) -> (u32, Vec<u8>) {
+        let program: &SchedClassifier = self
+            .ebpf
+            .program(program_name::INGRESS)
+            .unwrap()
+            .try_into()
+            .unwrap();
+        let mut out = vec![0; packet.len() + 256];
+        let result = program
+            .test_run(TestRunOptions {
+                data_in: Some(packet),
+                data_out: Some(&mut out),
+                ..Default::default()
+            })
+            .unwrap();
+        out.truncate(result.data_size_out as usize);
+        (result.return_value, out)
+    }
+
+    /// Runs a packet that must come out untouched with TC_ACT_OK.
+    fn assert_untouched(&self, packet: &[u8]) {
+        let (verdict, output) = self.run(packet);
+        assert_eq!(verdict, TC_ACT_OK);
+        assert_eq!(output, packet, "untouched");
+    }
+
+    /// Runs a packet that must be translated (handed to the stack), and returns its new tuple.
+    fn translate(&self, packet: &[u8], proto: Proto, l4: usize) -> (SocketAddrV6, SocketAddrV6) {
+        let (verdict, output) = self.run(packet);
+        assert_eq!(verdict, TC_ACT_OK);
+        verify(packet, &output, proto, l4)
+    }
+
+    fn counter(&self, counter: Counter) -> u64 {
+        let map = self.ebpf.map(map_name::COUNTERS).unwrap();
+        let counters: PerCpuArray<&MapData, u64> = map.try_into().unwrap();
+        counters.get(&(counter as u32), 0).unwrap().iter().sum()
+    }
+
+    /// The entry of `key`, in whichever IPv6 conntrack table holds it.
+    fn conntrack(&self, key: &ConntrackKey6) -> Option<ConntrackEntry6> {
+        [map_name::CONNTRACK6, map_name::CONNTRACK6_UNCONFIRMED]
+            .into_iter()
+            .find_map(|name| {
+                let map = self.ebpf.map(name).unwrap();
+                let conntrack: HashMap<&MapData, ConntrackKey6, ConntrackEntry6> =
+                    map.try_into().unwrap();
+                conntrack.get(key, 0).ok()
+            })
+    }
+
+    fn conntrack_len(&self) -> usize {
+        [map_name::CONNTRACK6, map_name::CONNTRACK6_UNCONFIRMED]
+            .into_iter()
+            .map(|name| {
+                let map = self.ebpf.map(name).unwrap();
+                let conntrack: HashMap<&MapData, ConntrackKey6, ConntrackEntry6> =
+                    map.try_into().unwrap();
+                conntrack.keys().count()
+            })
+            .sum()
+    }
+}
+
+/// Without the IPv6 programs in the array, `lb_ingress`'s tail call fails: the packet passes
+/// untouched, counted.
+#[test]
+fn failed_tail_call_passes_counted() {
+    let datapath = Datapath::new(false);
+    let syn = packet(Proto::Tcp, CLIENT, CLUSTER_IP, TCP_SYN, &[]);
+    datapath.assert_untouched(&syn);
+    assert_eq!(datapath.counter(Counter::PassedTailCallFailed), 1);
+}
+
+/// Neighbour discovery and the other ICMPv6 informational messages are not service traffic, even
+/// about a ClusterIP.
+#[test]
+fn neighbour_discovery_passes_untouched() {
+    let datapath = Datapath::with_cluster_ip(&ENDPOINTS);
+    let solicited_node = Ipv6Addr::new(0xff02, 0, 0, 0, 0, 1, 0xff00, 0x10);
+    // Neighbour solicitation (135) for the ClusterIP: type, code, checksum, reserved, target.
+    let mut solicitation = vec![135, 0, 0, 0, 0, 0, 0, 0];
+    solicitation.extend_from_slice(&CLUSTER_IP.ip().octets());
+    let mut advertisement = vec![136, 0, 0, 0, 0x60, 0, 0, 0];
+    advertisement.extend_from_slice(&CLUSTER_IP.ip().octets());
+    let echo_request = [128, 0, 0, 0, 0, 1, 0, 1, 0xab, 0xcd];
+    let router_solicitation = [133, 0, 0, 0, 0, 0, 0, 0];
+    let messages = [
+        frame(
+            CLIENT.ip(),
+            &solicited_node,
+            &[],
+            IPPROTO_ICMPV6,
+            &solicitation,
+        ),
+        frame(
+            ENDPOINTS[0].ip(),
+            CLIENT.ip(),
+            &[],
+            IPPROTO_ICMPV6,
+            &advertisement,
+        ),
+        frame(
+            CLIENT.ip(),
+            CLUSTER_IP.ip(),
+            &[],
+            IPPROTO_ICMPV6,
+            &echo_request,
+        ),
+        frame(
+            &addr(1),
+            &Ipv6Addr::new(0xff02, 0, 0, 0, 0, 0, 0, 2),
+            &[IPPROTO_HOPOPTS],
+            IPPROTO_ICMPV6,
+            &router_solicitation,
+        ),
+    ];
+    for message in &messages {
+        datapath.assert_untouched(message);
+    }
+    assert_eq!(datapath.counter(Counter::Passed), messages.len() as u64);
+    assert_eq!(datapath.counter(Counter::PassedTailCallFailed), 0);
+    assert_eq!(datapath.conntrack_len(), 0);
+}
+
+/// Up to `MAX_EXTENSION_HEADERS` (6) extension headers are walked and the connection translated;
+/// a longer chain, or AH before the transport header, passes untouched and is counted.
+#[test]
+fn extension_header_chains() {
+    let datapath = Datapath::with_cluster_ip(&ENDPOINTS);
+    let walked = [
+        IPPROTO_HOPOPTS,
+        IPPROTO_DSTOPTS,
+        IPPROTO_ROUTING,
+        IPPROTO_FRAGMENT,
+        IPPROTO_DSTOPTS,
+        IPPROTO_DSTOPTS,
+    ];
+    let syn = packet(Proto::Tcp, CLIENT, CLUSTER_IP, TCP_SYN, &walked);
+    let l4 = ETH_HLEN + IPV6_HLEN + 8 * walked.len();
+    let (src, dst) = datapath.translate(&syn, Proto::Tcp, l4);
+    assert_eq!(src, CLIENT);
+    assert!(ENDPOINTS.contains(&dst), "DNAT to an endpoint: {dst}");
+
+    let too_long = [IPPROTO_DSTOPTS; 7];
+    let client = pod(0x11, 40001);
+    datapath.assert_untouched(&packet(Proto::Tcp, client, CLUSTER_IP, TCP_SYN, &too_long));
+    datapath.assert_untouched(&packet(Proto::Udp, client, CLUSTER_IP, 0, &too_long));
+    let authenticated = [IPPROTO_DSTOPTS, IPPROTO_AH];
+    datapath.assert_untouched(&packet(
+        Proto::Tcp,
+        client,
+        CLUSTER_IP,
+        TCP_SYN,
+        &authenticated,
+    ));
+    assert_eq!(datapath.counter(Counter::PassedIpv6ExtensionHeader), 3);
+    assert_eq!(datapath.counter(Counter::NewConnection), 1);
+    assert_eq!(datapath.conntrack_len(), 2);
+}
+
+/// Every truncation of a SYN (and a datagram) to the ClusterIP with two extension headers, with
+/// its payload length as sent, and, while the cut is within the headers, as fitting the cut:
+/// untouched, untracked, no crash. (BPF_PROG_TEST_RUN refuses a frame shorter than the fixed
+/// IPv6 header.)
+#[test]
+fn truncated_packets_pass_untouched() {
+    let datapath = Datapath::with_cluster_ip(&ENDPOINTS);
+    let chain = [IPPROTO_DSTOPTS, IPPROTO_ROUTING];
+    let l4 = ETH_HLEN + IPV6_HLEN + 8 * chain.len();
+    for (proto, header_len) in [(Proto::Tcp, 20), (Proto::Udp, 8)] {
+        let whole = packet(proto, CLIENT, CLUSTER_IP, TCP_SYN, &chain);
+        for len in ETH_HLEN + IPV6_HLEN..whole.len() {
+            let mut truncated = whole[..len].to_vec();
+            datapath.assert_untouched(&truncated);
+            if len < l4 + header_len {
+                let payload_len = (len - ETH_HLEN - IPV6_HLEN) as u16;
+                truncated[ETH_HLEN + 4..ETH_HLEN + 6].copy_from_slice(&payload_len.to_be_bytes());
+                datapath.assert_untouched(&truncated);
+            }
+        }
+    }
+    assert_eq!(datapath.conntrack_len(), 0);
+    assert_eq!(datapath.counter(Counter::NewConnection), 0);
+    assert!(datapath.counter(Counter::PassedIpv6ExtensionHeader) > 0);
+    assert!(datapath.counter(Counter::PassedUnparsed) > 0);
+}
+
+/// A pod reaches the IPv6 ClusterIP: the destination becomes an endpoint, the reply's source the
+/// ClusterIP, both with checksums right over the new pseudo-header; both entries are tracked.
+#[test]
+fn cluster_ip_from_pod() {
+    for proto in [Proto::Tcp, Proto::Udp] {
+        let datapath = Datapath::with_cluster_ip(&ENDPOINTS);
+        let l4 = ETH_HLEN + IPV6_HLEN;
+        let flags = if proto == Proto::Tcp { TCP_SYN } else { 0 };
+        let first = packet(proto, CLIENT, CLUSTER_IP, flags, &[]);
+        let (src, backend) = datapath.translate(&first, proto, l4);
+        assert_eq!(src, CLIENT, "source untouched");
+        assert!(
+            ENDPOINTS.contains(&backend),
+            "DNAT to an endpoint: {backend}"
+        );
+
+        let original = datapath
+            .conntrack(&ct_key(proto, CLIENT, CLUSTER_IP))
+            .unwrap();
+        assert_eq!(rewrite_of(&original), (CLIENT, backend));
+        assert_eq!(original.service_id, SERVICE_ID);
+        assert_eq!(original.flags & CT_F_REPLY, 0);
+        let reply = datapath.conntrack(&ct_key(proto, backend, CLIENT)).unwrap();
+        assert_eq!(rewrite_of(&reply), (CLUSTER_IP, CLIENT));
+        assert_ne!(reply.flags & CT_F_REPLY, 0);
+        let opened = if proto == Proto::Tcp {
+            tcp::SYN_SENT
+        } else {
+            CT_UDP_UNREPLIED
+        };
+        assert_eq!((original.state, reply.state), (opened, opened));
+
+        for _ in 0..10 {
+            assert_eq!(
+                datapath.translate(&first, proto, l4).1,
+                backend,
+                "same endpoint"
+            );
+        }
+        let answer_flags = if proto == Proto::Tcp {
+            TCP_SYN | TCP_ACK
+        } else {
+            0
+        };
+        let answer = packet(proto, backend, CLIENT, answer_flags, &[]);
+        assert_eq!(
+            datapath.translate(&answer, proto, l4),
+            (CLUSTER_IP, CLIENT),
+            "reply reverse-translated"
+        );
+        if proto == Proto::Tcp {
+            let state = datapath
+                .conntrack(&ct_key(proto, CLIENT, CLUSTER_IP))
+                .unwrap()
+                .state;
+            assert_eq!(state, tcp::SYN_RECV);
+        }
+        assert_eq!(datapath.counter(Counter::NewConnection), 1);
+        assert_eq!(datapath.conntrack_len(), 2);
+    }
+}
+
+/// A client's SYN on the tuple of a connection the backend reset opens a new connection, which
+/// takes the closed one's entries over.
+#[test]
+fn syn_reopens_a_closed_connection() {
+    let datapath = Datapath::with_cluster_ip(&ENDPOINTS[..1]);
+    let l4 = ETH_HLEN + IPV6_HLEN;
+    let syn = packet(Proto::Tcp, CLIENT, CLUSTER_IP, TCP_SYN, &[]);
+    let (_, backend) = datapath.translate(&syn, Proto::Tcp, l4);
+    let reset = packet(Proto::Tcp, backend, CLIENT, TCP_RST | TCP_ACK, &[]);
+    assert_eq!(
+        datapath.translate(&reset, Proto::Tcp, l4),
+        (CLUSTER_IP, CLIENT)
+    );
+    let original = ct_key(Proto::Tcp, CLIENT, CLUSTER_IP);
+    assert_eq!(datapath.conntrack(&original).unwrap().state, tcp::CLOSE);
+    assert_eq!(datapath.translate(&syn, Proto::Tcp, l4).1, backend);
+    assert_eq!(datapath.conntrack(&original).unwrap().state, tcp::SYN_SENT);
+    let reply = datapath
+        .conntrack(&ct_key(Proto::Tcp, backend, CLIENT))
+        .unwrap();
+    assert_eq!(reply.state, tcp::SYN_SENT);
+    assert_eq!(datapath.counter(Counter::NewConnection), 2);
+    assert_eq!(datapath.counter(Counter::ConntrackTakenOver), 1);
+    assert_eq!(datapath.conntrack_len(), 2);
+}
+
+/// Not the ClusterIP's port, or no service at all: passed untouched, untracked.
+#[test]
+fn other_traffic_passes_untouched() {
+    let datapath = Datapath::with_cluster_ip(&ENDPOINTS);
+    let other_port = SocketAddrV6::new(*CLUSTER_IP.ip(), 81, 0, 0);
+    datapath.assert_untouched(&packet(Proto::Tcp, CLIENT, other_port, TCP_SYN, &[]));
+    datapath.assert_untouched(&packet(Proto::Udp, CLIENT, pod(0x99, 53), 0, &[]));
+    assert_eq!(datapath.conntrack_len(), 0);
+}
+
+/// Below the kernel's 1M limit, with room: the IPv6 programs are verified on their own.
+#[test]
+fn verifier_cost_is_bounded() {
+    let mut datapath = Datapath::new(true);
+    let program: &mut SchedClassifier = datapath
+        .ebpf
+        .program_mut(program_name::EGRESS)
+        .unwrap()
+        .try_into()
+        .unwrap();
+    lb_user::datapath::load_program(|| program.load()).unwrap();
+    for name in [
+        program_name::INGRESS,
+        program_name::EGRESS,
+        program_name::INGRESS6,
+        program_name::EGRESS6,
+    ] {
+        let program = datapath.ebpf.program(name).unwrap();
+        let processed = program
+            .info()
+            .unwrap()
+            .verified_instruction_count()
+            .unwrap();
+        eprintln!("{name}: {processed} instructions processed");
+        assert!(
+            processed < 300_000,
+            "{name}: {processed} instructions processed"
+        );
+    }
+}
