@@ -7,6 +7,7 @@
 //! datapath compares and copies them without swapping. [`ipv4_be`] and [`port_be`] convert.
 #![no_std]
 
+pub mod masquerade;
 pub mod tcp;
 pub mod valid;
 

@@ -22,13 +22,11 @@ use crate::{
     maps,
     nat::IP_CHECK_OFFSET,
     packet::{Change, PacketAccess},
-    parse::{ETH_HLEN, Packet},
+    parse::{ETH_HLEN, IP_FRAG_OFF, IP_TTL, Packet},
     zero,
 };
 
 pub const AF_INET: u8 = 2;
-const IP_TTL_OFFSET: usize = ETH_HLEN + 8;
-const IP_FRAG_OFF_OFFSET: usize = ETH_HLEN + 6;
 /// Don't fragment, in the host-order fragment offset word.
 const IP_DF: u16 = 0x4000;
 
@@ -58,7 +56,7 @@ pub fn exceeded_mtu(ctx: &TcContext, hop: &NextHop) -> Option<u16> {
         }
         _ => return None,
     };
-    let frag_off: u16 = ctx.load(IP_FRAG_OFF_OFFSET).ok()?;
+    let frag_off: u16 = ctx.load(ETH_HLEN + IP_FRAG_OFF).ok()?;
     (u16::from_be(frag_off) & IP_DF != 0).then_some(mtu)
 }
 
@@ -308,7 +306,7 @@ fn decrement_ttl<P: PacketAccess>(ctx: &P, packet: &Packet) -> Result<(), Counte
         new: new.into(),
         size: 2,
     };
-    ctx.store(IP_TTL_OFFSET, &ttl)
+    ctx.store(ETH_HLEN + IP_TTL, &ttl)
         .and_then(|()| ctx.replace_l3_checksum(IP_CHECK_OFFSET, change))
         .map_err(|_| Counter::DropRewriteFailed)
 }

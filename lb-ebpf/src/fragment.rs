@@ -13,12 +13,8 @@ use lb_common::{Counter, FRAGMENT_TIMEOUT_NS, FirstFragment, FragmentKey};
 use crate::{
     maps,
     packet::PacketAccess,
-    parse::{ETH_HLEN, Fragment, Packet},
+    parse::{ETH_HLEN, Fragment, IP_FRAG_OFF, IP_OFFSET, Packet},
 };
-
-const IP_FRAG_OFF_OFFSET: usize = ETH_HLEN + 6;
-/// The fragment offset, in 8-byte units.
-const IP_OFFSET: u16 = 0x1fff;
 
 /// Keeps a first fragment's ports for the fragments that follow it, and fills them into a later
 /// fragment: `Err(PassedFragment)` when its first was not seen, `Err(DropFragmentOverlap)` when
@@ -50,7 +46,7 @@ pub fn follow<P: PacketAccess>(ctx: &P, packet: &mut Packet, now: u64) -> Result
         Fragment::Later => {
             let first = live(&key(packet), now).ok_or(Counter::PassedFragment)?;
             let frag_off: u16 = ctx
-                .load(IP_FRAG_OFF_OFFSET)
+                .load(ETH_HLEN + IP_FRAG_OFF)
                 .map_err(|_| Counter::PassedUnparsed)?;
             if (u16::from_be(frag_off) & IP_OFFSET) * 8 < first.end {
                 return Err(Counter::DropFragmentOverlap);

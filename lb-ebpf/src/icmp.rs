@@ -25,18 +25,16 @@
 use lb_common::{ConntrackKey, Counter, IPPROTO_ICMP, IPPROTO_TCP, IPPROTO_UDP};
 
 use crate::{
-    nat::{IP_CHECK_OFFSET, IP_DST_OFFSET, IP_SRC_OFFSET},
-    packet::{Change, PacketAccess, updated},
+    nat::{self, IP_DST_OFFSET, IP_SRC_OFFSET},
+    packet::{Change, PacketAccess, udp_sent, updated},
     parse::{
-        ETH_HLEN, ICMP_CHECK, ICMP_DEST_UNREACH, ICMP_HLEN, IP_CHECK, IP_DST, IP_SRC, Ipv4Header,
-        Packet, Ports, TCP_CHECK, UDP_CHECK,
+        ETH_HLEN, ICMP_CHECK, ICMP_DEST_UNREACH, ICMP_HLEN, ICMP_QUOTED_PAYLOAD, IP_CHECK, IP_DST,
+        IP_SRC, Ipv4Header, Packet, Ports, TCP_CHECK, UDP_CHECK,
     },
 };
 
 const ICMP_TIME_EXCEEDED: u8 = 11;
 const ICMP_PARAMETER_PROBLEM: u8 = 12;
-/// What RFC 792 guarantees of the quoted packet's payload: the ports, and UDP's checksum.
-const QUOTED_L4_MIN: usize = 8;
 
 /// Reverse-translates the ICMP message `outer` if it is an error about a tracked connection:
 /// `original_of` gives the packet a quote is of as its sender sent it (`None`: not of a live
@@ -63,7 +61,7 @@ pub fn reverse_error<P: PacketAccess>(
     }
     let l4 = quote + ip.header_len();
     let end = ETH_HLEN + usize::from(outer.tot_len);
-    if l4 + QUOTED_L4_MIN > end {
+    if l4 + ICMP_QUOTED_PAYLOAD > end {
         return Err(Counter::PassedUnparsed);
     }
     let ports: Ports = ctx.load(l4).map_err(|_| Counter::PassedUnparsed)?;
@@ -102,8 +100,13 @@ pub fn reverse_error<P: PacketAccess>(
         _pad0: 0,
         _pad1: 0,
     };
-    replace_outer_addr(ctx, IP_SRC_OFFSET, outer.tuple.src_addr, to.src_addr)?;
-    replace_outer_addr(ctx, IP_DST_OFFSET, outer.tuple.dst_addr, to.dst_addr)?;
+    // The ICMP checksum has no pseudo-header: only the IP checksum covers the outer addresses.
+    if outer.tuple.src_addr != to.src_addr {
+        nat::replace_addr(ctx, IP_SRC_OFFSET, None, outer.tuple.src_addr, to.src_addr)?;
+    }
+    if outer.tuple.dst_addr != to.dst_addr {
+        nat::replace_addr(ctx, IP_DST_OFFSET, None, outer.tuple.dst_addr, to.dst_addr)?;
+    }
     Ok(to)
 }
 
@@ -192,10 +195,8 @@ fn rewrite_quote<P: PacketAccess>(
     };
     store(at.ip + IP_CHECK, &sums.ip)?;
     sums.icmp = updated(sums.icmp, port(ip_check, sums.ip));
-    if let (Some(offset), Some(old), Some(mut new)) = (at.l4_check, l4_check, sums.l4) {
-        if udp && new == 0 {
-            new = 0xffff;
-        }
+    if let (Some(offset), Some(old), Some(new)) = (at.l4_check, l4_check, sums.l4) {
+        let new = if udp { udp_sent(new) } else { new };
         store(offset, &new)?;
         sums.icmp = updated(sums.icmp, port(old, new));
     }
@@ -226,19 +227,4 @@ fn store_field<P: PacketAccess>(
     }
     sums.l4 = sums.l4.map(|check| updated(check, change));
     Ok(())
-}
-
-/// The outer header: the ICMP checksum has no pseudo-header, so only the IP checksum covers it.
-fn replace_outer_addr<P: PacketAccess>(
-    ctx: &P,
-    offset: usize,
-    old: u32,
-    new: u32,
-) -> Result<(), Counter> {
-    if old == new {
-        return Ok(());
-    }
-    ctx.store(offset, &new)
-        .and_then(|()| ctx.replace_l3_checksum(IP_CHECK_OFFSET, Change { old, new, size: 4 }))
-        .map_err(|_| Counter::DropRewriteFailed)
 }

@@ -1,5 +1,5 @@
-//! When a connection is masqueraded (SNAT to a node address), to which source address, and which
-//! source port it gets.
+//! To which source address a masqueraded connection (SNAT to a node address) is translated, and
+//! which source port it gets; when it is masqueraded is `lb_common::masquerade::needed`.
 use core::mem::MaybeUninit;
 
 use aya_ebpf::{
@@ -10,10 +10,7 @@ use aya_ebpf::{
     cty::c_void,
     helpers::bpf_loop,
 };
-use lb_common::{
-    Backend, CONFIG_F_MASQUERADE_ALL, Config, ConntrackKey, Counter, FRONTEND_F_MASQUERADE,
-    FRONTEND_F_PRESERVE_SOURCE, Frontend,
-};
+use lb_common::{Config, ConntrackKey, Counter, masquerade::PortSearch};
 
 use crate::{
     conntrack::{Claim, Connection},
@@ -22,24 +19,6 @@ use crate::{
     packet::PacketAccess,
     zero,
 };
-
-/// Candidate ports tried per new connection: bounded for the verifier, and enough that a failure
-/// means the range is nearly full for this backend.
-const PORT_TRIES: u32 = 16;
-
-/// kube-proxy's KUBE-MARK-MASQ cases: --masquerade-all, a NodePort, a client outside the cluster
-/// CIDR (whose replies would not come back through this node), and hairpin (a backend talking to
-/// itself would answer its own address directly, bypassing the reverse translation). An
-/// externalTrafficPolicy Local NodePort keeps the client's address (its endpoints are on this
-/// node, so replies come back through it): only hairpin is masqueraded.
-pub fn needed(config: &Config, frontend: &Frontend, client: u32, backend: &Backend) -> bool {
-    let preserve = frontend.flags & FRONTEND_F_PRESERVE_SOURCE != 0;
-    client == backend.addr
-        || !preserve
-            && (config.flags & CONFIG_F_MASQUERADE_ALL != 0
-                || frontend.flags & FRONTEND_F_MASQUERADE != 0
-                || client & config.cluster_cidr_mask != config.cluster_cidr_addr)
-}
 
 /// The masquerade address of a connection from `client` to `backend`: the source address the
 /// route to the backend selects (the FIB's preferred source, Linux 6.7+), as MASQUERADE takes
@@ -91,22 +70,14 @@ pub fn claim_source(
     src_addr: u32,
     early_drop: bool,
 ) -> Result<Option<ConntrackKey>, Counter> {
-    let min = u32::from(config.snat_port_min);
-    let Some(span) = (u32::from(config.snat_port_max) + 1)
-        .checked_sub(min)
-        .filter(|&span| span > 0)
+    let Some(ports) = PortSearch::new(config.snat_port_min, config.snat_port_max, maps::random())
     else {
         return Ok(None);
     };
-    let Some(start) = maps::random().checked_rem(span) else {
-        return Ok(None);
-    };
-    let mut search = PortSearch {
+    let mut search = Search {
         connection,
         src_addr,
-        min,
-        span,
-        start,
+        ports,
         port: 0,
         victim: 0,
         early_drop,
@@ -115,7 +86,7 @@ pub fn claim_source(
     // SAFETY: `try_port` is a bpf_loop callback, and `search` outlives the loop.
     unsafe {
         bpf_loop(
-            PORT_TRIES.min(span),
+            ports.tries(),
             try_port as *const () as *mut c_void,
             (&raw mut search).cast(),
             0,
@@ -129,13 +100,10 @@ pub fn claim_source(
 
 /// The state of `claim_source`'s search, shared with each try. Its outcome is kept small, a
 /// port rather than a tuple: it is on the stack of the programs' deepest path.
-struct PortSearch<'a> {
+struct Search<'a> {
     connection: &'a Connection,
     src_addr: u32,
-    min: u32,
-    span: u32,
-    /// The offset in the range of the first port tried.
-    start: u32,
+    ports: PortSearch,
     /// The port claimed (network byte order); 0: none yet (the range starts above 0).
     port: u16,
     /// The first port tried that an unconfirmed connection holds (network byte order); 0: none.
@@ -146,15 +114,11 @@ struct PortSearch<'a> {
     conntrack_full: bool,
 }
 
-/// Try `index` of a `PortSearch` (`search`): 1 (stop) once it has an outcome.
+/// Try `index` of a `Search` (`search`): 1 (stop) once it has an outcome.
 extern "C" fn try_port(index: u64, search: *mut c_void) -> i64 {
     // SAFETY: bpf_loop passes claim_source's `search`, live and not otherwise borrowed.
-    let search = unsafe { &mut *search.cast::<PortSearch>() };
-    let mut offset = search.start + index as u32;
-    if offset >= search.span {
-        offset -= search.span;
-    }
-    let port = ((search.min + offset) as u16).to_be();
+    let search = unsafe { &mut *search.cast::<Search>() };
+    let port = search.ports.port(index as u32).to_be();
     match search.connection.claim_reply(search.src_addr, port, false) {
         Ok(Claim::Held) => early_drop(search, index),
         Ok(Claim::HeldUnconfirmed) => {
@@ -178,11 +142,8 @@ extern "C" fn try_port(index: u64, search: *mut c_void) -> i64 {
 /// holder (a flood's half-open connection, most likely) gives way rather than the new
 /// connection, as Linux's early_drop. In the callback rather than after the loop: a call from
 /// the programs' own frame would deepen their stack. 1 (stop) once it has an outcome.
-fn early_drop(search: &mut PortSearch, index: u64) -> i64 {
-    if !search.early_drop
-        || search.victim == 0
-        || index + 1 < u64::from(PORT_TRIES.min(search.span))
-    {
+fn early_drop(search: &mut Search, index: u64) -> i64 {
+    if !search.early_drop || search.victim == 0 || !search.ports.is_last(index as u32) {
         return 0;
     }
     match search

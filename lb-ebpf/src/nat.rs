@@ -17,7 +17,7 @@ pub const IP_SRC_OFFSET: usize = ETH_HLEN + IP_SRC;
 pub const IP_DST_OFFSET: usize = ETH_HLEN + IP_DST;
 
 /// Where the TCP/UDP checksum of the packet is, and how it treats zero.
-struct L4 {
+pub struct L4 {
     check_offset: usize,
     udp: bool,
 }
@@ -54,8 +54,9 @@ pub fn rewrite<P: PacketAccess>(
     Ok(())
 }
 
-/// `l4`: `None` for a later fragment, which has no TCP/UDP checksum.
-fn replace_addr<P: PacketAccess>(
+/// `l4`: `None` where no TCP/UDP checksum covers the address (a later fragment, an ICMP
+/// message).
+pub fn replace_addr<P: PacketAccess>(
     ctx: &P,
     offset: usize,
     l4: Option<&L4>,

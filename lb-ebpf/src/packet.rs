@@ -198,10 +198,12 @@ impl PacketAccess for XdpContext {
         if how.zero_means_none && check == 0 {
             return Ok(());
         }
-        let mut check = updated(check, change);
-        if how.zero_means_none && check == 0 {
-            check = 0xffff;
-        }
+        let check = updated(check, change);
+        let check = if how.zero_means_none {
+            udp_sent(check)
+        } else {
+            check
+        };
         PacketAccess::store(self, offset, &check)
     }
 
@@ -227,6 +229,12 @@ pub fn updated(check: u16, change: Change) -> u16 {
         sum += (!old >> 16) + (new >> 16);
     }
     folded(sum)
+}
+
+/// A computed UDP checksum as it is sent: zero means "no checksum" (RFC 768), so a computed zero
+/// goes out as 0xffff, its other ones' complement form.
+pub fn udp_sent(check: u16) -> u16 {
+    if check == 0 { 0xffff } else { check }
 }
 
 /// The checksum of the 32-bit sum of 16-bit words `sum`: the ones' complement of its 16-bit

@@ -16,8 +16,9 @@ const ETH_P_IP: u16 = 0x0800;
 pub const IPV4_MIN_HLEN: usize = 20;
 /// More-fragments flag and fragment offset; either set means this is a fragment.
 const IP_MF_AND_OFFSET: u16 = 0x3fff;
-/// The fragment offset alone: zero in the first fragment, which carries the ports.
-const IP_OFFSET: u16 = 0x1fff;
+/// The fragment offset alone, in 8-byte units: zero in the first fragment, which carries the
+/// ports.
+pub const IP_OFFSET: u16 = 0x1fff;
 /// IPv4 options: up to 40 bytes after the fixed header.
 const IPV4_OPTION_WORDS: usize = 10;
 const TCP_MIN_HLEN: usize = 20;
@@ -25,7 +26,12 @@ const UDP_HLEN: usize = 8;
 pub const ICMP_HLEN: usize = 8;
 pub const ICMP_DEST_UNREACH: u8 = 3;
 pub const ICMP_CHECK: usize = 2;
+/// What an ICMP error quotes of the failed packet's payload (RFC 792): its ports, and UDP's
+/// checksum.
+pub const ICMP_QUOTED_PAYLOAD: usize = 8;
 /// Field offsets within an IPv4 header.
+pub const IP_FRAG_OFF: usize = 6;
+pub const IP_TTL: usize = 8;
 pub const IP_CHECK: usize = 10;
 pub const IP_SRC: usize = 12;
 pub const IP_DST: usize = 16;

@@ -20,15 +20,16 @@ use lb_common::{Counter, IPPROTO_ICMP};
 
 use crate::{
     packet::{PacketAccess, folded},
-    parse::{ETH_HLEN, ICMP_CHECK, ICMP_DEST_UNREACH, ICMP_HLEN, IP_CHECK, IP_DST, IP_SRC, Packet},
+    parse::{
+        ETH_HLEN, ICMP_CHECK, ICMP_DEST_UNREACH, ICMP_HLEN, ICMP_QUOTED_PAYLOAD, IP_CHECK, IP_DST,
+        IP_SRC, IPV4_MIN_HLEN, Packet,
+    },
 };
 
 const ICMP_PORT_UNREACH: u8 = 3;
 const ICMP_FRAG_NEEDED: u8 = 4;
-const IP_HLEN: usize = 20;
-const QUOTED_PAYLOAD: usize = 8;
 /// The longest IPv4 header (IHL 15) and the payload bytes quoted after it.
-const QUOTE_MAX: usize = 60 + QUOTED_PAYLOAD;
+const QUOTE_MAX: usize = 60 + ICMP_QUOTED_PAYLOAD;
 /// Internetwork control precedence, as the kernel's own ICMP errors carry.
 const TOS_INTERNETWORK_CONTROL: u8 = 0xc0;
 const TTL: u8 = 64;
@@ -57,9 +58,9 @@ fn unreachable(
     code: u8,
     next_hop_mtu: u16,
 ) -> Result<i32, Counter> {
-    let quote_len = packet.l4 - ETH_HLEN + QUOTED_PAYLOAD;
+    let quote_len = packet.l4 - ETH_HLEN + ICMP_QUOTED_PAYLOAD;
     // Spelled out for the verifier, which needs the bounds of every helper's length.
-    if !(IP_HLEN + QUOTED_PAYLOAD..=QUOTE_MAX).contains(&quote_len) {
+    if !(IPV4_MIN_HLEN + ICMP_QUOTED_PAYLOAD..=QUOTE_MAX).contains(&quote_len) {
         return Err(Counter::DropRewriteFailed);
     }
     // The ICMP header and the quote, contiguous: one checksum, one store.
@@ -101,14 +102,14 @@ fn unreachable(
     swapped[..6].copy_from_slice(&macs[6..]);
     swapped[6..].copy_from_slice(&macs[..6]);
     let ip = ip_header(
-        (IP_HLEN + icmp_len) as u16,
+        (IPV4_MIN_HLEN + icmp_len) as u16,
         packet.tuple.dst_addr,
         packet.tuple.src_addr,
     );
 
     // SAFETY: the context's skb, resized to exactly the error's length; the quote was read
     // before.
-    if unsafe { bpf_skb_change_tail(skb, (ETH_HLEN + IP_HLEN + icmp_len) as u32, 0) } != 0 {
+    if unsafe { bpf_skb_change_tail(skb, (ETH_HLEN + IPV4_MIN_HLEN + icmp_len) as u32, 0) } != 0 {
         return Err(Counter::DropRewriteFailed);
     }
     ctx.store(0, &swapped, STORE_FLAGS)
@@ -116,7 +117,7 @@ fn unreachable(
         .map_err(|_| Counter::DropRewriteFailed)?;
     // SAFETY: `icmp` holds `icmp_len` initialised bytes and the packet is that long past the IP
     // header.
-    if unsafe { store(skb, ETH_HLEN + IP_HLEN, &icmp, icmp_len) } != 0 {
+    if unsafe { store(skb, ETH_HLEN + IPV4_MIN_HLEN, &icmp, icmp_len) } != 0 {
         return Err(Counter::DropRewriteFailed);
     }
     // SAFETY: the helper only records the target; flags 0 means egress.
@@ -138,8 +139,8 @@ unsafe fn store(skb: *mut __sk_buff, offset: usize, from: &[u8], len: usize) -> 
     }
 }
 
-fn ip_header(tot_len: u16, src_addr: u32, dst_addr: u32) -> [u8; IP_HLEN] {
-    let mut ip = [0u8; IP_HLEN];
+fn ip_header(tot_len: u16, src_addr: u32, dst_addr: u32) -> [u8; IPV4_MIN_HLEN] {
+    let mut ip = [0u8; IPV4_MIN_HLEN];
     ip[0] = 0x45;
     ip[1] = TOS_INTERNETWORK_CONTROL;
     ip[2..4].copy_from_slice(&tot_len.to_be_bytes());

@@ -108,7 +108,7 @@ fn connect<P: PacketAccess>(
 ) -> Result<(ConntrackKey, u8), Counter> {
     let tuple = &packet.tuple;
     let (_, backend) = service::select_backend(frontend, backends, tuple, now)?;
-    let masquerade = masquerade::needed(config, frontend, tuple.src_addr, &backend);
+    let masquerade = lb_common::masquerade::needed(config, frontend, tuple.src_addr, &backend);
     let connection = Connection::new(tuple, frontend.service_id, &backend, masquerade, state, now);
     // Not masqueraded, the backend sees the client's own source unless another connection's
     // translated tuple is the same (a client reaching two frontends of one backend from one
