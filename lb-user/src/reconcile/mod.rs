@@ -1691,18 +1691,21 @@ mod tests {
             self.contents.source_ranges.remove(&range);
             Ok(())
         }
-        fn insert_backends6(&mut self, entries: &[(BackendKey, Backend6)]) -> Vec<(usize, Full)> {
+        fn insert_backends6(
+            &mut self,
+            entries: &[(BackendKey, Backend6)],
+        ) -> Vec<(usize, std::io::Error)> {
             let mut failed = Vec::new();
             for (i, &(key, value)) in entries.iter().enumerate() {
                 if self.fail_backends_of == Some(key.service_id) {
-                    failed.push((i, Full));
+                    failed.push((i, full()));
                     continue;
                 }
                 self.contents6.backends.insert(key, value);
             }
             failed
         }
-        fn remove_backends6(&mut self, keys: &[BackendKey]) -> Vec<(usize, Full)> {
+        fn remove_backends6(&mut self, keys: &[BackendKey]) -> Vec<(usize, std::io::Error)> {
             for key in keys {
                 self.contents6.backends.remove(key);
             }
@@ -1711,11 +1714,11 @@ mod tests {
         fn insert_frontends6(
             &mut self,
             entries: &[(FrontendKey6, Frontend)],
-        ) -> Vec<(usize, Full)> {
+        ) -> Vec<(usize, std::io::Error)> {
             self.contents6.frontends.extend(entries.iter().copied());
             Vec::new()
         }
-        fn remove_frontends6(&mut self, keys: &[FrontendKey6]) -> Vec<(usize, Full)> {
+        fn remove_frontends6(&mut self, keys: &[FrontendKey6]) -> Vec<(usize, std::io::Error)> {
             for key in keys {
                 self.contents6.frontends.remove(key);
             }
@@ -1724,21 +1727,27 @@ mod tests {
         fn insert_origins6(
             &mut self,
             entries: &[(FrontendKey6, FrontendOrigin)],
-        ) -> Vec<(usize, Full)> {
+        ) -> Vec<(usize, std::io::Error)> {
             self.contents6.origins.extend(entries.iter().copied());
             Vec::new()
         }
-        fn remove_origins6(&mut self, keys: &[FrontendKey6]) -> Vec<(usize, Full)> {
+        fn remove_origins6(&mut self, keys: &[FrontendKey6]) -> Vec<(usize, std::io::Error)> {
             for key in keys {
                 self.contents6.origins.remove(key);
             }
             Vec::new()
         }
-        fn insert_source_range6(&mut self, range: SourceRange<Ipv6Net>) -> Result<(), Full> {
+        fn insert_source_range6(
+            &mut self,
+            range: SourceRange<Ipv6Net>,
+        ) -> Result<(), std::io::Error> {
             self.contents6.source_ranges.insert(range);
             Ok(())
         }
-        fn remove_source_range6(&mut self, range: SourceRange<Ipv6Net>) -> Result<(), Full> {
+        fn remove_source_range6(
+            &mut self,
+            range: SourceRange<Ipv6Net>,
+        ) -> Result<(), std::io::Error> {
             self.contents6.source_ranges.remove(&range);
             Ok(())
         }
