@@ -35,7 +35,8 @@ pub fn maps() -> Result<Vec<MapMemory>> {
                 | Map::LruHashMap(d)
                 | Map::Array(d)
                 | Map::PerCpuArray(d)
-                | Map::LpmTrie(d) => d,
+                | Map::LpmTrie(d)
+                | Map::ProgramArray(d) => d,
                 _ => anyhow::bail!("map {name}: unexpected type"),
             };
             let max_entries = data.info()?.max_entries();
