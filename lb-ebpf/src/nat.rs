@@ -22,6 +22,26 @@ pub struct L4 {
     udp: bool,
 }
 
+impl L4 {
+    /// The TCP or UDP (`proto`) header at offset `l4`.
+    pub fn at(l4: usize, proto: u8) -> Self {
+        let udp = proto == IPPROTO_UDP;
+        Self {
+            check_offset: l4 + if udp { UDP_CHECK } else { TCP_CHECK },
+            udp,
+        }
+    }
+
+    /// How an address change reaches the checksum through its pseudo-header.
+    pub fn address_change(&self) -> (usize, L4Checksum) {
+        let how = L4Checksum {
+            pseudo_header: true,
+            zero_means_none: self.udp,
+        };
+        (self.check_offset, how)
+    }
+}
+
 /// Rewrites `packet` (whose header fields are `packet.tuple`) to carry `to`.
 pub fn rewrite<P: PacketAccess>(
     ctx: &P,
@@ -29,11 +49,7 @@ pub fn rewrite<P: PacketAccess>(
     to: &ConntrackKey,
 ) -> Result<(), Counter> {
     let from = &packet.tuple;
-    let udp = from.proto == IPPROTO_UDP;
-    let l4 = L4 {
-        check_offset: packet.l4 + if udp { UDP_CHECK } else { TCP_CHECK },
-        udp,
-    };
+    let l4 = L4::at(packet.l4, from.proto);
     let later_fragment = packet.fragment == Fragment::Later;
     let l4_checksum = if later_fragment { None } else { Some(&l4) };
     if from.src_addr != to.src_addr {
@@ -68,18 +84,15 @@ pub fn replace_addr<P: PacketAccess>(
         .and_then(|()| ctx.replace_l3_checksum(IP_CHECK_OFFSET, change))
         .and_then(|()| match l4 {
             Some(l4) => {
-                let how = L4Checksum {
-                    pseudo_header: true,
-                    zero_means_none: l4.udp,
-                };
-                ctx.replace_l4_checksum(l4.check_offset, change, how)
+                let (check_offset, how) = l4.address_change();
+                ctx.replace_l4_checksum(check_offset, change, how)
             }
             None => Ok(()),
         })
         .map_err(|_| Counter::DropRewriteFailed)
 }
 
-fn replace_port<P: PacketAccess>(
+pub fn replace_port<P: PacketAccess>(
     ctx: &P,
     offset: usize,
     l4: &L4,

@@ -1067,8 +1067,8 @@ impl State {
         self.model = model;
     }
 
-    /// Says how many IPv6 frontends the model holds that the IPv4-only datapath does not
-    /// serve yet (docs/ipv6.md), once per sync that changes the number.
+    /// Says how many IPv6 frontends the model holds, of which the datapath serves only
+    /// ClusterIP connections from pods yet (docs/ipv6.md), once per sync that changes the number.
     fn log_ipv6_pending(&mut self, model: &Model) {
         let frontends = model.ipv6_frontends(self.ipv6_node_ips);
         if frontends == self.ipv6_frontends_logged {
@@ -1077,7 +1077,8 @@ impl State {
         self.ipv6_frontends_logged = frontends;
         info!(
             services = model.services_v6.len(),
-            frontends, "IPv6 frontends not served (IPv6 datapath pending)"
+            frontends,
+            "IPv6 frontends: only connections from pods to ClusterIPs are served yet (IPv6 datapath partial)"
         );
     }
 

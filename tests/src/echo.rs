@@ -1,7 +1,7 @@
 //! Servers that answer with their name and the source they saw, and the clients that ask them.
 use std::{
     io::{ErrorKind, Read as _, Write as _},
-    net::{SocketAddr, TcpListener, TcpStream, UdpSocket},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, UdpSocket},
     sync::{
         Arc,
         atomic::{AtomicBool, Ordering},
@@ -48,10 +48,23 @@ impl ServerPair {
         tcp: Serve<TcpListener>,
         udp: Serve<UdpSocket>,
     ) -> Result<Self> {
+        let any = IpAddr::from(Ipv4Addr::UNSPECIFIED);
+        Self::start_on(ns, name, (any, port).into(), udp_poll, tcp, udp)
+    }
+
+    /// [`ServerPair::start`] on `addr`.
+    pub fn start_on(
+        ns: &Netns,
+        name: &str,
+        addr: SocketAddr,
+        udp_poll: Duration,
+        tcp: Serve<TcpListener>,
+        udp: Serve<UdpSocket>,
+    ) -> Result<Self> {
         let (listener, socket) = ns.run(move || -> Result<_> {
-            let listener = TcpListener::bind(("0.0.0.0", port))?;
+            let listener = TcpListener::bind(addr)?;
             listener.set_nonblocking(true)?;
-            let socket = UdpSocket::bind(("0.0.0.0", port))?;
+            let socket = UdpSocket::bind(addr)?;
             socket.set_read_timeout(Some(udp_poll))?;
             Ok((listener, socket))
         })??;
@@ -88,6 +101,14 @@ impl EchoServer {
     /// Serves TCP and UDP on 0.0.0.0:`port` inside `ns`, answering `"<name> <source>"`.
     pub fn start(ns: &Netns, name: &str, port: u16) -> Result<Self> {
         let servers = ServerPair::start(ns, name, port, POLL * 10, serve_tcp, serve_udp)?;
+        Ok(EchoServer { _servers: servers })
+    }
+
+    /// [`EchoServer::start`] on [::]:`port` (IPv4 too, as IPv4-mapped addresses, unless a
+    /// server holds 0.0.0.0:`port`).
+    pub fn start_v6(ns: &Netns, name: &str, port: u16) -> Result<Self> {
+        let addr = (IpAddr::from(Ipv6Addr::UNSPECIFIED), port).into();
+        let servers = ServerPair::start_on(ns, name, addr, POLL * 10, serve_tcp, serve_udp)?;
         Ok(EchoServer { _servers: servers })
     }
 }
@@ -151,7 +172,12 @@ pub fn udp_request(to: SocketAddr) -> Result<Answer> {
 
 /// `count` UDP requests, one after the other, from one unconnected socket (one flow).
 pub fn udp_requests(to: SocketAddr, count: usize) -> Result<Vec<Answer>> {
-    let socket = UdpSocket::bind("0.0.0.0:0")?;
+    let any: IpAddr = if to.is_ipv6() {
+        Ipv6Addr::UNSPECIFIED.into()
+    } else {
+        Ipv4Addr::UNSPECIFIED.into()
+    };
+    let socket = UdpSocket::bind((any, 0))?;
     socket.set_read_timeout(Some(TIMEOUT))?;
     let mut buf = [0u8; 512];
     (0..count)

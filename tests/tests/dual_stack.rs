@@ -1,14 +1,18 @@
 //! Dual-stack configuration (issue 22, steps 1 and 2): the agent takes one `--node-ip` and one
 //! `--cluster-cidr` per family and a Service of both families, serves its IPv4 side as an
 //! IPv4-only Service is served, and writes its IPv6 side into the IPv6 maps (which `lb services`
-//! lists), while the datapath does not serve IPv6 yet.
-use std::{net::Ipv4Addr, time::Duration};
+//! lists); the IPv6 datapath serves a pod's connection to an IPv6 ClusterIP (seed path 1 over
+//! IPv6, TCP and UDP), the rest of IPv6 is still pending.
+use std::{
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
+    time::Duration,
+};
 
 use anyhow::{Context as _, Result, ensure};
 use lb_tests::{
     agent::{SYNC_DONE, lb_binary},
     bpffs::Bpffs,
-    echo::Proto,
+    echo::{EchoServer, Proto, requests},
     netns::Netns,
     node::{CLUSTER_IP, Node, PORT, TARGET_PORT, vip},
     paths::{check_external_to_node_port, check_pod_to_service},
@@ -21,7 +25,7 @@ const CLUSTER_CIDR_V6: &str = "2001:db8:244::/56";
 const CLUSTER_IP_V6: &str = "2001:db8:96::10";
 const CLUSTER_IP_V6_ONLY: &str = "2001:db8:96::11";
 /// Logged once a sync changes how many IPv6 frontends the model holds.
-const IPV6_PENDING: &str = "IPv6 frontends not served (IPv6 datapath pending)";
+const IPV6_PENDING: &str = "IPv6 frontends: only connections from pods to ClusterIPs are served yet (IPv6 datapath partial)";
 
 /// `service` (an IPv4 Service and its IPv4 slice) made dual-stack: ipFamilies [IPv4, IPv6], a
 /// ClusterIP per family, an IPv6 slice and an FQDN slice (ignored) beside the IPv4 one.
@@ -311,4 +315,151 @@ fn last_line<'a>(log: &'a str, needle: &str) -> &'a str {
     log.lines()
         .rfind(|line| line.contains(needle))
         .unwrap_or_default()
+}
+
+/// The node's address on every pod veth: the pods' IPv6 gateway, as the topology's POD_GATEWAY.
+const POD_GATEWAY_V6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x244, 0, 0, 0, 0, 1);
+/// The IPv6 servers' port: the fixture's IPv4 servers hold TARGET_PORT on 0.0.0.0, which a
+/// server on [::] of the same port would clash with.
+const TARGET_PORT_V6: u16 = 8092;
+
+/// Pod `index`'s IPv6 address in CLUSTER_CIDR_V6.
+fn pod_ip_v6(index: usize) -> Ipv6Addr {
+    Ipv6Addr::new(0x2001, 0xdb8, 0x244, 0, 0, 0, 0, 2 + index as u16)
+}
+
+/// The MAC address of `interface` in `ns`.
+fn mac(ns: &Netns, interface: &str) -> Result<String> {
+    let path = format!("/sys/class/net/{interface}/address");
+    let out = ns.exec("cat", &[&path])?;
+    ensure!(out.status.success(), "{path}: {out:?}");
+    Ok(String::from_utf8(out.stdout)?.trim().to_string())
+}
+
+/// Gives every pod an IPv6 address routed as its IPv4 one (a /128 on its veth, the node's
+/// gateway address on every pod veth), with static neighbours so that no packet waits for
+/// neighbour discovery or duplicate address detection.
+fn add_pod_ipv6(node: &Node) -> Result<()> {
+    let host = &node.topology.node;
+    host.sysctl("net.ipv6.conf.all.forwarding", "1")?;
+    let gateway = POD_GATEWAY_V6.to_string();
+    for (index, pod) in node.topology.pods.iter().enumerate() {
+        let ip = pod_ip_v6(index).to_string();
+        let veth = pod.host_interface.as_str();
+        host.ip(&[
+            "-6",
+            "addr",
+            "add",
+            &format!("{gateway}/128"),
+            "dev",
+            veth,
+            "nodad",
+        ])?;
+        host.ip(&["-6", "route", "add", &format!("{ip}/128"), "dev", veth])?;
+        let pod_mac = mac(&pod.ns, "eth0")?;
+        host.ip(&["-6", "neigh", "add", &ip, "lladdr", &pod_mac, "dev", veth])?;
+        pod.ns.ip(&[
+            "-6",
+            "addr",
+            "add",
+            &format!("{ip}/128"),
+            "dev",
+            "eth0",
+            "nodad",
+        ])?;
+        pod.ns
+            .ip(&["-6", "route", "add", &gateway, "dev", "eth0"])?;
+        pod.ns.ip(&[
+            "-6", "route", "add", "default", "via", &gateway, "dev", "eth0",
+        ])?;
+        let veth_mac = mac(host, veth)?;
+        pod.ns.ip(&[
+            "-6", "neigh", "add", &gateway, "lladdr", &veth_mac, "dev", "eth0",
+        ])?;
+    }
+    Ok(())
+}
+
+/// An IPv6-only Service `web6` on CLUSTER_IP_V6_ONLY:PORT with an IPv6 slice of `endpoints`
+/// on TARGET_PORT_V6.
+fn ipv6_only(proto: Proto, endpoints: &[Ipv6Addr]) -> String {
+    let proto = proto.manifest_name();
+    let endpoints: String = endpoints
+        .iter()
+        .map(|a| format!("  - addresses: [\"{a}\"]\n"))
+        .collect();
+    format!(
+        "---
+apiVersion: v1
+kind: Service
+metadata:
+  name: web6
+  namespace: default
+spec:
+  type: ClusterIP
+  clusterIP: \"{CLUSTER_IP_V6_ONLY}\"
+  clusterIPs: [\"{CLUSTER_IP_V6_ONLY}\"]
+  ipFamilies: [IPv6]
+  ports:
+    - name: app
+      protocol: {proto}
+      port: {PORT}
+      targetPort: app
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: web6-v6
+  namespace: default
+  labels:
+    kubernetes.io/service-name: web6
+addressType: IPv6
+ports:
+  - name: app
+    protocol: {proto}
+    port: {TARGET_PORT_V6}
+endpoints:
+{endpoints}"
+    )
+}
+
+/// Seed path 1 over IPv6: pod-a → an IPv6 ClusterIP → pod-b or pod-c. The backend sees pod-a's
+/// own address (no masquerade inside the cluster CIDR), the client sees the ClusterIP answer.
+fn pod_to_ipv6_cluster_ip(proto: Proto) -> Result<()> {
+    let node_ips = format!("{NODE_IP},{NODE_IP_V6}");
+    let cluster_cidrs = format!("{CLUSTER_CIDR},{CLUSTER_CIDR_V6}");
+    let mut node = Node::start(
+        3,
+        &[],
+        &["--node-ip", &node_ips, "--cluster-cidr", &cluster_cidrs],
+    )?;
+    add_pod_ipv6(&node)?;
+    let _servers = ["pod-b", "pod-c"]
+        .iter()
+        .map(|pod| EchoServer::start_v6(node.pod_ns(pod), pod, TARGET_PORT_V6))
+        .collect::<Result<Vec<_>>>()?;
+    node.agent
+        .update_manifests(&ipv6_only(proto, &[pod_ip_v6(1), pod_ip_v6(2)]))?;
+    let service: SocketAddr = (CLUSTER_IP_V6_ONLY.parse::<Ipv6Addr>()?, PORT).into();
+    let answers = requests(node.pod_ns("pod-a"), proto, service, 6)?;
+    ensure!(answers.len() == 6, "{answers:?}");
+    for answer in &answers {
+        ensure!(
+            ["pod-b", "pod-c"].contains(&answer.server.as_str())
+                && answer.seen_source.ip() == IpAddr::V6(pod_ip_v6(0))
+                && answer.peer == service,
+            "{answer:?}"
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn pod_to_ipv6_cluster_ip_tcp() -> Result<()> {
+    pod_to_ipv6_cluster_ip(Proto::Tcp)
+}
+
+#[test]
+fn pod_to_ipv6_cluster_ip_udp() -> Result<()> {
+    pod_to_ipv6_cluster_ip(Proto::Udp)
 }
