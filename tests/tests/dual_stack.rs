@@ -70,8 +70,16 @@ endpoints:
 
 /// An IPv6-only Service `web6` with a stale IPv4 slice of `pods`, which it ignores.
 fn ipv6_only_with_ipv4_slice(proto: Proto, pods: &[Ipv4Addr]) -> String {
+    let addresses: Vec<String> = pods.iter().map(ToString::to_string).collect();
+    ipv6_only_service(proto, ("web6-stale", "IPv4", TARGET_PORT), &addresses)
+}
+
+/// An IPv6-only Service `web6` on CLUSTER_IP_V6_ONLY:PORT and its EndpointSlice `slice`
+/// (name, addressType, port) of `addresses`.
+fn ipv6_only_service(proto: Proto, slice: (&str, &str, u16), addresses: &[String]) -> String {
     let proto = proto.manifest_name();
-    let endpoints: String = pods
+    let (slice_name, address_type, slice_port) = slice;
+    let endpoints: String = addresses
         .iter()
         .map(|a| format!("  - addresses: [\"{a}\"]\n"))
         .collect();
@@ -90,21 +98,21 @@ spec:
   ports:
     - name: app
       protocol: {proto}
-      port: 80
+      port: {PORT}
       targetPort: app
 ---
 apiVersion: discovery.k8s.io/v1
 kind: EndpointSlice
 metadata:
-  name: web6-stale
+  name: {slice_name}
   namespace: default
   labels:
     kubernetes.io/service-name: web6
-addressType: IPv4
+addressType: {address_type}
 ports:
   - name: app
     protocol: {proto}
-    port: 8080
+    port: {slice_port}
 endpoints:
 {endpoints}"
     )
@@ -380,47 +388,10 @@ fn add_pod_ipv6(node: &Node) -> Result<()> {
     Ok(())
 }
 
-/// An IPv6-only Service `web6` on CLUSTER_IP_V6_ONLY:PORT with an IPv6 slice of `endpoints`
-/// on TARGET_PORT_V6.
+/// An IPv6-only Service `web6` with an IPv6 slice of `endpoints` on TARGET_PORT_V6.
 fn ipv6_only(proto: Proto, endpoints: &[Ipv6Addr]) -> String {
-    let proto = proto.manifest_name();
-    let endpoints: String = endpoints
-        .iter()
-        .map(|a| format!("  - addresses: [\"{a}\"]\n"))
-        .collect();
-    format!(
-        "---
-apiVersion: v1
-kind: Service
-metadata:
-  name: web6
-  namespace: default
-spec:
-  type: ClusterIP
-  clusterIP: \"{CLUSTER_IP_V6_ONLY}\"
-  clusterIPs: [\"{CLUSTER_IP_V6_ONLY}\"]
-  ipFamilies: [IPv6]
-  ports:
-    - name: app
-      protocol: {proto}
-      port: {PORT}
-      targetPort: app
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata:
-  name: web6-v6
-  namespace: default
-  labels:
-    kubernetes.io/service-name: web6
-addressType: IPv6
-ports:
-  - name: app
-    protocol: {proto}
-    port: {TARGET_PORT_V6}
-endpoints:
-{endpoints}"
-    )
+    let addresses: Vec<String> = endpoints.iter().map(ToString::to_string).collect();
+    ipv6_only_service(proto, ("web6-v6", "IPv6", TARGET_PORT_V6), &addresses)
 }
 
 /// Seed path 1 over IPv6: pod-a → an IPv6 ClusterIP → pod-b or pod-c. The backend sees pod-a's
