@@ -118,26 +118,23 @@ endpoints:
     )
 }
 
+/// A node of three pods whose agent has both families' `--node-ip` and `--cluster-cidr`, and
+/// `extra` flags.
+fn dual_stack_node(extra: &[&str]) -> Result<Node> {
+    let node_ips = format!("{NODE_IP},{NODE_IP_V6}");
+    let cluster_cidrs = format!("{CLUSTER_CIDR},{CLUSTER_CIDR_V6}");
+    let mut args = vec!["--node-ip", &node_ips, "--cluster-cidr", &cluster_cidrs];
+    args.extend(extra);
+    Node::start(3, &[], &args)
+}
+
 /// Both families given to the agent, the Service dual-stack: its IPv4 ClusterIP and NodePort
 /// answer as on an IPv4-only node (who answered, the source the backend saw, the peer the client
 /// saw). An IPv6-only Service beside it gets no IPv4 side from its stale IPv4 slice. The log
 /// counts the IPv6 frontends (the dual-stack Service's ClusterIP and its NodePort on the IPv6
 /// node IP, the IPv6-only Service's ClusterIP) as not served.
 fn dual_stack_service_serves_ipv4(proto: Proto) -> Result<()> {
-    let node_ips = format!("{NODE_IP},{NODE_IP_V6}");
-    let cluster_cidrs = format!("{CLUSTER_CIDR},{CLUSTER_CIDR_V6}");
-    let mut node = Node::start(
-        3,
-        &[],
-        &[
-            "--node-ip",
-            &node_ips,
-            "--cluster-cidr",
-            &cluster_cidrs,
-            "--nodeport-addresses",
-            "198.51.100.0/24,2001:db8:100::/64",
-        ],
-    )?;
+    let mut node = dual_stack_node(&["--nodeport-addresses", "198.51.100.0/24,2001:db8:100::/64"])?;
     let service = node
         .service(proto, &["pod-b", "pod-c"])
         .node_port(NODE_PORT)
@@ -249,20 +246,7 @@ fn services(node: &Netns, bpffs: &str) -> Result<Vec<Listed>> {
 fn dual_stack_service_ipv6_side_is_in_the_ipv6_maps() -> Result<()> {
     let bpffs = Bpffs::mount()?;
     let bpffs_arg = bpffs.arg();
-    let node_ips = format!("{NODE_IP},{NODE_IP_V6}");
-    let cluster_cidrs = format!("{CLUSTER_CIDR},{CLUSTER_CIDR_V6}");
-    let mut node = Node::start(
-        3,
-        &[],
-        &[
-            "--node-ip",
-            &node_ips,
-            "--cluster-cidr",
-            &cluster_cidrs,
-            "--bpffs",
-            &bpffs_arg,
-        ],
-    )?;
+    let mut node = dual_stack_node(&["--bpffs", &bpffs_arg])?;
     let service = node
         .service(Proto::Tcp, &["pod-b", "pod-c"])
         .node_port(NODE_PORT)
@@ -397,13 +381,7 @@ fn ipv6_only(proto: Proto, endpoints: &[Ipv6Addr]) -> String {
 /// Seed path 1 over IPv6: pod-a → an IPv6 ClusterIP → pod-b or pod-c. The backend sees pod-a's
 /// own address (no masquerade inside the cluster CIDR), the client sees the ClusterIP answer.
 fn pod_to_ipv6_cluster_ip(proto: Proto) -> Result<()> {
-    let node_ips = format!("{NODE_IP},{NODE_IP_V6}");
-    let cluster_cidrs = format!("{CLUSTER_CIDR},{CLUSTER_CIDR_V6}");
-    let mut node = Node::start(
-        3,
-        &[],
-        &["--node-ip", &node_ips, "--cluster-cidr", &cluster_cidrs],
-    )?;
+    let mut node = dual_stack_node(&[])?;
     add_pod_ipv6(&node)?;
     let _servers = ["pod-b", "pod-c"]
         .iter()
