@@ -180,56 +180,77 @@ fn write_datapath(md: &mut String, results: &Results) {
     let _ = writeln!(
         md,
         "## B1 datapath cost (BPF_PROG_TEST_RUN, {} runs per case)\n\n\
-         ns per packet over an empty classifier (its own cost in the last column), per \
+         ns per packet over an empty classifier (its own cost in the last column), per family and \
          `--forwarding`: `stack` is lb_ingress's half (the destination; lb_egress translates the \
-         source after routing), `redirect` the whole translation and the redirect. Targets: \
-         established ≤ 150 ns, new connection ≤ 400 ns, new connection at 50k / at 1 ≤ 1.2.\n",
+         source after routing), `redirect` the whole translation and the redirect. IPv6 packets \
+         include lb_ingress's tail call into lb_ingress6. Targets: established ≤ 150 ns, new \
+         connection ≤ 400 ns, new connection at 50k / at 1 ≤ 1.2, IPv6 / IPv4 ≤ 1.05.\n",
         results.datapath[0].runs
     );
     let _ = writeln!(
         md,
-        "| services | forwarding | {} | empty program |\n| ---: | --- |{}---: |",
+        "| services | family | forwarding | {} | empty program |\n| ---: | --- | --- |{}---: |",
         cases.join(" | "),
         " ---: |".repeat(cases.len())
     );
-    let mut rows: Vec<(usize, &str)> = results
+    let mut rows: Vec<(usize, &str, &str)> = results
         .datapath
         .iter()
-        .map(|c| (c.services, c.forwarding))
+        .map(|c| (c.services, c.family, c.forwarding))
         .collect();
     rows.dedup();
-    let cost = |services: usize, forwarding: &str, case: &str| {
-        results
-            .datapath
-            .iter()
-            .find(|c| c.services == services && c.forwarding == forwarding && c.case == case)
+    let cost = |(services, family, forwarding): (usize, &str, &str), case: &str| {
+        results.datapath.iter().find(|c| {
+            c.services == services
+                && c.family == family
+                && c.forwarding == forwarding
+                && c.case == case
+        })
     };
-    for &(count, forwarding) in &rows {
-        let _ = write!(md, "| {count} | {forwarding} |");
+    for &row in &rows {
+        let (count, family, forwarding) = row;
+        let _ = write!(md, "| {count} | {family} | {forwarding} |");
         for case in cases {
-            let cell =
-                cost(count, forwarding, case).map_or("-".into(), |c| format!("{:.0}", c.net_ns));
+            let cell = cost(row, case).map_or("-".into(), |c| format!("{:.0}", c.net_ns));
             let _ = write!(md, " {cell} |");
         }
-        let empty = cost(count, forwarding, "empty program")
-            .map_or("-".into(), |c| format!("{:.0}", c.mean_ns));
+        let empty = cost(row, "empty program").map_or("-".into(), |c| format!("{:.0}", c.mean_ns));
         let _ = writeln!(md, " {empty} |");
     }
-    let mut forwardings: Vec<&str> = rows.iter().map(|&(_, f)| f).collect();
-    forwardings.sort_unstable();
-    forwardings.dedup();
+    let mut modes: Vec<(&str, &str)> = rows.iter().map(|&(_, fam, fwd)| (fam, fwd)).collect();
+    modes.sort_unstable();
+    modes.dedup();
     let (first, last) = (rows.first().map(|r| r.0), rows.last().map(|r| r.0));
-    for forwarding in forwardings {
+    for (family, forwarding) in modes {
         if let (Some(first), Some(last)) = (first, last)
             && let (Some(a), Some(b)) = (
-                cost(first, forwarding, "new connection"),
-                cost(last, forwarding, "new connection"),
+                cost((first, family, forwarding), "new connection"),
+                cost((last, family, forwarding), "new connection"),
             )
         {
             let _ = writeln!(
                 md,
-                "\nNew connection at {last} / at {first} services ({forwarding}): {:.2}.",
+                "\nNew connection at {last} / at {first} services ({family}, {forwarding}): {:.2}.",
                 b.net_ns / a.net_ns
+            );
+        }
+    }
+    let mut counts: Vec<usize> = rows.iter().map(|r| r.0).collect();
+    counts.dedup();
+    for count in counts {
+        let ratios: Vec<String> = cases
+            .iter()
+            .filter_map(|&case| {
+                let v4 = cost((count, "ipv4", "stack"), case)?;
+                let v6 = cost((count, "ipv6", "stack"), case)?;
+                Some(format!("{case} {:.2}", v6.net_ns / v4.net_ns))
+            })
+            .collect();
+        if !ratios.is_empty() {
+            let _ = writeln!(
+                md,
+                "\nIPv6 / IPv4 at {count} services (stack): {}.",
+                ratios.join(", ")
             );
         }
     }

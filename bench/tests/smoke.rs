@@ -22,12 +22,14 @@ fn smoke_run_writes_results_report_and_plots() {
         assert!(point["connections"]["per_second"].as_f64().unwrap() > 0.0);
         assert!(point["requests"]["p99_us"].as_f64().unwrap() > 0.0);
     }
-    // B1: both forwarding modes.
+    // B1: both forwarding modes of IPv4, and IPv6's stack mode.
     let datapath = results["datapath"].as_array().unwrap();
-    for forwarding in ["stack", "redirect"] {
+    for (family, forwarding) in [("ipv4", "stack"), ("ipv4", "redirect"), ("ipv6", "stack")] {
         assert!(
-            datapath.iter().any(|c| c["forwarding"] == forwarding),
-            "no B1 {forwarding} cost"
+            datapath
+                .iter()
+                .any(|c| c["family"] == family && c["forwarding"] == forwarding),
+            "no B1 {family} {forwarding} cost"
         );
     }
 
