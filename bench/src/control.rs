@@ -134,7 +134,7 @@ fn measure(plan: &Plan, deployment: &mut Deployment, point: &mut ControlPoint) -
     let mut latencies = Vec::new();
     for (endpoints, shows) in steps.iter().cycle().take(plan.control_changes) {
         interrupt::check()?;
-        set.measured_endpoints = endpoints.clone();
+        set.measured_endpoints = endpoints.iter().map(|&ip| ip.into()).collect();
         let yaml = set.measured_yaml();
         let to = deployment.target(&set);
         let agent = deployment.agent().context("the agent is not running")?;

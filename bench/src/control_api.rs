@@ -145,7 +145,7 @@ fn measure(plan: &Plan, bpffs: &std::path::Path, point: &mut ApiControlPoint) ->
     let mut latencies = Vec::new();
     for (endpoints, shows) in steps.iter().cycle().take(plan.control_changes) {
         interrupt::check()?;
-        set.measured_endpoints = endpoints.clone();
+        set.measured_endpoints = endpoints.iter().map(|&ip| ip.into()).collect();
         let slice = measured_slice(&set)?;
         let changed = Instant::now();
         api.apply_values(vec![slice]);

@@ -34,7 +34,7 @@ use serde::Serialize;
 use crate::{
     Plan, Progress, bpf, interrupt,
     packet::{Frame, TCP_ACK, TCP_SYN},
-    services::{SERVICE_PORT, TCP_TARGET_PORT, cluster_ip},
+    services::{Family, SERVICE_PORT, TCP_TARGET_PORT, cluster_ip, cluster_ip6},
     traffic::{SERVER_CPU, pin},
 };
 
@@ -82,13 +82,6 @@ pub fn measure(plan: &Plan, progress: Progress) -> Result<Vec<DatapathCost>> {
             .join()
             .map_err(|_| anyhow::anyhow!("B1 thread panicked"))?
     })
-}
-
-/// The address families B1 measures: each has its own packets, maps and programs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Family {
-    Ipv4,
-    Ipv6,
 }
 
 /// A mode B1 measures: a family and a forwarding mode, with its config flag.
@@ -278,22 +271,8 @@ impl Packets {
     }
 }
 
-impl Family {
-    fn name(self) -> &'static str {
-        match self {
-            Family::Ipv4 => "ipv4",
-            Family::Ipv6 => "ipv6",
-        }
-    }
-}
-
 const fn v6(ip: Ipv6Addr, port: u16) -> SocketAddrV6 {
     SocketAddrV6::new(ip, port, 0, 0)
-}
-
-/// The IPv6 ClusterIP of the service of index `index`: fd00:10:96::a onwards, as `cluster_ip`.
-fn cluster_ip6(index: usize) -> Ipv6Addr {
-    Ipv6Addr::from(u128::from(Ipv6Addr::new(0xfd00, 0x10, 0x96, 0, 0, 0, 0, 0xa)) + index as u128)
 }
 
 fn addr6(ip: Ipv6Addr) -> Addr6 {

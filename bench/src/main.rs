@@ -34,7 +34,7 @@ use nix::{
     sched::{CloneFlags, unshare},
 };
 
-use crate::{results::Results, variants::Variant};
+use crate::{results::Results, services::Family, variants::Variant};
 
 #[derive(Parser)]
 #[command(about = "lb against kube-proxy's rulesets, in network namespaces (run as root)")]
@@ -54,6 +54,9 @@ struct Cli {
     /// Only these variants where a section compares them (e.g. `direct,tc`); default: all.
     #[arg(long, value_delimiter = ',', value_enum)]
     variants: Vec<Variant>,
+    /// B2/B3 in only these families (e.g. `ipv4`); default: both.
+    #[arg(long, value_delimiter = ',', value_enum)]
+    families: Vec<Family>,
     /// B1 runs per case instead of the plan's (1,000,000): with fewer, the new connections' conntrack
     /// entries stay in the CPU's caches.
     #[arg(long)]
@@ -96,8 +99,9 @@ pub struct Plan {
     pub smoke: bool,
     pub sections: Vec<Section>,
     pub variants: Vec<Variant>,
-    /// B2/B3 service counts.
+    /// B2/B3 service counts, and the families measured at each.
     pub service_counts: Vec<usize>,
+    pub families: Vec<Family>,
     /// B2/B3 measuring time per point and metric, split into rounds across the variants.
     pub point_duration: Duration,
     pub rounds: u32,
@@ -122,6 +126,7 @@ impl Plan {
             sections: Section::value_variants().to_vec(),
             variants: Variant::ALL.to_vec(),
             service_counts: vec![1, 1_000, 5_000, 20_000, 50_000],
+            families: Family::ALL.to_vec(),
             point_duration: Duration::from_secs(2),
             rounds: 4,
             datapath_counts: vec![1, 1_000, 10_000, 50_000],
@@ -174,7 +179,8 @@ impl Plan {
         if self.wants(Section::B2) {
             for &count in &self.service_counts {
                 let loaders = if count >= 20_000 { 180.0 } else { 0.0 };
-                seconds += self.variants.len() as f64 * point + count as f64 * 1.5e-3 + loaders;
+                seconds += self.families.len() as f64
+                    * (self.variants.len() as f64 * point + count as f64 * 1.5e-3 + loaders);
             }
         }
         if self.wants(Section::B4) {
@@ -220,6 +226,7 @@ impl Plan {
             sections: Section::value_variants().to_vec(),
             variants: vec![Variant::Direct, Variant::Tc, Variant::TcRedirect],
             service_counts: vec![1],
+            families: Family::ALL.to_vec(),
             point_duration: Duration::from_millis(300),
             rounds: 2,
             datapath_counts: vec![1],
@@ -252,6 +259,9 @@ fn main() -> Result<()> {
     }
     if !cli.variants.is_empty() {
         plan.variants.retain(|v| cli.variants.contains(v));
+    }
+    if !cli.families.is_empty() {
+        plan.families = cli.families;
     }
     if let Some(runs) = cli.datapath_runs {
         plan.datapath_runs = runs;

@@ -7,6 +7,7 @@ use anyhow::Result;
 use crate::{
     plot::{Series, line_chart},
     results::{Point, Results},
+    services::Family,
     variants::Variant,
 };
 
@@ -97,57 +98,88 @@ fn write_sweep(md: &mut String, results: &Results, dir: &Path) -> Result<()> {
 }
 
 fn ratio(results: &Results, metric: &Metric, point: &Point) -> Option<f64> {
-    let base = (metric.value)(results.point(Variant::Direct, point.services)?)?;
-    Some((metric.value)(point)? / base)
+    let direct = results.point(Variant::Direct, point.services, point.family)?;
+    Some((metric.value)(point)? / (metric.value)(direct)?)
 }
 
 fn write_metric(md: &mut String, results: &Results, metric: &Metric) {
     let variants = results.variants();
     let _ = writeln!(
         md,
-        "## {}\n\nRatio to `direct` at the same count ({} in parentheses).\n",
+        "## {}\n\nRatio to `direct` at the same count in the same family ({} in parentheses).\n",
         metric.title, metric.unit
     );
-    let _ = write!(md, "| services |");
+    let _ = write!(md, "| services | family |");
     for v in &variants {
         let _ = write!(md, " {} |", v.name());
     }
-    let _ = write!(md, "\n| ---: |");
+    let _ = write!(md, "\n| ---: | --- |");
     for _ in &variants {
         let _ = write!(md, " ---: |");
     }
     md.push('\n');
     for count in results.service_counts() {
-        let _ = write!(md, "| {count} |");
-        for &v in &variants {
-            let cell = results.point(v, count).and_then(|p| {
-                let value = (metric.value)(p)?;
-                Some(match ratio(results, metric, p) {
-                    Some(r) => format!("{r:.2} ({value:.1})"),
-                    None => format!("({value:.1})"),
-                })
-            });
-            let _ = write!(md, " {} |", cell.unwrap_or_else(|| "-".into()));
+        for family in results.families() {
+            let _ = write!(md, "| {count} | {} |", family.name());
+            for &v in &variants {
+                let cell = results.point(v, count, family).and_then(|p| {
+                    let value = (metric.value)(p)?;
+                    Some(match ratio(results, metric, p) {
+                        Some(r) => format!("{r:.2} ({value:.1})"),
+                        None => format!("({value:.1})"),
+                    })
+                });
+                let _ = write!(md, " {} |", cell.unwrap_or_else(|| "-".into()));
+            }
+            md.push('\n');
         }
-        md.push('\n');
     }
+    write_family_ratios(md, results, metric);
     md.push('\n');
 }
 
+/// Each variant's IPv6 ratio to `direct` over its IPv4 one, per count: issue 22's goal is
+/// within 5% (0.95-1.05).
+fn write_family_ratios(md: &mut String, results: &Results, metric: &Metric) {
+    for count in results.service_counts() {
+        let cells: Vec<String> = results
+            .variants()
+            .into_iter()
+            .filter(|&v| v != Variant::Direct)
+            .filter_map(|v| {
+                let v4 = ratio(results, metric, results.point(v, count, Family::Ipv4)?)?;
+                let v6 = ratio(results, metric, results.point(v, count, Family::Ipv6)?)?;
+                Some(format!("{} {:.2}", v.name(), v6 / v4))
+            })
+            .collect();
+        if !cells.is_empty() {
+            let _ = writeln!(
+                md,
+                "\nIPv6 / IPv4 of the ratio to `direct` at {count} services: {}.",
+                cells.join(", ")
+            );
+        }
+    }
+}
+
 fn series(results: &Results, metric: &Metric) -> Vec<Series> {
-    results
-        .variants()
-        .into_iter()
-        .map(|v| Series {
-            name: v.name().to_string(),
-            points: results
+    let mut series = Vec::new();
+    for family in results.families() {
+        for v in results.variants() {
+            let name = match family {
+                Family::Ipv4 => v.name().to_string(),
+                Family::Ipv6 => format!("{} ipv6", v.name()),
+            };
+            let points = results
                 .points
                 .iter()
-                .filter(|p| p.variant == v)
+                .filter(|p| p.variant == v && p.family == family)
                 .filter_map(|p| Some((p.services as f64, (metric.value)(p)?)))
-                .collect(),
-        })
-        .collect()
+                .collect();
+            series.push(Series { name, points });
+        }
+    }
+    series
 }
 
 fn write_errors(md: &mut String, results: &Results) {
@@ -163,9 +195,10 @@ fn write_errors(md: &mut String, results: &Results) {
     for p in errors {
         let _ = writeln!(
             md,
-            "- {} at {} services: {}",
+            "- {} at {} services ({}): {}",
             p.variant.name(),
             p.services,
+            p.family.name(),
             p.error.as_deref().unwrap_or_default()
         );
     }

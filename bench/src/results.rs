@@ -13,6 +13,7 @@ use crate::{
     flood::Flood,
     memory::MapMemory,
     restart::Restart,
+    services::Family,
     sweep::Bulk,
     syn_flood::SynFlood,
     traffic::{ConnectionRate, RequestRate},
@@ -84,10 +85,10 @@ impl Results {
         Ok(())
     }
 
-    pub fn point(&self, variant: Variant, services: usize) -> Option<&Point> {
+    pub fn point(&self, variant: Variant, services: usize, family: Family) -> Option<&Point> {
         self.points
             .iter()
-            .find(|p| p.variant == variant && p.services == services)
+            .find(|p| p.variant == variant && p.services == services && p.family == family)
     }
 
     /// The variants that have points, in the order they were measured.
@@ -107,6 +108,14 @@ impl Results {
         counts.dedup();
         counts
     }
+
+    /// The families that have points, IPv4 first.
+    pub fn families(&self) -> Vec<Family> {
+        let mut families: Vec<Family> = self.points.iter().map(|p| p.family).collect();
+        families.sort_unstable();
+        families.dedup();
+        families
+    }
 }
 
 /// B2 and B3 of one variant at one service count.
@@ -114,6 +123,8 @@ impl Results {
 pub struct Point {
     pub variant: Variant,
     pub services: usize,
+    /// The family of the Services' addresses and the client's connections.
+    pub family: Family,
     /// How long the variant took to load this count's rules (the agent: to sync them).
     pub program_s: Option<f64>,
     /// The medians of `rounds`: each rate, p50 and p99 on its own (counts are summed).
@@ -131,10 +142,11 @@ pub struct Round {
 }
 
 impl Point {
-    pub fn new(variant: Variant, services: usize) -> Self {
+    pub fn new(variant: Variant, services: usize, family: Family) -> Self {
         Point {
             variant,
             services,
+            family,
             program_s: None,
             connections: None,
             requests: None,
@@ -173,9 +185,10 @@ impl Point {
 
     pub fn summary(&self) -> String {
         let mut text = format!(
-            "  {:<16} {:>6} services:",
+            "  {:<16} {:>6} services {}:",
             self.variant.name(),
-            self.services
+            self.services,
+            self.family.name()
         );
         if let Some(c) = &self.connections {
             text += &format!(" {:>8.0} conn/s ({} failed)", c.per_second, c.failures);

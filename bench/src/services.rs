@@ -1,7 +1,12 @@
 //! The Services every variant is programmed with, from one description: `count` Services, the
 //! measured one last (the worst position in kube-proxy's iptables chains), each with real
 //! endpoints. The agent gets them as manifests; rulesets.rs writes the same as kube-proxy's rules.
-use std::{fmt::Write as _, net::Ipv4Addr};
+use std::{
+    fmt::Write as _,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
+};
+
+use serde::Serialize;
 
 /// Every Service's TCP port, and the port the bench servers listen on.
 pub const SERVICE_PORT: u16 = 80;
@@ -11,24 +16,61 @@ pub const UDP_TARGET_PORT: u16 = 9001;
 pub const NODE_PORT: u16 = 30080;
 /// The first ClusterIP; Service `i` has the next ones in order.
 const FIRST_CLUSTER_IP: u32 = u32::from_be_bytes([10, 96, 0, 10]);
+/// The first IPv6 ClusterIP, as FIRST_CLUSTER_IP.
+const FIRST_CLUSTER_IP6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0x96, 0, 0, 0, 0, 0xa);
 /// Endpoints of the filler Services beyond the first sit here (no pod answers: they are never
 /// selected, the measured Service has its own).
 const FILLER_ENDPOINT_BASE: u32 = u32::from_be_bytes([10, 244, 2, 1]);
+const FILLER_ENDPOINT_BASE6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x244, 2, 0, 0, 0, 1);
 pub const MAX_SERVICES: usize = 60_000;
 
 pub use lb_tests::echo::Proto;
+
+/// The address family of a ServiceSet: its ClusterIPs, endpoints and the client's packets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Family {
+    Ipv4,
+    Ipv6,
+}
+
+impl Family {
+    pub const ALL: [Family; 2] = [Family::Ipv4, Family::Ipv6];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Family::Ipv4 => "ipv4",
+            Family::Ipv6 => "ipv6",
+        }
+    }
+
+    pub fn of(addr: IpAddr) -> Self {
+        match addr {
+            IpAddr::V4(_) => Family::Ipv4,
+            IpAddr::V6(_) => Family::Ipv6,
+        }
+    }
+
+    /// Kubernetes' name of the family (`ipFamilies`, an EndpointSlice's `addressType`).
+    fn kubernetes_name(self) -> &'static str {
+        match self {
+            Family::Ipv4 => "IPv4",
+            Family::Ipv6 => "IPv6",
+        }
+    }
+}
 
 /// One service port as kube-proxy sees it.
 #[derive(Clone, Debug)]
 pub struct ServicePort {
     /// `default/<service>:<port name>`
     pub name: String,
-    pub cluster_ip: Ipv4Addr,
+    pub cluster_ip: IpAddr,
     pub proto: Proto,
     pub port: u16,
     pub node_port: Option<u16>,
     pub target_port: u16,
-    pub endpoints: Vec<Ipv4Addr>,
+    pub endpoints: Vec<IpAddr>,
 }
 
 #[derive(Clone, Debug)]
@@ -37,16 +79,17 @@ pub struct ServiceSet {
     /// Filler Services: the first is the measured backend, the others addresses no pod has.
     pub filler_endpoints: usize,
     /// The measured Service's endpoints.
-    pub measured_endpoints: Vec<Ipv4Addr>,
-    /// Address of the first filler endpoint (the backend pod).
-    pub backend: Ipv4Addr,
+    pub measured_endpoints: Vec<IpAddr>,
+    /// Address of the first filler endpoint (the backend pod); its family is the set's.
+    pub backend: IpAddr,
 }
 
 impl ServiceSet {
     /// `count` Services (`count - 1` fillers and the measured one), each filler with
     /// `filler_endpoints` endpoints.
-    pub fn new(count: usize, filler_endpoints: usize, backend: Ipv4Addr) -> Self {
+    pub fn new(count: usize, filler_endpoints: usize, backend: impl Into<IpAddr>) -> Self {
         assert!((1..=MAX_SERVICES).contains(&count));
+        let backend = backend.into();
         ServiceSet {
             count,
             filler_endpoints,
@@ -55,20 +98,35 @@ impl ServiceSet {
         }
     }
 
+    pub fn family(&self) -> Family {
+        Family::of(self.backend)
+    }
+
     /// The measured Service's ClusterIP: the last one.
-    pub fn measured_ip(&self) -> Ipv4Addr {
-        cluster_ip(self.count - 1)
+    pub fn measured_ip(&self) -> IpAddr {
+        self.cluster_ip(self.count - 1)
+    }
+
+    /// The ClusterIP of Service `index`, in the set's family.
+    fn cluster_ip(&self, index: usize) -> IpAddr {
+        match self.family() {
+            Family::Ipv4 => cluster_ip(index).into(),
+            Family::Ipv6 => cluster_ip6(index).into(),
+        }
     }
 
     pub fn endpoint_count(&self) -> usize {
         (self.count - 1) * self.filler_endpoints + self.measured_endpoints.len() * 2
     }
 
-    fn filler_endpoint_ips(&self) -> Vec<Ipv4Addr> {
+    fn filler_endpoint_ips(&self) -> Vec<IpAddr> {
         (0..self.filler_endpoints)
-            .map(|k| match k {
-                0 => self.backend,
-                k => Ipv4Addr::from(FILLER_ENDPOINT_BASE + k as u32),
+            .map(|k| match (k, self.family()) {
+                (0, _) => self.backend,
+                (k, Family::Ipv4) => Ipv4Addr::from(FILLER_ENDPOINT_BASE + k as u32).into(),
+                (k, Family::Ipv6) => {
+                    Ipv6Addr::from(u128::from(FILLER_ENDPOINT_BASE6) + k as u128).into()
+                }
             })
             .collect()
     }
@@ -80,7 +138,7 @@ impl ServiceSet {
         let mut ports: Vec<ServicePort> = (0..self.count - 1)
             .map(|i| ServicePort {
                 name: format!("default/svc-{i}:app"),
-                cluster_ip: cluster_ip(i),
+                cluster_ip: self.cluster_ip(i),
                 proto: Proto::Tcp,
                 port: SERVICE_PORT,
                 node_port: None,
@@ -124,7 +182,7 @@ impl ServiceSet {
             write_service(
                 &mut yaml,
                 &name,
-                cluster_ip(i),
+                self.cluster_ip(i),
                 &[("app", Proto::Tcp, None)],
             );
             write_slice(
@@ -132,6 +190,7 @@ impl ServiceSet {
                 &name,
                 &[("app", Proto::Tcp, TCP_TARGET_PORT)],
                 &filler,
+                self.family(),
             );
         }
         yaml
@@ -157,6 +216,7 @@ impl ServiceSet {
                 ("flood", Proto::Udp, UDP_TARGET_PORT),
             ],
             &self.measured_endpoints,
+            self.family(),
         );
         yaml
     }
@@ -166,12 +226,12 @@ pub fn cluster_ip(index: usize) -> Ipv4Addr {
     Ipv4Addr::from(FIRST_CLUSTER_IP + index as u32)
 }
 
-fn write_service(
-    yaml: &mut String,
-    name: &str,
-    ip: Ipv4Addr,
-    ports: &[(&str, Proto, Option<u16>)],
-) {
+/// The IPv6 ClusterIP of Service `index`.
+pub fn cluster_ip6(index: usize) -> Ipv6Addr {
+    Ipv6Addr::from(u128::from(FIRST_CLUSTER_IP6) + index as u128)
+}
+
+fn write_service(yaml: &mut String, name: &str, ip: IpAddr, ports: &[(&str, Proto, Option<u16>)]) {
     let kind = if ports.iter().any(|p| p.2.is_some()) {
         "NodePort"
     } else {
@@ -180,7 +240,9 @@ fn write_service(
     let _ = write!(
         yaml,
         "---\napiVersion: v1\nkind: Service\nmetadata:\n  name: {name}\n  namespace: default\n\
-         spec:\n  type: {kind}\n  clusterIP: {ip}\n  ports:\n"
+         spec:\n  type: {kind}\n  clusterIP: {ip}\n  clusterIPs: [\"{ip}\"]\n  ipFamilies: [{}]\n  \
+         ports:\n",
+        Family::of(ip).kubernetes_name()
     );
     for (port_name, proto, node_port) in ports {
         let _ = write!(
@@ -199,13 +261,15 @@ fn write_slice(
     yaml: &mut String,
     name: &str,
     ports: &[(&str, Proto, u16)],
-    endpoints: &[Ipv4Addr],
+    endpoints: &[IpAddr],
+    family: Family,
 ) {
     let _ = write!(
         yaml,
         "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {name}-1\n  \
-         namespace: default\n  labels:\n    kubernetes.io/service-name: {name}\naddressType: IPv4\n\
-         ports:\n"
+         namespace: default\n  labels:\n    kubernetes.io/service-name: {name}\naddressType: {}\n\
+         ports:\n",
+        family.kubernetes_name()
     );
     for (port_name, proto, port) in ports {
         let _ = write!(
@@ -236,5 +300,21 @@ mod tests {
         assert_eq!(ports[3].cluster_ip, set.measured_ip());
         assert_eq!(ports[2].node_port, Some(NODE_PORT));
         assert_eq!(set.yaml().matches("kind: Service\n").count(), 3);
+        assert_eq!(set.yaml().matches("addressType: IPv4\n").count(), 3);
+    }
+
+    #[test]
+    fn ipv6_set_has_ipv6_cluster_ips_families_and_slices() {
+        let backend: IpAddr = "2001:db8:244::2".parse().unwrap();
+        let set = ServiceSet::new(3, 2, backend);
+        assert_eq!(set.family(), Family::Ipv6);
+        assert_eq!(set.measured_ip(), IpAddr::V6(cluster_ip6(2)));
+        let ports = set.ports();
+        assert!(ports.iter().all(|p| p.cluster_ip.is_ipv6()));
+        assert!(ports.iter().flat_map(|p| &p.endpoints).all(|e| e.is_ipv6()));
+        let yaml = set.yaml();
+        assert_eq!(yaml.matches("ipFamilies: [IPv6]\n").count(), 3);
+        assert_eq!(yaml.matches("addressType: IPv6\n").count(), 3);
+        assert!(!yaml.contains("IPv4"), "{yaml}");
     }
 }

@@ -8,7 +8,7 @@ use crate::{
     Plan, Progress, interrupt, memory,
     restart::{self, Restart},
     results::{Point, Round},
-    services::ServiceSet,
+    services::{Family, ServiceSet},
     traffic::{connection_rate, request_rate},
     variants::{Deployment, Variant},
 };
@@ -31,38 +31,53 @@ pub fn deploy(variants: &[Variant], bpffs: &Path, progress: Progress) -> Result<
     Ok(deployments)
 }
 
-/// At each count every variant is programmed, then measured in `plan.rounds` rounds that take
-/// turns across the variants: a few seconds of the machine's drift (other load on a shared box)
-/// then lands on every variant alike, and a point is the median of its rounds.
+/// At each count and in each family every variant is programmed, then measured in `plan.rounds`
+/// rounds that take turns across the variants: a few seconds of the machine's drift (other load
+/// on a shared box) then lands on every variant alike, and a point is the median of its rounds.
 pub fn run(plan: &Plan, deployments: &mut [Deployment], progress: Progress) -> Result<Vec<Point>> {
     let mut points = Vec::new();
-    let round_duration = plan.point_duration / plan.rounds;
     for &count in &plan.service_counts {
-        let mut measured: Vec<(&mut Deployment, ServiceSet, Point)> = Vec::new();
-        for deployment in deployments.iter_mut().filter(|d| d.variant != Variant::Xdp) {
+        for &family in &plan.families {
+            points.extend(run_count(plan, deployments, count, family, progress)?);
+        }
+    }
+    Ok(points)
+}
+
+/// The points of every variant at `count` Services of `family`.
+fn run_count(
+    plan: &Plan,
+    deployments: &mut [Deployment],
+    count: usize,
+    family: Family,
+    progress: Progress,
+) -> Result<Vec<Point>> {
+    let round_duration = plan.point_duration / plan.rounds;
+    let mut measured: Vec<(&mut Deployment, ServiceSet, Point)> = Vec::new();
+    for deployment in deployments.iter_mut().filter(|d| d.variant != Variant::Xdp) {
+        interrupt::check()?;
+        let set = ServiceSet::new(count, 1, deployment.topology.backend_ip(family));
+        let mut point = Point::new(deployment.variant, count, family);
+        match deployment.program(&set) {
+            Ok(took) => point.program_s = Some(took.as_secs_f64()),
+            Err(err) => point.error = Some(format!("{err:#}")),
+        }
+        measured.push((deployment, set, point));
+    }
+    for _ in 0..plan.rounds {
+        for (deployment, set, point) in measured.iter_mut().filter(|m| m.2.error.is_none()) {
             interrupt::check()?;
-            let set = ServiceSet::new(count, 1, deployment.topology.backend().ip);
-            let mut point = Point::new(deployment.variant, count);
-            match deployment.program(&set) {
-                Ok(took) => point.program_s = Some(took.as_secs_f64()),
+            match measure_round(deployment, set, round_duration) {
+                Ok(round) => point.rounds.push(round),
                 Err(err) => point.error = Some(format!("{err:#}")),
             }
-            measured.push((deployment, set, point));
         }
-        for _ in 0..plan.rounds {
-            for (deployment, set, point) in measured.iter_mut().filter(|m| m.2.error.is_none()) {
-                interrupt::check()?;
-                match measure_round(deployment, set, round_duration) {
-                    Ok(round) => point.rounds.push(round),
-                    Err(err) => point.error = Some(format!("{err:#}")),
-                }
-            }
-        }
-        for (_, _, mut point) in measured {
-            point.summarize_rounds();
-            progress(&point.summary());
-            points.push(point);
-        }
+    }
+    let mut points = Vec::new();
+    for (_, _, mut point) in measured {
+        point.summarize_rounds();
+        progress(&point.summary());
+        points.push(point);
     }
     Ok(points)
 }

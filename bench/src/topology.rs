@@ -7,14 +7,24 @@
 //!  external client (198.51.100.2) ──ext0── node (198.51.100.1)
 //! ```
 //!
+//! Every pod also has an IPv6 address (2001:db8:244::2, ::3, ::4: lb_tests' `add_pod_ipv6`), and
+//! the node NODE_IP_V6 on ext0, so that B2/B3 measure both families on the same topology.
+//!
 //! Each variant gets a topology of its own, built identically: netfilter's NAT table and its
 //! conntrack hooks stay registered in a namespace once used, and would tax every variant
 //! measured after iptables in a shared one.
+use std::net::{IpAddr, Ipv6Addr};
+
 use anyhow::{Context as _, Result};
 use lb_tests::{
     netns::Netns,
-    topology::{EXTERNAL_INTERFACE, NODE_IP, Pod, Topology},
+    topology::{EXTERNAL_INTERFACE, NODE_IP, Pod, Topology, pod_ip_v6},
 };
+
+use crate::services::Family;
+
+/// The node's IPv6 address (the agent's IPv6 `--node-ip`).
+pub const NODE_IP_V6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x100, 0, 0, 0, 0, 1);
 
 pub struct BenchTopology {
     pub inner: Topology,
@@ -23,6 +33,17 @@ pub struct BenchTopology {
 impl BenchTopology {
     pub fn new() -> Result<Self> {
         let inner = Topology::new(3).context("build the topology (run as root)")?;
+        inner.add_pod_ipv6()?;
+        let node_ip_v6 = format!("{NODE_IP_V6}/64");
+        inner.node.ip(&[
+            "-6",
+            "addr",
+            "add",
+            &node_ip_v6,
+            "dev",
+            EXTERNAL_INTERFACE,
+            "nodad",
+        ])?;
         let topology = BenchTopology { inner };
         let client = &topology.inner.client;
         // Service traffic from the external client (B5) is routed by the node; pod traffic has
@@ -49,6 +70,14 @@ impl BenchTopology {
 
     pub fn backend(&self) -> &Pod {
         &self.inner.pods[0]
+    }
+
+    /// The backend pod's address of `family`.
+    pub fn backend_ip(&self, family: Family) -> IpAddr {
+        match family {
+            Family::Ipv4 => self.backend().ip.into(),
+            Family::Ipv6 => pod_ip_v6(0).into(),
+        }
     }
 
     pub fn second_backend(&self) -> &Pod {

@@ -36,8 +36,9 @@ pub fn pin(cpu: usize) -> Result<()> {
     sched_setaffinity(Pid::from_raw(0), &set).context("sched_setaffinity")
 }
 
-/// Answers every byte it reads with its `id`, one connection at a time, on TCP_TARGET_PORT; holds
-/// a UDP socket on UDP_TARGET_PORT that is never read, so that UDP to it (B5) is not refused.
+/// Answers every byte it reads with its `id`, one connection at a time, on TCP_TARGET_PORT of
+/// both families; holds a UDP socket on UDP_TARGET_PORT that is never read, so that UDP to it
+/// (B5) is not refused.
 pub struct Server {
     stop: Arc<AtomicBool>,
     listener: Arc<TcpListener>,
@@ -49,7 +50,8 @@ impl Server {
     pub fn start(ns: &Netns, id: u8) -> Result<Self> {
         let (listener, sink) = ns.run(|| -> Result<_> {
             Ok((
-                TcpListener::bind(("0.0.0.0", TCP_TARGET_PORT))?,
+                // Both families: an IPv6 socket that takes IPv4 too (bindv6only is 0).
+                TcpListener::bind(("::", TCP_TARGET_PORT))?,
                 UdpSocket::bind(("0.0.0.0", UDP_TARGET_PORT))?,
             ))
         })??;

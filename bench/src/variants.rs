@@ -10,7 +10,10 @@ use std::{
 };
 
 use anyhow::{Context as _, Result};
-use lb_tests::{agent::Agent, topology::CLUSTER_CIDR};
+use lb_tests::{
+    agent::Agent,
+    topology::{CLUSTER_CIDR, CLUSTER_CIDR_V6, NODE_IP},
+};
 use nix::{
     sys::signal::{Signal, kill},
     unistd::Pid,
@@ -19,8 +22,8 @@ use serde::Serialize;
 
 use crate::{
     interrupt, rulesets,
-    services::{SERVICE_PORT, ServiceSet, TCP_TARGET_PORT},
-    topology::BenchTopology,
+    services::{Family, SERVICE_PORT, ServiceSet, TCP_TARGET_PORT},
+    topology::{BenchTopology, NODE_IP_V6},
     traffic::Server,
 };
 
@@ -75,19 +78,22 @@ impl Variant {
         }
     }
 
-    /// The program that loads this variant's rules, if it has one.
-    pub fn loader(self) -> Option<&'static str> {
-        match self {
-            Variant::Direct | Variant::Tc | Variant::TcRedirect | Variant::Xdp => None,
-            Variant::IptablesNft => Some("iptables-nft-restore"),
-            Variant::IptablesLegacy => Some("iptables-legacy-restore"),
-            Variant::Nftables => Some("nft"),
+    /// The program that loads this variant's rules of `family`, if it has one.
+    pub fn loader(self, family: Family) -> Option<&'static str> {
+        match (self, family) {
+            (Variant::Direct | Variant::Tc | Variant::TcRedirect | Variant::Xdp, _) => None,
+            (Variant::IptablesNft, Family::Ipv4) => Some("iptables-nft-restore"),
+            (Variant::IptablesNft, Family::Ipv6) => Some("ip6tables-nft-restore"),
+            (Variant::IptablesLegacy, Family::Ipv4) => Some("iptables-legacy-restore"),
+            (Variant::IptablesLegacy, Family::Ipv6) => Some("ip6tables-legacy-restore"),
+            (Variant::Nftables, _) => Some("nft"),
         }
     }
 
-    /// Whether this machine can run the variant (its loader is installed).
+    /// Whether this machine can run the variant (its IPv4 loader is installed; a missing IPv6
+    /// one is an error of the IPv6 points).
     pub fn available(self) -> bool {
-        self.loader().is_none_or(|program| {
+        self.loader(Family::Ipv4).is_none_or(|program| {
             Command::new("which")
                 .arg(program)
                 .output()
@@ -150,7 +156,7 @@ impl Deployment {
     /// Where the client sends for the measured Service.
     pub fn target(&self, set: &ServiceSet) -> SocketAddr {
         match self.variant {
-            Variant::Direct => (self.topology.backend().ip, TCP_TARGET_PORT).into(),
+            Variant::Direct => (set.backend, TCP_TARGET_PORT).into(),
             _ => (set.measured_ip(), SERVICE_PORT).into(),
         }
     }
@@ -163,8 +169,11 @@ impl Deployment {
             Variant::Direct => Ok(Duration::ZERO),
             Variant::IptablesNft | Variant::IptablesLegacy => {
                 let file = self.dir.path().join("rules.iptables");
-                fs::write(&file, rulesets::iptables(set, CLUSTER_CIDR))?;
-                let loader = self.variant.loader().expect("iptables has a loader");
+                fs::write(&file, rulesets::iptables(set, cluster_cidr(set.family())))?;
+                let loader = self
+                    .variant
+                    .loader(set.family())
+                    .expect("iptables has a loader");
                 let start = Instant::now();
                 node.exec(
                     "timeout",
@@ -174,9 +183,13 @@ impl Deployment {
             }
             Variant::Nftables => {
                 let file = self.dir.path().join("rules.nft");
-                fs::write(&file, rulesets::nftables(set, CLUSTER_CIDR))?;
+                fs::write(&file, rulesets::nftables(set, cluster_cidr(set.family())))?;
                 // Replace, not merge: the previous count's chains go.
-                let _ = node.exec("nft", &["delete", "table", "ip", "kube-proxy"]);
+                let table = match set.family() {
+                    Family::Ipv4 => "ip",
+                    Family::Ipv6 => "ip6",
+                };
+                let _ = node.exec("nft", &["delete", "table", table, "kube-proxy"]);
                 let start = Instant::now();
                 node.exec(
                     "timeout",
@@ -208,10 +221,19 @@ impl Deployment {
         }
     }
 
-    /// Starts the agent on `yaml` with this deployment's flags; returns once it has synced and
-    /// attached.
+    /// Starts the agent on `yaml` with this deployment's flags, on a dual-stack node; returns
+    /// once it has synced and attached.
     fn start_agent(&self, yaml: &str) -> Result<Agent> {
-        let mut args = vec!["--bpffs", self.bpffs.to_str().expect("utf-8 path")];
+        let node_ips = format!("{NODE_IP},{NODE_IP_V6}");
+        let cluster_cidrs = format!("{CLUSTER_CIDR},{CLUSTER_CIDR_V6}");
+        let mut args = vec![
+            "--bpffs",
+            self.bpffs.to_str().expect("utf-8 path"),
+            "--node-ip",
+            &node_ips,
+            "--cluster-cidr",
+            &cluster_cidrs,
+        ];
         match self.variant {
             Variant::TcRedirect => args.extend(["--forwarding", "redirect"]),
             Variant::Xdp => args.push("--xdp"),
@@ -237,6 +259,14 @@ impl Deployment {
         );
         drop(old);
         Ok(self.agent.insert(self.start_agent(&yaml)?))
+    }
+}
+
+/// The pod network of `family`, as kube-proxy's `--cluster-cidr` gives it.
+fn cluster_cidr(family: Family) -> &'static str {
+    match family {
+        Family::Ipv4 => CLUSTER_CIDR,
+        Family::Ipv6 => CLUSTER_CIDR_V6,
     }
 }
 

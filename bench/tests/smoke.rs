@@ -16,7 +16,18 @@ fn smoke_run_writes_results_report_and_plots() {
         serde_json::from_str(&std::fs::read_to_string(dir.path().join("results.json")).unwrap())
             .unwrap();
     let points = results["points"].as_array().unwrap();
-    assert_eq!(points.len(), 3, "direct, tc and tc-redirect");
+    assert_eq!(
+        points.len(),
+        6,
+        "direct, tc and tc-redirect, in both families"
+    );
+    for family in ["ipv4", "ipv6"] {
+        assert_eq!(
+            points.iter().filter(|p| p["family"] == family).count(),
+            3,
+            "{family}"
+        );
+    }
     for point in points {
         assert!(point["error"].is_null(), "{point}");
         assert!(point["connections"]["per_second"].as_f64().unwrap() > 0.0);

@@ -8,9 +8,9 @@
 //! Pods are routed the way Calico and Cilium do it: a /32 on the pod, a /32 route per pod on the
 //! node, the pod's gateway an address the node holds on every pod veth. Nothing in it has a path
 //! to the machine's real interfaces.
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, Ipv6Addr};
 
-use anyhow::Result;
+use anyhow::{Result, ensure};
 
 use crate::netns::{Netns, unique_prefix};
 
@@ -22,6 +22,9 @@ pub const DOCKER_GATEWAY: Ipv4Addr = Ipv4Addr::new(172, 17, 0, 1);
 pub const CONTAINER_IP: Ipv4Addr = Ipv4Addr::new(172, 17, 0, 2);
 pub const EXTERNAL_INTERFACE: &str = "ext0";
 pub const DOCKER_BRIDGE: &str = "docker0";
+/// The IPv6 pod network of `Topology::add_pod_ipv6`, and the pods' IPv6 gateway in it.
+pub const CLUSTER_CIDR_V6: &str = "2001:db8:244::/56";
+pub const POD_GATEWAY_V6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x244, 0, 0, 0, 0, 1);
 /// `--pod-interfaces` for this topology: the pod veths and the docker bridge.
 pub const POD_INTERFACES: &str = "lbp*,docker0";
 
@@ -106,6 +109,38 @@ impl Topology {
         Ok(self.pods.last().expect("just pushed"))
     }
 
+    /// Gives every pod an IPv6 address (`pod_ip_v6`) routed as its IPv4 one: a /128 on the pod,
+    /// a /128 route on the node, the gateway an address the node holds on every pod veth, with
+    /// static neighbours so that no packet waits for neighbour discovery or duplicate address
+    /// detection.
+    pub fn add_pod_ipv6(&self) -> Result<()> {
+        let node = &self.node;
+        node.sysctl("net.ipv6.conf.all.forwarding", "1")?;
+        let gateway = POD_GATEWAY_V6.to_string();
+        for (index, pod) in self.pods.iter().enumerate() {
+            let ip = pod_ip_v6(index).to_string();
+            let veth = pod.host_interface.as_str();
+            let gateway_on_veth = format!("{gateway}/128");
+            node.ip(&["-6", "addr", "add", &gateway_on_veth, "dev", veth, "nodad"])?;
+            node.ip(&["-6", "route", "add", &format!("{ip}/128"), "dev", veth])?;
+            let pod_mac = mac(&pod.ns, "eth0")?;
+            node.ip(&["-6", "neigh", "add", &ip, "lladdr", &pod_mac, "dev", veth])?;
+            let pod_addr = format!("{ip}/128");
+            pod.ns
+                .ip(&["-6", "addr", "add", &pod_addr, "dev", "eth0", "nodad"])?;
+            pod.ns
+                .ip(&["-6", "route", "add", &gateway, "dev", "eth0"])?;
+            pod.ns.ip(&[
+                "-6", "route", "add", "default", "via", &gateway, "dev", "eth0",
+            ])?;
+            let veth_mac = mac(node, veth)?;
+            pod.ns.ip(&[
+                "-6", "neigh", "add", &gateway, "lladdr", &veth_mac, "dev", "eth0",
+            ])?;
+        }
+        Ok(())
+    }
+
     /// The node as the agent sees it.
     pub fn agent_node(&self) -> AgentNode<'_> {
         AgentNode {
@@ -176,6 +211,19 @@ pub(crate) fn add_pod(
         host_interface,
         ns,
     })
+}
+
+/// Pod `index`'s IPv6 address in CLUSTER_CIDR_V6 (`pod-a` 2001:db8:244::2, ...).
+pub fn pod_ip_v6(index: usize) -> Ipv6Addr {
+    Ipv6Addr::new(0x2001, 0xdb8, 0x244, 0, 0, 0, 0, 2 + index as u16)
+}
+
+/// The MAC address of `interface` in `ns`.
+fn mac(ns: &Netns, interface: &str) -> Result<String> {
+    let path = format!("/sys/class/net/{interface}/address");
+    let out = ns.exec("cat", &[&path])?;
+    ensure!(out.status.success(), "{path}: {out:?}");
+    Ok(String::from_utf8(out.stdout)?.trim().to_string())
 }
 
 /// The sysctls of a node: a router that never sends redirects (the datapath forwards traffic
