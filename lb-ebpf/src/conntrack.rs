@@ -8,7 +8,7 @@ use lb_common::{
     Backend, CT_F_MASQUERADE, CT_F_REPLY, CT_F_UNCONFIRMED, CT_UDP_UNREPLIED, Config,
     ConntrackEntry, ConntrackKey, ConntrackTimeouts, Counter, IPPROTO_TCP, confirms,
     conntrack_timeout_ns,
-    tcp::{self, Step, TcpWindow},
+    tcp::{self, Segment, Step, TcpWindow},
     udp_step,
 };
 
@@ -165,6 +165,11 @@ fn track_segment<P: PacketAccess>(ctx: &P, packet: &Packet, entry: &mut Conntrac
         Step::To(state) => (state, true),
         Step::Ignore | Step::Invalid => (entry.state, false),
     };
+    // An ACK that does not acknowledge the SYN-ACK changes nothing, as an invalid segment in
+    // Linux: the connection stays unconfirmed and expires in the SYN timeout.
+    if tcp::completes_handshake(entry.state, reply, next) && !acknowledges_peer(entry, segment) {
+        return entry.state;
+    }
     if segment.flags & TCP_SYN != 0 {
         // A SYN (again), a SYN-ACK, or a simultaneous open's SYN opens this direction's window.
         if moves {
@@ -179,6 +184,13 @@ fn track_segment<P: PacketAccess>(ctx: &P, packet: &Packet, entry: &mut Conntrac
         entry.window.learn(segment);
     }
     next
+}
+
+/// Whether `segment` of `entry`'s direction acknowledges what its peer entry's direction (the
+/// SYN-ACK's) sent; true when the peer is gone.
+fn acknowledges_peer(entry: &ConntrackEntry, segment: &Segment) -> bool {
+    maps::conntrack(&reversed(&rewrite_of(entry, IPPROTO_TCP)))
+        .is_none_or(|peer| TcpWindow::acknowledged_by(&peer.window, segment))
 }
 
 /// What the packet quoted by an ICMP error (`quoted`, as it was when it failed) becomes,

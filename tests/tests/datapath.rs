@@ -807,6 +807,37 @@ fn tcp_handshake_establishes_on_the_clients_ack() {
     assert_eq!(datapath.counter(Counter::NewConnection), 1);
 }
 
+/// The handshake's last ACK must acknowledge the SYN-ACK (Linux's window check): a blind ACK,
+/// as a spoofer who never saw the SYN-ACK sends, leaves the connection in SYN_RECV,
+/// unconfirmed, to expire in the SYN timeout; before, any ACK established and confirmed it.
+#[test]
+fn a_handshake_ack_that_misses_the_syn_ack_establishes_nothing() {
+    let datapath = Datapath::with_cluster_ip(&ENDPOINTS);
+    let backend = datapath.translate(&TcpFlow::syn()).dst;
+    datapath.translate(&TcpFlow::syn_ack(backend));
+    let key = ct_key(Proto::Tcp, POD, CLUSTER_IP);
+    let flow = TcpFlow::after_handshake(backend);
+    for offset in [1, 0x10_0000, 0x8000_0000, 0x9000_0000] {
+        let blind = Packet {
+            ack_number: flow.client.ack_number.wrapping_add(offset),
+            ..flow.client
+        };
+        datapath.translate(&blind);
+        assert_eq!(
+            datapath.tcp_states(backend),
+            (tcp::SYN_RECV, tcp::SYN_RECV),
+            "an ACK {offset:#x} past the SYN-ACK"
+        );
+        assert!(!datapath.confirmed(&key), "ACK {offset:#x} past the SYN-ACK");
+    }
+    datapath.translate(&flow.client);
+    assert_eq!(
+        datapath.tcp_states(backend),
+        (tcp::ESTABLISHED, tcp::ESTABLISHED)
+    );
+    assert!(datapath.confirmed(&key), "the true ACK confirms it");
+}
+
 /// A half-close: the client's FIN and the server's ACK leave the connection in CLOSE_WAIT (an
 /// hour by default), where the server goes on sending; the server's FIN and the client's last
 /// ACK end it in TIME_WAIT. Before, the FIN made it "closing" for 10 s.
