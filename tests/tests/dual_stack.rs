@@ -436,9 +436,11 @@ fn node_client(cgroup: &Cgroup, node: &Node, proto: Proto, to: SocketAddr) -> Re
 fn node_answer(cgroup: &Cgroup, node: &Node, proto: Proto, to: SocketAddr) -> Result<Answer> {
     let text = node_client(cgroup, node, proto, to)?;
     let context = || format!("{proto:?} to {to}: {text:?}");
-    let [server, seen, peer] = text.split_whitespace().collect::<Vec<_>>()[..] else {
+    let fields: Vec<&str> = text.split_whitespace().collect();
+    let [server, seen, peer] = fields[..] else {
         anyhow::bail!("{}", context());
     };
+    ensure!(server != "error", "{}", context());
     Ok(Answer {
         server: server.to_string(),
         seen_source: seen.parse().with_context(context)?,
