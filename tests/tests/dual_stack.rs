@@ -432,19 +432,23 @@ fn node_client(cgroup: &Cgroup, node: &Node, proto: Proto, to: SocketAddr) -> Re
     cgroup.output(&node.topology.node, program, &[proto, &to.to_string()])
 }
 
-/// The answer `lb-node-client` printed.
+/// The answer `lb-node-client` printed for one `proto` request to `to`.
 fn node_answer(cgroup: &Cgroup, node: &Node, proto: Proto, to: SocketAddr) -> Result<Answer> {
     let text = node_client(cgroup, node, proto, to)?;
-    let context = || format!("{proto:?} to {to}: {text:?}");
-    let fields: Vec<&str> = text.split_whitespace().collect();
+    answer_of(&text).with_context(|| format!("{proto:?} to {to}"))
+}
+
+/// The answer of one line `lb-node-client` printed: `<server> <source it saw> <peer>`.
+fn answer_of(line: &str) -> Result<Answer> {
+    let fields: Vec<&str> = line.split_whitespace().collect();
     let [server, seen, peer] = fields[..] else {
-        anyhow::bail!("{}", context());
+        anyhow::bail!("{line:?}");
     };
-    ensure!(server != "error", "{}", context());
+    ensure!(server != "error", "{line:?}");
     Ok(Answer {
         server: server.to_string(),
-        seen_source: seen.parse().with_context(context)?,
-        peer: peer.parse().with_context(context)?,
+        seen_source: seen.parse().with_context(|| format!("{line:?}"))?,
+        peer: peer.parse().with_context(|| format!("{line:?}"))?,
     })
 }
 
@@ -534,5 +538,41 @@ fn node_ipv6_service_without_endpoints_is_refused_fast() -> Result<()> {
             "{proto:?}: {text:?}, expected a fast ECONNREFUSED"
         );
     }
+    Ok(())
+}
+
+/// An unconnected IPv6 UDP socket of the node, which passes through sendmsg6 on every datagram:
+/// its 20 requests to an IPv6 service with three endpoints all reach one backend (as IPv4's,
+/// `LB_SOCK_BACKEND6_V1`), every answer from the service address; new sockets pick again: 12 of
+/// them reach more than one backend.
+#[test]
+fn node_ipv6_udp_flow_sticks_to_one_backend() -> Result<()> {
+    let cgroup = Cgroup::new()?;
+    let mut node = dual_stack_node_with_hooks(&cgroup)?;
+    let pods = ["pod-a", "pod-b", "pod-c"];
+    let _servers = pods
+        .iter()
+        .map(|pod| EchoServer::start_v6(node.pod_ns(pod), pod, TARGET_PORT_V6))
+        .collect::<Result<Vec<_>>>()?;
+    let endpoints = [pod_ip_v6(0), pod_ip_v6(1), pod_ip_v6(2)];
+    node.agent
+        .update_manifests(&ipv6_only(Proto::Udp, &endpoints))?;
+    let service: SocketAddr = (CLUSTER_IP_V6_ONLY.parse::<Ipv6Addr>()?, PORT).into();
+    let program = env!("CARGO_BIN_EXE_lb-node-client");
+    let args = ["udp-flow", &service.to_string(), "20"];
+    let text = cgroup.output(&node.topology.node, program, &args)?;
+    let flow = text.lines().map(answer_of).collect::<Result<Vec<_>>>()?;
+    ensure!(
+        flow.len() == 20
+            && flow
+                .iter()
+                .all(|a| a.server == flow[0].server && a.peer == service),
+        "one flow, one backend, answers from {service}: {flow:?}"
+    );
+    let mut servers = std::collections::BTreeSet::new();
+    for _ in 0..12 {
+        servers.insert(node_answer(&cgroup, &node, Proto::Udp, service)?.server);
+    }
+    ensure!(servers.len() > 1, "new sockets all went to {servers:?}");
     Ok(())
 }
