@@ -63,7 +63,11 @@ pub mod map_name {
     pub const FRONTEND_ORIGINS6: &str = "LB_FRONTEND_ORIGIN6_V1";
     /// The IPv6 addresses of the agent's flags (`Config6`); the rest of `CONFIG` holds for both.
     pub const CONFIG6: &str = "LB_CONFIG6_V1";
-    pub const ALL: [&str; 30] = [
+    /// The socket hooks' IPv6 maps (`SockRevNatKey6` → `SockRevNat6`, `SockBackendKey6` →
+    /// `StickyBackend6`). An IPv4-mapped service address on an IPv6 socket uses the IPv4 maps.
+    pub const SOCK_REVNAT6: &str = "LB_SOCK_REVNAT6_V1";
+    pub const SOCK_BACKEND6: &str = "LB_SOCK_BACKEND6_V1";
+    pub const ALL: [&str; 32] = [
         FRONTENDS,
         BACKENDS,
         CONNTRACK,
@@ -94,6 +98,8 @@ pub mod map_name {
         FRONTEND_ORIGINS6,
         CONFIG6,
         TC_IPV6_PROGRAMS,
+        SOCK_REVNAT6,
+        SOCK_BACKEND6,
     ];
 }
 
@@ -127,6 +133,12 @@ pub mod program_name {
     pub const RECVMSG4: &str = "lb_recvmsg4";
     /// cgroup/getpeername4: a connected socket's peer is shown as the service address.
     pub const GETPEERNAME4: &str = "lb_getpeername4";
+    /// The IPv6 twins of the four above, for IPv6 sockets: IPv6 service addresses, and
+    /// IPv4-mapped ones (`::ffff:10.96.0.10`) served by the IPv4 frontends.
+    pub const CONNECT6: &str = "lb_connect6";
+    pub const SENDMSG6: &str = "lb_sendmsg6";
+    pub const RECVMSG6: &str = "lb_recvmsg6";
+    pub const GETPEERNAME6: &str = "lb_getpeername6";
 }
 
 pub const IPPROTO_ICMP: u8 = 1;
@@ -1299,6 +1311,37 @@ pub struct SockRevNat {
     pub _pad: u16,
 }
 
+/// Key of `SOCK_REVNAT6`: [`SockRevNatKey`] of an IPv6 backend.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct SockRevNatKey6 {
+    pub cookie: u64,
+    pub backend: Backend6,
+    pub _pad: u32,
+}
+
+/// Value of `SOCK_REVNAT6`: [`SockRevNat`] of an IPv6 service address.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct SockRevNat6 {
+    pub addr: Addr6,
+    /// Network byte order.
+    pub port: u16,
+    pub _pad: u16,
+}
+
+/// Key of `SOCK_BACKEND6`: [`SockBackendKey`] of an IPv6 service port.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct SockBackendKey6 {
+    pub cookie: u64,
+    pub frontend: FrontendKey6,
+    pub _pad: u32,
+}
+
 /// --masquerade-all.
 pub const CONFIG_F_MASQUERADE_ALL: u32 = 1 << 0;
 /// The agent has written this config; until then the datapath passes everything.
@@ -1656,6 +1699,9 @@ const _: () = {
     assert!(core::mem::size_of::<AffinityKey6>() == 20);
     assert!(core::mem::size_of::<StickyBackend6>() == 32);
     assert!(core::mem::size_of::<Config6>() == 48);
+    assert!(core::mem::size_of::<SockRevNatKey6>() == 32);
+    assert!(core::mem::size_of::<SockRevNat6>() == 20);
+    assert!(core::mem::size_of::<SockBackendKey6>() == 32);
     assert!(Counter::ALL[Counter::COUNT as usize - 1] as u32 == Counter::COUNT - 1);
 };
 
@@ -1699,6 +1745,9 @@ mod user {
     unsafe impl aya::Pod for AffinityKey6 {}
     unsafe impl aya::Pod for StickyBackend6 {}
     unsafe impl aya::Pod for Config6 {}
+    unsafe impl aya::Pod for SockRevNatKey6 {}
+    unsafe impl aya::Pod for SockRevNat6 {}
+    unsafe impl aya::Pod for SockBackendKey6 {}
 }
 
 #[cfg(test)]

@@ -9,7 +9,7 @@
 //! reverse-translated and forwarded by tc; everything else passes untouched. `lb_ingress` and
 //! `lb_xdp` run the same translation core (translate.rs) over their own packet access
 //! (packet.rs). The node's own sockets are translated at connect and send time by the cgroup
-//! socket hooks (`sock`). IPv6 packets jump to programs of their own, `lb_ingress6` and
+//! socket hooks (`sock`, `sock6`). IPv6 packets jump to programs of their own, `lb_ingress6` and
 //! `lb_egress6` (ipv6.rs).
 #![no_std]
 #![no_main]
@@ -33,6 +33,7 @@ mod parse6;
 mod reject;
 mod service;
 mod sock;
+mod sock6;
 mod tcp;
 mod translate;
 mod translate6;
@@ -204,6 +205,26 @@ pub fn lb_recvmsg4(ctx: SockAddrContext) -> i32 {
 #[cgroup_sock_addr(getpeername4)]
 pub fn lb_getpeername4(ctx: SockAddrContext) -> i32 {
     sock::reverse(&ctx)
+}
+
+#[cgroup_sock_addr(connect6)]
+pub fn lb_connect6(ctx: SockAddrContext) -> i32 {
+    sock6::translate(&ctx)
+}
+
+#[cgroup_sock_addr(sendmsg6)]
+pub fn lb_sendmsg6(ctx: SockAddrContext) -> i32 {
+    sock6::translate(&ctx)
+}
+
+#[cgroup_sock_addr(recvmsg6)]
+pub fn lb_recvmsg6(ctx: SockAddrContext) -> i32 {
+    sock6::reverse(&ctx)
+}
+
+#[cgroup_sock_addr(getpeername6)]
+pub fn lb_getpeername6(ctx: SockAddrContext) -> i32 {
+    sock6::reverse(&ctx)
 }
 
 fn try_xdp(ctx: &XdpContext) -> Result<u32, Counter> {

@@ -19,6 +19,7 @@ use lb_common::{
     StickyBackend6,
 };
 use lb_common::{AgentInfo, ServiceStatus};
+use lb_common::{SockBackendKey6, SockRevNat6, SockRevNatKey6};
 
 #[map(name = "LB_FRONTEND_V4")]
 static FRONTENDS: HashMap<FrontendKey, Frontend> =
@@ -64,6 +65,16 @@ static SOCK_REVNAT: LruHashMap<SockRevNatKey, SockRevNat> =
 
 #[map(name = "LB_SOCK_BACKEND_V1")]
 static SOCK_BACKEND: LruHashMap<SockBackendKey, StickyBackend> =
+    LruHashMap::with_max_entries(default_size::SOCK_BACKEND, 0);
+
+/// The IPv6 sockets' twins of the two above (IPv6 service addresses; IPv4-mapped ones use
+/// theirs), sized as theirs.
+#[map(name = "LB_SOCK_REVNAT6_V1")]
+static SOCK_REVNAT6: LruHashMap<SockRevNatKey6, SockRevNat6> =
+    LruHashMap::with_max_entries(default_size::SOCK_REVNAT, 0);
+
+#[map(name = "LB_SOCK_BACKEND6_V1")]
+static SOCK_BACKEND6: LruHashMap<SockBackendKey6, StickyBackend6> =
     LruHashMap::with_max_entries(default_size::SOCK_BACKEND, 0);
 
 #[map(name = "LB_FRAGMENT_V2")]
@@ -363,6 +374,28 @@ pub fn sock_revnat(key: &SockRevNatKey) -> Option<SockRevNat> {
 pub fn sock_revnat_insert(key: &SockRevNatKey, value: &SockRevNat) {
     // A failed insert only leaves the application seeing the backend's address.
     let _ = SOCK_REVNAT.insert(key, value, 0);
+}
+
+pub fn sock_backend6(key: &SockBackendKey6) -> Option<&'static mut StickyBackend6> {
+    // SAFETY: as in `affinity`.
+    SOCK_BACKEND6
+        .get_ptr_mut(key)
+        .map(|entry| unsafe { &mut *entry })
+}
+
+pub fn sock_backend6_insert(key: &SockBackendKey6, entry: &StickyBackend6) {
+    // As `sock_backend_insert`.
+    let _ = SOCK_BACKEND6.insert(key, entry, 0);
+}
+
+pub fn sock_revnat6(key: &SockRevNatKey6) -> Option<SockRevNat6> {
+    // SAFETY: the value is copied out at once.
+    unsafe { SOCK_REVNAT6.get(key).copied() }
+}
+
+pub fn sock_revnat6_insert(key: &SockRevNatKey6, value: &SockRevNat6) {
+    // As `sock_revnat_insert`.
+    let _ = SOCK_REVNAT6.insert(key, value, 0);
 }
 
 /// The next value of the round-robin counter of `service_id`, shared by all CPUs.

@@ -1,7 +1,8 @@
 //! Traffic from the node itself (host processes, hostNetwork pods), as kube-proxy's OUTPUT
 //! chain serves it: cgroup socket-address hooks point a socket at a backend when it connects
 //! (TCP, connected UDP) or sends (unconnected UDP, each datagram of a flow to the same backend)
-//! to a service, and show the service address back to the application (getpeername, recvmsg). No packet of these flows is translated: the
+//! to a service, and show the service address back to the application (getpeername, recvmsg).
+//! IPv6 sockets have hooks of their own (sock6.rs). No packet of these flows is translated: the
 //! kernel routes them to the backend and picks their source, which is what kube-proxy's
 //! masquerade of node-local traffic gives.
 use aya_ebpf::{
@@ -21,7 +22,7 @@ use crate::{
 };
 
 /// The syscall goes on (with the address as the hook left it).
-const PROCEED: i32 = 1;
+pub const PROCEED: i32 = 1;
 /// The syscall fails: EPERM, or the error set with `bpf_set_retval`.
 const FAIL: i32 = 0;
 const ECONNREFUSED: i32 = 111;
@@ -29,7 +30,7 @@ const LOOPBACK_NET: u32 = ipv4_be([127, 0, 0, 0]);
 const LOOPBACK_MASK: u32 = ipv4_be([255, 0, 0, 0]);
 
 /// Why a socket's address is left as it is.
-enum Untouched {
+pub enum Untouched {
     /// Not ours: another namespace, not TCP/UDP, not a service address.
     NotService,
     /// The service refuses or drops new connections; counted, and the syscall fails.
@@ -38,7 +39,12 @@ enum Untouched {
 
 /// connect4 and sendmsg4: a service address becomes a backend of that service.
 pub fn translate(ctx: &SockAddrContext) -> i32 {
-    match try_translate(ctx) {
+    verdict(try_translate(ctx))
+}
+
+/// What a translating hook returns for the outcome of its translation.
+pub fn verdict(translated: Result<(), Untouched>) -> i32 {
+    match translated {
         Ok(()) => PROCEED,
         Err(Untouched::NotService) => PROCEED,
         Err(Untouched::Refused(reason)) => {
@@ -55,6 +61,18 @@ pub fn translate(ctx: &SockAddrContext) -> i32 {
 }
 
 fn try_translate(ctx: &SockAddrContext) -> Result<(), Untouched> {
+    let (config, proto) = node_socket(ctx)?;
+    // SAFETY: the kernel hands the program a valid bpf_sock_addr for its whole run.
+    let addr = unsafe { &mut *ctx.sock_addr };
+    let backend = ipv4_backend(ctx, config, proto, addr.user_ip4, addr.user_port as u16)?;
+    addr.user_ip4 = backend.addr;
+    addr.user_port = u32::from(backend.port);
+    Ok(())
+}
+
+/// The configuration and the protocol of the context's socket if it is a TCP or UDP socket of
+/// the agent's network namespace.
+pub fn node_socket(ctx: &SockAddrContext) -> Result<(&'static Config, u8), Untouched> {
     let config = maps::config()
         .filter(|config| config.netns_cookie != 0)
         .ok_or(Untouched::NotService)?;
@@ -62,15 +80,27 @@ fn try_translate(ctx: &SockAddrContext) -> Result<(), Untouched> {
     if unsafe { bpf_get_netns_cookie(ctx.as_ptr()) } != config.netns_cookie {
         return Err(Untouched::NotService);
     }
-    // SAFETY: the kernel hands the program a valid bpf_sock_addr for its whole run.
-    let addr = unsafe { &mut *ctx.sock_addr };
-    let proto = match addr.protocol {
-        p if p == u32::from(IPPROTO_TCP) => IPPROTO_TCP,
-        p if p == u32::from(IPPROTO_UDP) => IPPROTO_UDP,
-        _ => return Err(Untouched::NotService),
-    };
+    // SAFETY: as in `try_translate`.
+    let protocol = unsafe { (*ctx.sock_addr).protocol };
+    match protocol {
+        p if p == u32::from(IPPROTO_TCP) => Ok((config, IPPROTO_TCP)),
+        p if p == u32::from(IPPROTO_UDP) => Ok((config, IPPROTO_UDP)),
+        _ => Err(Untouched::NotService),
+    }
+}
+
+/// The backend the socket's connect or send to IPv4 address `dst_addr:dst_port` goes to, if
+/// that is a service address; remembered for [`ipv4_service`].
+// Inlined: a BPF function call takes at most five arguments, the result's pointer among them.
+#[inline(always)]
+pub fn ipv4_backend(
+    ctx: &SockAddrContext,
+    config: &Config,
+    proto: u8,
+    dst_addr: u32,
+    dst_port: u16,
+) -> Result<Backend, Untouched> {
     let cookie = socket_cookie(ctx);
-    let (dst_addr, dst_port) = (addr.user_ip4, addr.user_port as u16);
     let tuple = ConntrackKey {
         // The source is not chosen yet: the node's address stands for it (sessionAffinity and
         // source hashing key on it), and the socket for its port (flow hashing).
@@ -101,7 +131,7 @@ fn try_translate(ctx: &SockAddrContext) -> Result<(), Untouched> {
         service::select_backend(&frontend, &backends, &tuple, now).map(|(_, b)| b)
     }
     .map_err(Untouched::Refused)?;
-    // The endpoint alone: recvmsg4 and getpeername4 look it up by the address they see.
+    // The endpoint alone: the reverse hooks look it up by the address they see.
     let key = SockRevNatKey {
         cookie,
         backend: backend.endpoint(),
@@ -113,10 +143,8 @@ fn try_translate(ctx: &SockAddrContext) -> Result<(), Untouched> {
     };
     // A failed insert only leaves the application seeing the backend as its peer.
     maps::sock_revnat_insert(&key, &service);
-    addr.user_ip4 = backend.addr;
-    addr.user_port = u32::from(backend.port);
     maps::count(Counter::NewConnection);
-    Ok(())
+    Ok(backend)
 }
 
 /// recvmsg4 and getpeername4: a backend this socket was pointed to shows as the service
@@ -124,24 +152,30 @@ fn try_translate(ctx: &SockAddrContext) -> Result<(), Untouched> {
 pub fn reverse(ctx: &SockAddrContext) -> i32 {
     // SAFETY: as in `try_translate`.
     let addr = unsafe { &mut *ctx.sock_addr };
-    let key = SockRevNatKey {
-        cookie: socket_cookie(ctx),
-        backend: Backend {
-            addr: addr.user_ip4,
-            port: addr.user_port as u16,
-            stats_slot: 0,
-        },
-    };
-    if let Some(service) = maps::sock_revnat(&key) {
+    if let Some(service) = ipv4_service(ctx, addr.user_ip4, addr.user_port as u16) {
         addr.user_ip4 = service.addr;
         addr.user_port = u32::from(service.port);
     }
     PROCEED
 }
 
+/// The service address the socket used where it reaches IPv4 backend `addr:port`.
+pub fn ipv4_service(ctx: &SockAddrContext, addr: u32, port: u16) -> Option<SockRevNat> {
+    maps::sock_revnat(&SockRevNatKey {
+        cookie: socket_cookie(ctx),
+        backend: Backend {
+            addr,
+            port,
+            stats_slot: 0,
+        },
+    })
+}
+
 /// The backend of a UDP socket's datagram to a service port: the one its previous datagrams went
 /// to while that flow is in use (an unconnected socket passes through sendmsg4 on every send),
 /// as conntrack keeps a UDP 5-tuple on one endpoint for kube-proxy.
+// Inlined: a BPF function call takes at most five arguments, the result's pointer among them.
+#[inline(always)]
 fn udp_flow_backend(
     cookie: u64,
     frontend: &Frontend,
@@ -172,7 +206,7 @@ fn udp_flow_backend(
     Ok(backend)
 }
 
-fn socket_cookie(ctx: &SockAddrContext) -> u64 {
+pub fn socket_cookie(ctx: &SockAddrContext) -> u64 {
     // SAFETY: the helper reads the cookie of the context's socket.
     unsafe { bpf_get_socket_cookie(ctx.as_ptr()) }
 }

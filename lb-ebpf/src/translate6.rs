@@ -68,7 +68,7 @@ pub fn translation<P: PacketAccess>(ctx: &P) -> Result<(Packet6, ConntrackKey6),
 
 /// The frontend a new connection `tuple` is addressed to: its exact port, else the catch-all of
 /// a ClusterIP.
-fn frontend(tuple: &ConntrackKey6) -> Result<Frontend, Counter> {
+pub fn frontend(tuple: &ConntrackKey6) -> Result<Frontend, Counter> {
     maps::frontend6(&FrontendKey6 {
         addr: tuple.dst_addr,
         port: tuple.dst_port,
@@ -81,7 +81,7 @@ fn frontend(tuple: &ConntrackKey6) -> Result<Frontend, Counter> {
 
 /// The endpoint list a new connection from `client` uses, as service::backends: its service id,
 /// first slot and length.
-fn backends(config6: &Config6, frontend: &Frontend, client: &Addr6) -> (u32, u32, u32) {
+pub fn backends(config6: &Config6, frontend: &Frontend, client: &Addr6) -> (u32, u32, u32) {
     let local = frontend.flags & FRONTEND_F_LOCAL != 0
         && !(in_cluster(config6, client) && frontend.flags & FRONTEND_F_PRESERVE_SOURCE != 0);
     if local {

@@ -14,7 +14,7 @@ use aya::{
         Array, HashMap, MapData, PerCpuArray, PerCpuValues,
         lpm_trie::{Key, LpmTrie},
     },
-    programs::{SchedClassifier, TestRun, TestRunOptions, Xdp},
+    programs::{CgroupSockAddr, SchedClassifier, TestRun, TestRunOptions, Xdp},
 };
 use etherparse::{
     ArpHardwareId, ArpOperation, ArpPacket, EtherType, Ethernet2Header, IpHeaders, IpNumber,
@@ -2850,10 +2850,11 @@ fn unrouted_packets_fall_back_to_the_stack() {
 }
 
 /// Below the kernel's 1M limit, so that added features have room; a jump in this number means
-/// a loop or branch structure that multiplies verifier states. lb_ingress is about 180k, lb_egress
-/// about 11k and lb_xdp about 250k: the port search is a bpf_loop callback whose body is verified once, and
-/// it reports a port rather than a tuple, which would keep one verifier state per outcome
-/// through the rest of the new connection path.
+/// a loop or branch structure that multiplies verifier states. lb_ingress is about 195k, lb_egress
+/// about 11k and lb_xdp about 250k: the port search is a bpf_loop callback whose body is verified
+/// once, and it reports a port rather than a tuple, which would keep one verifier state per
+/// outcome through the rest of the new connection path. The socket hooks, loaded too, are a few
+/// thousand (connect, sendmsg) and under a hundred (recvmsg, getpeername).
 #[test]
 fn verifier_cost_is_bounded() {
     let mut datapath = Datapath::new(config()).with_xdp();
@@ -2864,11 +2865,28 @@ fn verifier_cost_is_bounded() {
         .try_into()
         .unwrap();
     lb_user::datapath::load_program(|| egress.load()).expect("verifier accepts lb_egress");
-    for name in [
+    let sock_programs = [
+        program_name::CONNECT4,
+        program_name::SENDMSG4,
+        program_name::RECVMSG4,
+        program_name::GETPEERNAME4,
+        program_name::CONNECT6,
+        program_name::SENDMSG6,
+        program_name::RECVMSG6,
+        program_name::GETPEERNAME6,
+    ];
+    for name in sock_programs {
+        let program: &mut CgroupSockAddr =
+            datapath.ebpf.program_mut(name).unwrap().try_into().unwrap();
+        lb_user::datapath::load_program(|| program.load())
+            .unwrap_or_else(|err| panic!("verifier accepts {name}: {err}"));
+    }
+    let tc_programs = [
         program_name::INGRESS,
         program_name::EGRESS,
         program_name::XDP,
-    ] {
+    ];
+    for name in tc_programs.into_iter().chain(sock_programs) {
         let program = datapath.ebpf.program(name).unwrap();
         let processed = program
             .info()

@@ -2,7 +2,8 @@
 //! `--cluster-cidr` per family and a Service of both families, serves its IPv4 side as an
 //! IPv4-only Service is served, and writes its IPv6 side into the IPv6 maps (which `lb services`
 //! lists); the IPv6 datapath serves a pod's connection to an IPv6 ClusterIP (seed path 1 over
-//! IPv6, TCP and UDP), the rest of IPv6 is still pending.
+//! IPv6, TCP and UDP), and the socket hooks a node process's IPv6 socket to an IPv6 ClusterIP or
+//! an IPv4-mapped IPv4 one; the rest of IPv6 is still pending.
 use std::{
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     time::Duration,
@@ -12,11 +13,12 @@ use anyhow::{Context as _, Result, ensure};
 use lb_tests::{
     agent::{SYNC_DONE, lb_binary},
     bpffs::Bpffs,
-    echo::{EchoServer, Proto, requests},
+    cgroup::Cgroup,
+    echo::{Answer, EchoServer, Proto, requests},
     netns::Netns,
     node::{CLUSTER_IP, Node, PORT, TARGET_PORT, vip},
     paths::{check_external_to_node_port, check_pod_to_service},
-    topology::{CLUSTER_CIDR, NODE_IP},
+    topology::{CLUSTER_CIDR, NODE_IP, POD_GATEWAY},
 };
 
 const NODE_PORT: u16 = 30080;
@@ -411,4 +413,166 @@ fn pod_to_ipv6_cluster_ip_tcp() -> Result<()> {
 #[test]
 fn pod_to_ipv6_cluster_ip_udp() -> Result<()> {
     pod_to_ipv6_cluster_ip(Proto::Udp)
+}
+
+/// A dual-stack node (`dual_stack_node`) whose pods have IPv6 addresses and whose socket hooks
+/// are on `cgroup`.
+fn dual_stack_node_with_hooks(cgroup: &Cgroup) -> Result<Node> {
+    let path = cgroup.agent_path();
+    let node = dual_stack_node(&["--cgroup", path.to_str().context("cgroup path")?])?;
+    add_pod_ipv6(&node)?;
+    Ok(node)
+}
+
+/// What `lb-node-client` printed for one `proto` request to `to`, run in the node namespace and
+/// `cgroup`: `<server> <source it saw> <peer>`, or `error <kind> <milliseconds>`.
+fn node_client(cgroup: &Cgroup, node: &Node, proto: Proto, to: SocketAddr) -> Result<String> {
+    let proto = proto.rule_name();
+    let program = env!("CARGO_BIN_EXE_lb-node-client");
+    cgroup.output(&node.topology.node, program, &[proto, &to.to_string()])
+}
+
+/// The answer `lb-node-client` printed for one `proto` request to `to`.
+fn node_answer(cgroup: &Cgroup, node: &Node, proto: Proto, to: SocketAddr) -> Result<Answer> {
+    let text = node_client(cgroup, node, proto, to)?;
+    answer_of(&text).with_context(|| format!("{proto:?} to {to}"))
+}
+
+/// The answer of one line `lb-node-client` printed: `<server> <source it saw> <peer>`.
+fn answer_of(line: &str) -> Result<Answer> {
+    let fields: Vec<&str> = line.split_whitespace().collect();
+    let [server, seen, peer] = fields[..] else {
+        anyhow::bail!("{line:?}");
+    };
+    ensure!(server != "error", "{line:?}");
+    Ok(Answer {
+        server: server.to_string(),
+        seen_source: seen.parse().with_context(|| format!("{line:?}"))?,
+        peer: peer.parse().with_context(|| format!("{line:?}"))?,
+    })
+}
+
+/// A process of the node (no pod) with an IPv6 socket reaches an IPv6 ClusterIP through the
+/// connect6/sendmsg6 hooks: pod-b or pod-c answers, seeing the node's address on its link (the
+/// source routing gives, as for IPv4), and the client's peer (getpeername, recvfrom's source
+/// through recvmsg6) is the ClusterIP.
+fn node_to_ipv6_cluster_ip(proto: Proto) -> Result<()> {
+    let cgroup = Cgroup::new()?;
+    let mut node = dual_stack_node_with_hooks(&cgroup)?;
+    let _servers = ["pod-b", "pod-c"]
+        .iter()
+        .map(|pod| EchoServer::start_v6(node.pod_ns(pod), pod, TARGET_PORT_V6))
+        .collect::<Result<Vec<_>>>()?;
+    node.agent
+        .update_manifests(&ipv6_only(proto, &[pod_ip_v6(1), pod_ip_v6(2)]))?;
+    let service: SocketAddr = (CLUSTER_IP_V6_ONLY.parse::<Ipv6Addr>()?, PORT).into();
+    for _ in 0..4 {
+        let answer = node_answer(&cgroup, &node, proto, service)?;
+        ensure!(
+            ["pod-b", "pod-c"].contains(&answer.server.as_str())
+                && answer.seen_source.ip() == IpAddr::V6(POD_GATEWAY_V6)
+                && answer.peer == service,
+            "{proto:?}: {answer:?}"
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn node_to_ipv6_cluster_ip_tcp() -> Result<()> {
+    node_to_ipv6_cluster_ip(Proto::Tcp)
+}
+
+#[test]
+fn node_to_ipv6_cluster_ip_udp() -> Result<()> {
+    node_to_ipv6_cluster_ip(Proto::Udp)
+}
+
+/// An IPv6 socket of the node to an IPv4 ClusterIP as an IPv4-mapped address
+/// (`::ffff:10.96.0.10`, Java's default): an IPv4 backend answers over IPv4, seeing the node's
+/// IPv4 address on its link, and the client's peer is the IPv4-mapped ClusterIP. TCP through
+/// connect6 and getpeername6; unconnected UDP through sendmsg4 (the kernel sends an IPv4-mapped
+/// datagram as IPv4) and recvmsg6.
+fn node_to_ipv4_mapped_cluster_ip(proto: Proto) -> Result<()> {
+    let cgroup = Cgroup::new()?;
+    let mut node = dual_stack_node_with_hooks(&cgroup)?;
+    let service = node.service(proto, &["pod-b", "pod-c"]).yaml();
+    node.agent.update_manifests(&service)?;
+    let mapped: SocketAddr = (CLUSTER_IP.to_ipv6_mapped(), PORT).into();
+    for _ in 0..4 {
+        let answer = node_answer(&cgroup, &node, proto, mapped)?;
+        ensure!(
+            ["pod-b", "pod-c"].contains(&answer.server.as_str())
+                && answer.seen_source.ip() == IpAddr::V4(POD_GATEWAY)
+                && answer.peer == mapped,
+            "{proto:?}: {answer:?}"
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn node_to_ipv4_mapped_cluster_ip_tcp() -> Result<()> {
+    node_to_ipv4_mapped_cluster_ip(Proto::Tcp)
+}
+
+#[test]
+fn node_to_ipv4_mapped_cluster_ip_udp() -> Result<()> {
+    node_to_ipv4_mapped_cluster_ip(Proto::Udp)
+}
+
+/// An IPv6 ClusterIP without endpoints refuses a node socket at once (ECONNREFUSED from connect
+/// or sendto), as the IPv4 hooks and kube-proxy's REJECT do.
+#[test]
+fn node_ipv6_service_without_endpoints_is_refused_fast() -> Result<()> {
+    let cgroup = Cgroup::new()?;
+    let mut node = dual_stack_node_with_hooks(&cgroup)?;
+    let service: SocketAddr = (CLUSTER_IP_V6_ONLY.parse::<Ipv6Addr>()?, PORT).into();
+    for proto in [Proto::Tcp, Proto::Udp] {
+        node.agent.update_manifests(&ipv6_only(proto, &[]))?;
+        let text = node_client(&cgroup, &node, proto, service)?;
+        let fields: Vec<&str> = text.split_whitespace().collect();
+        let fast = |millis: &str| millis.parse::<u64>().is_ok_and(|ms| ms < 500);
+        ensure!(
+            matches!(fields[..], ["error", "Some(ConnectionRefused)", millis] if fast(millis)),
+            "{proto:?}: {text:?}, expected a fast ECONNREFUSED"
+        );
+    }
+    Ok(())
+}
+
+/// An unconnected IPv6 UDP socket of the node, which passes through sendmsg6 on every datagram:
+/// its 20 requests to an IPv6 service with three endpoints all reach one backend (as IPv4's,
+/// `LB_SOCK_BACKEND6_V1`), every answer from the service address; new sockets pick again: 12 of
+/// them reach more than one backend.
+#[test]
+fn node_ipv6_udp_flow_sticks_to_one_backend() -> Result<()> {
+    let cgroup = Cgroup::new()?;
+    let mut node = dual_stack_node_with_hooks(&cgroup)?;
+    let pods = ["pod-a", "pod-b", "pod-c"];
+    let _servers = pods
+        .iter()
+        .map(|pod| EchoServer::start_v6(node.pod_ns(pod), pod, TARGET_PORT_V6))
+        .collect::<Result<Vec<_>>>()?;
+    let endpoints = [pod_ip_v6(0), pod_ip_v6(1), pod_ip_v6(2)];
+    node.agent
+        .update_manifests(&ipv6_only(Proto::Udp, &endpoints))?;
+    let service: SocketAddr = (CLUSTER_IP_V6_ONLY.parse::<Ipv6Addr>()?, PORT).into();
+    let program = env!("CARGO_BIN_EXE_lb-node-client");
+    let args = ["udp-flow", &service.to_string(), "20"];
+    let text = cgroup.output(&node.topology.node, program, &args)?;
+    let flow = text.lines().map(answer_of).collect::<Result<Vec<_>>>()?;
+    ensure!(
+        flow.len() == 20
+            && flow
+                .iter()
+                .all(|a| a.server == flow[0].server && a.peer == service),
+        "one flow, one backend, answers from {service}: {flow:?}"
+    );
+    let mut servers = std::collections::BTreeSet::new();
+    for _ in 0..12 {
+        servers.insert(node_answer(&cgroup, &node, Proto::Udp, service)?.server);
+    }
+    ensure!(servers.len() > 1, "new sockets all went to {servers:?}");
+    Ok(())
 }

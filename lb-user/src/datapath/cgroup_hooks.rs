@@ -16,11 +16,15 @@ use crate::datapath::link_pins::LinkPins;
 use crate::datapath::{self, Datapath};
 use crate::error_chain;
 
-const PROGRAMS: [&str; 4] = [
+const PROGRAMS: [&str; 8] = [
     program_name::CONNECT4,
     program_name::SENDMSG4,
     program_name::RECVMSG4,
     program_name::GETPEERNAME4,
+    program_name::CONNECT6,
+    program_name::SENDMSG6,
+    program_name::RECVMSG6,
+    program_name::GETPEERNAME6,
 ];
 
 /// Puts the hooks on `cgroup` as BPF links beside any other programs, pinned, or swaps them
