@@ -373,8 +373,8 @@ impl ApiSource {
             Some(ObjectReference {
                 api_version: Some(Service::api_version(&()).into_owned()),
                 kind: Some(Service::kind(&()).into_owned()),
-                namespace: Some(name.namespace.clone()),
-                name: Some(name.name.clone()),
+                namespace: Some(name.namespace.to_string()),
+                name: Some(name.name.to_string()),
                 uid: Some(uids.get(name)?.clone()),
                 ..Default::default()
             })
@@ -562,8 +562,8 @@ fn spawn_watch<K>(
 
 fn service_of_service(svc: &Service) -> Option<ServiceName> {
     Some(ServiceName {
-        namespace: svc.metadata.namespace.clone().unwrap_or_default(),
-        name: svc.metadata.name.clone()?,
+        namespace: svc.metadata.namespace.as_deref().unwrap_or_default().into(),
+        name: svc.metadata.name.as_deref()?.into(),
     })
 }
 
@@ -575,8 +575,8 @@ fn service_of_slice(slice: &EndpointSlice) -> Option<ServiceName> {
         .as_ref()?
         .get(k8s::SERVICE_NAME_LABEL)?;
     Some(ServiceName {
-        namespace: slice.metadata.namespace.clone().unwrap_or_default(),
-        name: name.clone(),
+        namespace: slice.metadata.namespace.as_deref().unwrap_or_default().into(),
+        name: name.as_str().into(),
     })
 }
 

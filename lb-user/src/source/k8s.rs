@@ -392,7 +392,7 @@ pub fn endpoint_slice(
     Ok(Some(SliceSpec {
         service: ServiceName {
             namespace: slice_name.namespace,
-            name: service.clone(),
+            name: service.as_str().into(),
         },
         family,
         ports,
@@ -403,11 +403,11 @@ pub fn endpoint_slice(
 fn object_name(meta: &ObjectMeta) -> Result<ServiceName, InvalidField> {
     let name = meta
         .name
-        .clone()
+        .as_deref()
         .ok_or_else(|| invalid("metadata.name", "missing"))?;
     Ok(ServiceName {
-        namespace: meta.namespace.clone().unwrap_or_else(|| "default".into()),
-        name,
+        namespace: meta.namespace.as_deref().unwrap_or("default").into(),
+        name: name.into(),
     })
 }
 

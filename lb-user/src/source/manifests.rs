@@ -815,7 +815,7 @@ endpoints: [{addresses: [10.244.1.2]}]
             .values()
             .map(|s| {
                 (
-                    s.name.name.clone(),
+                    s.name.name.to_string(),
                     s.cluster_ip.expect("an IPv4 ClusterIP"),
                 )
             })
