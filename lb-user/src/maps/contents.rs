@@ -13,6 +13,7 @@ use lb_common::{
     ServiceStatus, ipv4_be, port_be,
 };
 
+use crate::compact::compact;
 use crate::model::Family;
 
 /// An entry of `SOURCE_RANGES` (`SOURCE_RANGES6` for an `Ipv6Net`): sources in `net` may reach
@@ -245,6 +246,15 @@ impl<A: MapFamily, R: Records> FamilyContents<A, R> {
                 .source_ranges
                 .symmetric_difference(&other.source_ranges)
                 .count()
+    }
+
+    /// Rebuilds the maps with full nodes, after a bulk change ([`crate::compact`]).
+    pub fn compact(&mut self) {
+        compact(&mut self.frontends);
+        compact(&mut self.backends);
+        compact(&mut self.source_ranges);
+        compact(&mut self.origins);
+        compact(&mut self.statuses);
     }
 
     /// The largest service id the entries hold (0: none).

@@ -18,6 +18,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 
 pub use crate::model::id::{Protocol, ServiceName, ServicePortId};
+use crate::compact::compact;
 use crate::model::nodeport::NodePortAllocator;
 
 /// An address family, as an EndpointSlice's addressType names it.
@@ -511,6 +512,12 @@ impl FromIterator<(SliceKey, SliceSpec)> for ServiceSlices {
 }
 
 impl Specs {
+    /// Rebuilds the maps with full nodes, after a bulk change ([`crate::compact`]).
+    pub fn compact(&mut self) {
+        compact(&mut self.services);
+        compact(&mut self.slices);
+    }
+
     /// From lists: a later service of the same name replaces an earlier one; slices keep their
     /// order.
     pub fn from_lists(services: Vec<ServiceSpec>, slices: Vec<SliceSpec>) -> Specs {
@@ -530,6 +537,12 @@ impl Specs {
 }
 
 impl Model {
+    /// Rebuilds the maps with full nodes, after a bulk change ([`crate::compact`]).
+    pub fn compact(&mut self) {
+        compact(&mut self.services);
+        compact(&mut self.services_v6);
+    }
+
     /// Joins slices to services (same namespace, `kubernetes.io/service-name`) and gives every
     /// node-exposed port without a nodePort one from `node_ports`.
     ///

@@ -18,6 +18,7 @@ use lb_common::{
 };
 use tracing::{debug, error, warn};
 
+use crate::compact::compact;
 use crate::error_chain;
 use crate::maps::contents::{
     BackendValue, Digest, Digests, FamilyContents, MapContents, MapContents6, MapFamily, Records,
@@ -439,6 +440,19 @@ impl Reconciler {
         let changed = self.node_port_addrs != addrs;
         self.node_port_addrs = addrs;
         changed
+    }
+
+    /// Rebuilds the records of what was written and of the last sync with full nodes, after a
+    /// bulk change ([`crate::compact`]).
+    pub fn compact(&mut self) {
+        compact(&mut self.ids);
+        self.written.compact();
+        self.written6.compact();
+        if let Some(last) = &mut self.last {
+            compact(&mut last.services);
+            compact(&mut last.catch_alls);
+        }
+        self.stats.compact();
     }
 
     /// What the maps hold, as far as the reconciler knows.
@@ -1948,7 +1962,7 @@ mod tests {
         assert!(maps.contents.source_ranges.is_empty());
         assert_eq!(report.source_ranges_removed, 1);
         assert_eq!(maps.ops.last(), Some(&Op::RemoveSourceRange(allowed)));
-        assert_eq!(maps.contents, r.written);
+        assert_eq!(maps.contents.recorded(), r.written);
     }
 
     /// A ClusterIP service with externalIPs is externally accessible: externalTrafficPolicy
@@ -2470,7 +2484,7 @@ mod tests {
             },
             backend(4)
         )));
-        assert_eq!(maps.contents, r.written);
+        assert_eq!(maps.contents.recorded(), r.written);
     }
 
     #[test]

@@ -167,6 +167,11 @@ impl ManifestCache {
         &self.specs
     }
 
+    /// Rebuilds the specs' maps with full nodes, after a bulk change ([`crate::compact`]).
+    pub fn compact_specs(&mut self) {
+        self.specs.compact();
+    }
+
     /// Files parsed since the cache was made.
     pub fn parses(&self) -> u64 {
         self.parses
