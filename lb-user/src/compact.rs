@@ -27,6 +27,9 @@ mod tests {
 
         let mut set: BTreeSet<u32> = (0..100).rev().collect();
         compact(&mut set);
-        assert_eq!(set.into_iter().collect::<Vec<_>>(), (0..100).collect::<Vec<_>>());
+        assert_eq!(
+            set.into_iter().collect::<Vec<_>>(),
+            (0..100).collect::<Vec<_>>()
+        );
     }
 }

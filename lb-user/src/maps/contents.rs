@@ -218,8 +218,16 @@ impl<A: MapFamily> FamilyContents<A> {
             frontends: self.frontends.clone(),
             backends: self.backends.clone(),
             source_ranges: self.source_ranges.clone(),
-            origins: self.origins.iter().map(|(k, o)| (*k, R::origin(o))).collect(),
-            statuses: self.statuses.iter().map(|(k, s)| (*k, R::status(s))).collect(),
+            origins: self
+                .origins
+                .iter()
+                .map(|(k, o)| (*k, R::origin(o)))
+                .collect(),
+            statuses: self
+                .statuses
+                .iter()
+                .map(|(k, s)| (*k, R::status(s)))
+                .collect(),
         }
     }
 }

@@ -17,8 +17,8 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 
-pub use crate::model::id::{Protocol, ServiceName, ServicePortId};
 use crate::compact::compact;
+pub use crate::model::id::{Protocol, ServiceName, ServicePortId};
 use crate::model::nodeport::NodePortAllocator;
 
 /// An address family, as an EndpointSlice's addressType names it.

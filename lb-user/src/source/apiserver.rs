@@ -575,7 +575,12 @@ fn service_of_slice(slice: &EndpointSlice) -> Option<ServiceName> {
         .as_ref()?
         .get(k8s::SERVICE_NAME_LABEL)?;
     Some(ServiceName {
-        namespace: slice.metadata.namespace.as_deref().unwrap_or_default().into(),
+        namespace: slice
+            .metadata
+            .namespace
+            .as_deref()
+            .unwrap_or_default()
+            .into(),
         name: name.as_str().into(),
     })
 }
