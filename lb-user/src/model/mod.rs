@@ -155,7 +155,7 @@ impl<A: Family> ExternalAddresses<A> {
 }
 
 /// How a service port's new connections pick an endpoint (IPVS's scheduler model); the
-/// annotation [`crate::k8s::SCHEDULER_ANNOTATION`] chooses it per service, `--scheduler`
+/// annotation [`crate::source::convert::SCHEDULER_ANNOTATION`] chooses it per service, `--scheduler`
 /// otherwise.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum Scheduler {
