@@ -192,8 +192,32 @@ struct Contribution<A: MapFamily = Ipv4Addr> {
     /// Its ports' names and protocols.
     ports: Vec<(String, Protocol)>,
     frontends: Vec<A::FrontendKey>,
-    backends: Vec<BackendKey>,
+    /// Its ports' backend lists.
+    lists: Vec<Lists>,
     source_ranges: Vec<SourceRange<A::Net>>,
+}
+
+/// A service port's backend lists: slots `0..cluster` and `LOCAL_SLOT..LOCAL_SLOT + local` of
+/// `service_id`. Counts rather than keys: a list is ten slots or a Maglev table of thousands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Lists {
+    service_id: u32,
+    cluster: u32,
+    local: u32,
+}
+
+impl Lists {
+    /// The keys of its slots, in order.
+    fn keys(self) -> impl Iterator<Item = BackendKey> {
+        let Lists {
+            service_id,
+            cluster,
+            local,
+        } = self;
+        (0..cluster)
+            .chain((0..local).map(|slot| LOCAL_SLOT + slot))
+            .map(move |slot| BackendKey { service_id, slot })
+    }
 }
 
 /// What the reconciler keeps of one family.
@@ -249,7 +273,8 @@ struct Scope {
 impl Scope {
     fn add(&mut self, contribution: &Contribution) {
         self.frontends.extend(&contribution.frontends);
-        self.backends.extend(&contribution.backends);
+        let lists = contribution.lists.iter();
+        self.backends.extend(lists.flat_map(|lists| lists.keys()));
         self.source_ranges.extend(&contribution.source_ranges);
     }
 }
@@ -567,7 +592,7 @@ impl Reconciler {
             cluster_ip: service.cluster_ip,
             ports: port_names(service),
             frontends: Vec::new(),
-            backends: Vec::new(),
+            lists: Vec::new(),
             source_ranges: Vec::new(),
         };
         let mut conflicted = false;
@@ -608,11 +633,11 @@ impl Reconciler {
         } else {
             0
         };
-        contribution.backends.extend(
-            (0..backend_count)
-                .chain((0..local_count).map(|slot| LOCAL_SLOT + slot))
-                .map(|slot| BackendKey { service_id, slot }),
-        );
+        contribution.lists.push(Lists {
+            service_id,
+            cluster: backend_count,
+            local: local_count,
+        });
         if !external.source_ranges.is_empty() && !external.load_balancer_ips.is_empty() {
             for &net in &external.source_ranges {
                 let range = SourceRange { service_id, net };
@@ -2778,6 +2803,29 @@ mod tests {
         r.sync_changed(&m, Some(&BTreeSet::new()), &mut maps);
         assert_eq!(maps.contents, wanted);
         assert_eq!(r.audit(maps.contents.clone()), 0);
+    }
+
+    #[test]
+    fn lists_give_the_keys_of_both_lists_slots() {
+        let key = |slot| BackendKey {
+            service_id: 7,
+            slot,
+        };
+        let lists = Lists {
+            service_id: 7,
+            cluster: 2,
+            local: 1,
+        };
+        assert_eq!(
+            lists.keys().collect::<Vec<_>>(),
+            vec![key(0), key(1), key(LOCAL_SLOT)]
+        );
+        let empty = Lists {
+            service_id: 7,
+            cluster: 0,
+            local: 0,
+        };
+        assert_eq!(empty.keys().count(), 0);
     }
 
     #[test]
