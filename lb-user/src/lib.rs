@@ -1,6 +1,7 @@
 //! The agent: desired state from a source (the apiserver or a manifest directory), one
 //! reconciler into the eBPF maps. The flow is source → model → reconcile → maps → datapath;
 //! serve answers health and metrics beside it.
+pub mod compact;
 pub mod datapath;
 pub mod maps;
 pub mod model;

@@ -4,6 +4,7 @@
 //! IPv6, one type over [`MapFamily`].
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
+use std::hash::{DefaultHasher, Hasher};
 use std::net::{Ipv4Addr, Ipv6Addr};
 
 use ipnet::Ipv4Net;
@@ -12,6 +13,7 @@ use lb_common::{
     ServiceStatus, ipv4_be, port_be,
 };
 
+use crate::compact::compact;
 use crate::model::Family;
 
 /// An entry of `SOURCE_RANGES` (`SOURCE_RANGES6` for an `Ipv6Net`): sources in `net` may reach
@@ -123,18 +125,73 @@ impl MapFamily for Ipv6Addr {
     }
 }
 
-/// Desired contents of one family's service maps.
+/// How a [`FamilyContents`] holds the records that only `lb services` and `lb status` read
+/// (origins and status records): [`Whole`], as the maps hold them, or as [`Digests`].
+pub trait Records: Clone + fmt::Debug + PartialEq + Eq {
+    type Origin: Copy + fmt::Debug + PartialEq + Eq;
+    type Status: Copy + fmt::Debug + PartialEq + Eq;
+    fn origin(origin: &FrontendOrigin) -> Self::Origin;
+    fn status(status: &ServiceStatus) -> Self::Status;
+}
+
+/// Records as the maps hold them.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct FamilyContents<A: MapFamily> {
+pub struct Whole;
+
+impl Records for Whole {
+    type Origin = FrontendOrigin;
+    type Status = ServiceStatus;
+    fn origin(origin: &FrontendOrigin) -> FrontendOrigin {
+        *origin
+    }
+    fn status(status: &ServiceStatus) -> ServiceStatus {
+        *status
+    }
+}
+
+/// Records as digests of their bytes: what the reconciler keeps of what it wrote, to tell
+/// whether a record changed (16 bytes an entry instead of 156 for an origin, 308 for a status
+/// record).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Digests;
+
+impl Records for Digests {
+    type Origin = Digest;
+    type Status = Digest;
+    fn origin(origin: &FrontendOrigin) -> Digest {
+        Digest::of(bytemuck::bytes_of(origin))
+    }
+    fn status(status: &ServiceStatus) -> Digest {
+        Digest::of(bytemuck::bytes_of(status))
+    }
+}
+
+/// A 64-bit hash of a record's bytes. Never leaves the process, so the hash need not be stable
+/// across builds; two different records share one with odds of 2^-64.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Digest(u64);
+
+impl Digest {
+    pub fn of(bytes: &[u8]) -> Digest {
+        let mut hasher = DefaultHasher::new();
+        hasher.write(bytes);
+        Digest(hasher.finish())
+    }
+}
+
+/// Contents of one family's service maps, desired or read back; with [`Digests`], what the
+/// reconciler wrote.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FamilyContents<A: MapFamily, R: Records = Whole> {
     pub frontends: BTreeMap<A::FrontendKey, Frontend>,
     pub backends: BTreeMap<BackendKey, A::Backend>,
     pub source_ranges: BTreeSet<SourceRange<A::Net>>,
     /// The Service port and kind of each frontend but the catch-alls (for `lb services`).
-    pub origins: BTreeMap<A::FrontendKey, FrontendOrigin>,
+    pub origins: BTreeMap<A::FrontendKey, R::Origin>,
     /// What each service port wants the other maps to hold, by service id (for `lb status`);
     /// written after them at each sync. IPv4's only: `SERVICE_STATUS` does not count IPv6
     /// entries yet, and an IPv6 contents' is empty.
-    pub statuses: BTreeMap<u32, ServiceStatus>,
+    pub statuses: BTreeMap<u32, R::Status>,
 }
 
 /// The IPv4 service maps' contents.
@@ -142,7 +199,7 @@ pub type MapContents = FamilyContents<Ipv4Addr>;
 /// The IPv6 service maps' contents.
 pub type MapContents6 = FamilyContents<Ipv6Addr>;
 
-impl<A: MapFamily> Default for FamilyContents<A> {
+impl<A: MapFamily, R: Records> Default for FamilyContents<A, R> {
     fn default() -> Self {
         FamilyContents {
             frontends: BTreeMap::new(),
@@ -155,20 +212,57 @@ impl<A: MapFamily> Default for FamilyContents<A> {
 }
 
 impl<A: MapFamily> FamilyContents<A> {
+    /// These contents with their records as `R` holds them.
+    pub fn recorded<R: Records>(&self) -> FamilyContents<A, R> {
+        FamilyContents {
+            frontends: self.frontends.clone(),
+            backends: self.backends.clone(),
+            source_ranges: self.source_ranges.clone(),
+            origins: self
+                .origins
+                .iter()
+                .map(|(k, o)| (*k, R::origin(o)))
+                .collect(),
+            statuses: self
+                .statuses
+                .iter()
+                .map(|(k, s)| (*k, R::status(s)))
+                .collect(),
+        }
+    }
+}
+
+impl<A: MapFamily, R: Records> FamilyContents<A, R> {
     /// How many entries of `self` and `other` differ: in one only, or with other values.
     pub fn differences(&self, other: &FamilyContents<A>) -> usize {
-        fn differing<K: Ord, V: PartialEq>(a: &BTreeMap<K, V>, b: &BTreeMap<K, V>) -> usize {
-            let changed_or_lost = a.iter().filter(|(k, v)| b.get(k) != Some(*v)).count();
+        fn differing<K: Ord, V, W: PartialEq>(
+            a: &BTreeMap<K, W>,
+            b: &BTreeMap<K, V>,
+            recorded: impl Fn(&V) -> W,
+        ) -> usize {
+            let changed_or_lost = a
+                .iter()
+                .filter(|(k, w)| b.get(k).map(&recorded).as_ref() != Some(*w))
+                .count();
             changed_or_lost + b.keys().filter(|k| !a.contains_key(k)).count()
         }
-        differing(&self.frontends, &other.frontends)
-            + differing(&self.backends, &other.backends)
-            + differing(&self.origins, &other.origins)
-            + differing(&self.statuses, &other.statuses)
+        differing(&self.frontends, &other.frontends, |f| *f)
+            + differing(&self.backends, &other.backends, |b| *b)
+            + differing(&self.origins, &other.origins, R::origin)
+            + differing(&self.statuses, &other.statuses, R::status)
             + self
                 .source_ranges
                 .symmetric_difference(&other.source_ranges)
                 .count()
+    }
+
+    /// Rebuilds the maps with full nodes, after a bulk change ([`crate::compact`]).
+    pub fn compact(&mut self) {
+        compact(&mut self.frontends);
+        compact(&mut self.backends);
+        compact(&mut self.source_ranges);
+        compact(&mut self.origins);
+        compact(&mut self.statuses);
     }
 
     /// The largest service id the entries hold (0: none).

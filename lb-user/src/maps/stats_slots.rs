@@ -10,6 +10,8 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use lb_common::{Backend, BackendKey, mix32};
 
+use crate::compact::compact;
+
 /// The counter slots `backends` refer to (slot 0, "not counted", left out).
 pub fn in_use<'a>(backends: impl IntoIterator<Item = &'a Backend>) -> BTreeSet<u16> {
     backends
@@ -127,6 +129,11 @@ impl StatsSlots {
         self.unclaimed.insert(slot, endpoint);
         self.assigned_since.push(endpoint);
         slot
+    }
+
+    /// Rebuilds the assignment with full nodes, after a bulk change ([`crate::compact`]).
+    pub fn compact(&mut self) {
+        compact(&mut self.assigned);
     }
 
     /// The slots to claim before the backends that refer to them are written.

@@ -1,14 +1,16 @@
 //! What names a service and a service port across syncs: the keys of the model, of the nodePort
 //! allocator and of the reconciler's records. A leaf, so that all of them can use it.
 use std::fmt;
+use std::sync::Arc;
 
 use lb_common::{IPPROTO_TCP, IPPROTO_UDP};
 
-/// `namespace/name` of a Service.
+/// `namespace/name` of a Service. Shared, not copied: the specs, the model, the change tracker
+/// and the reconciler each key a map by it (ten copies of each string per Service otherwise).
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct ServiceName {
-    pub namespace: String,
-    pub name: String,
+    pub namespace: Arc<str>,
+    pub name: Arc<str>,
 }
 
 impl fmt::Display for ServiceName {

@@ -14,9 +14,11 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::hash::Hash;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::sync::Arc;
 
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 
+use crate::compact::compact;
 pub use crate::model::id::{Protocol, ServiceName, ServicePortId};
 use crate::model::nodeport::NodePortAllocator;
 
@@ -154,7 +156,7 @@ impl<A: Family> ExternalAddresses<A> {
 }
 
 /// How a service port's new connections pick an endpoint (IPVS's scheduler model); the
-/// annotation [`crate::k8s::SCHEDULER_ANNOTATION`] chooses it per service, `--scheduler`
+/// annotation [`crate::source::convert::SCHEDULER_ANNOTATION`] chooses it per service, `--scheduler`
 /// otherwise.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum Scheduler {
@@ -232,8 +234,9 @@ pub struct SlicePort {
 pub struct SliceEndpoint {
     pub addr: IpAddr,
     pub conditions: Conditions,
-    /// The node the endpoint runs on.
-    pub node_name: Option<String>,
+    /// The node the endpoint runs on: shared with the model's endpoints (16 bytes, where a
+    /// String is 24 and a copy of its text).
+    pub node_name: Option<Arc<str>>,
     pub hints: Hints,
 }
 
@@ -351,7 +354,7 @@ pub struct Endpoint<A: Family = Ipv4Addr> {
     pub addr: A,
     pub port: u16,
     pub conditions: Conditions,
-    pub node_name: Option<String>,
+    pub node_name: Option<Arc<str>>,
     pub hints: Hints,
 }
 
@@ -511,6 +514,12 @@ impl FromIterator<(SliceKey, SliceSpec)> for ServiceSlices {
 }
 
 impl Specs {
+    /// Rebuilds the maps with full nodes, after a bulk change ([`crate::compact`]).
+    pub fn compact(&mut self) {
+        compact(&mut self.services);
+        compact(&mut self.slices);
+    }
+
     /// From lists: a later service of the same name replaces an earlier one; slices keep their
     /// order.
     pub fn from_lists(services: Vec<ServiceSpec>, slices: Vec<SliceSpec>) -> Specs {
@@ -530,6 +539,12 @@ impl Specs {
 }
 
 impl Model {
+    /// Rebuilds the maps with full nodes, after a bulk change ([`crate::compact`]).
+    pub fn compact(&mut self) {
+        compact(&mut self.services);
+        compact(&mut self.services_v6);
+    }
+
     /// Joins slices to services (same namespace, `kubernetes.io/service-name`) and gives every
     /// node-exposed port without a nodePort one from `node_ports`.
     ///
@@ -754,7 +769,7 @@ fn join_service<A: Family>(
 
 /// The endpoints of `port` in `slices`, which are of family `A`.
 fn endpoints_of<A: Family>(port: &PortSpec, slices: &[&SliceSpec]) -> Vec<Endpoint<A>> {
-    type Seen = (Conditions, Option<String>, Hints);
+    type Seen = (Conditions, Option<Arc<str>>, Hints);
     let mut by_addr: BTreeMap<(A, u16), Seen> = BTreeMap::new();
     for slice in slices {
         let Some(slice_port) = slice

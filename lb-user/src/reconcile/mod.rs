@@ -18,9 +18,11 @@ use lb_common::{
 };
 use tracing::{debug, error, warn};
 
+use crate::compact::compact;
 use crate::error_chain;
 use crate::maps::contents::{
-    BackendValue, FamilyContents, MapContents, MapContents6, MapFamily, SourceRange,
+    BackendValue, Digest, Digests, FamilyContents, MapContents, MapContents6, MapFamily, Records,
+    SourceRange,
 };
 use crate::maps::stats_slots::{PortEndpoint, StatsReset, StatsSlots};
 use crate::maps::writer::{MapWriter, WriteFailure};
@@ -137,6 +139,52 @@ struct Settings {
     default_scheduler: Scheduler,
 }
 
+/// What the reconciler keeps of what it wrote to a family's maps: the entries a sync reads back
+/// whole, the records (origins, status records) as digests, which is all a diff or an audit
+/// needs of them.
+pub type Written<A> = FamilyContents<A, Digests>;
+
+/// A desired entry's value as the record of what was written holds it.
+trait Recorded: Copy {
+    type Record: PartialEq;
+    fn record(&self) -> Self::Record;
+}
+
+impl Recorded for Frontend {
+    type Record = Frontend;
+    fn record(&self) -> Frontend {
+        *self
+    }
+}
+
+impl Recorded for Backend {
+    type Record = Backend;
+    fn record(&self) -> Backend {
+        *self
+    }
+}
+
+impl Recorded for Backend6 {
+    type Record = Backend6;
+    fn record(&self) -> Backend6 {
+        *self
+    }
+}
+
+impl Recorded for FrontendOrigin {
+    type Record = Digest;
+    fn record(&self) -> Digest {
+        Digests::origin(self)
+    }
+}
+
+impl Recorded for ServiceStatus {
+    type Record = Digest;
+    fn record(&self) -> Digest {
+        Digests::status(self)
+    }
+}
+
 /// What one service put into the desired contents of a family.
 #[derive(Debug)]
 struct Contribution<A: MapFamily = Ipv4Addr> {
@@ -144,8 +192,32 @@ struct Contribution<A: MapFamily = Ipv4Addr> {
     /// Its ports' names and protocols.
     ports: Vec<(String, Protocol)>,
     frontends: Vec<A::FrontendKey>,
-    backends: Vec<BackendKey>,
+    /// Its ports' backend lists.
+    lists: Vec<Lists>,
     source_ranges: Vec<SourceRange<A::Net>>,
+}
+
+/// A service port's backend lists: slots `0..cluster` and `LOCAL_SLOT..LOCAL_SLOT + local` of
+/// `service_id`. Counts rather than keys: a list is ten slots or a Maglev table of thousands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Lists {
+    service_id: u32,
+    cluster: u32,
+    local: u32,
+}
+
+impl Lists {
+    /// The keys of its slots, in order.
+    fn keys(self) -> impl Iterator<Item = BackendKey> {
+        let Lists {
+            service_id,
+            cluster,
+            local,
+        } = self;
+        (0..cluster)
+            .chain((0..local).map(|slot| LOCAL_SLOT + slot))
+            .map(move |slot| BackendKey { service_id, slot })
+    }
 }
 
 /// What the reconciler keeps of one family.
@@ -153,7 +225,7 @@ trait Side: MapFamily {
     /// The node addresses of this family NodePorts are served on.
     fn node_port_addrs(reconciler: &Reconciler) -> &[Self];
     /// What this family's maps hold, as far as the reconciler knows.
-    fn written(reconciler: &Reconciler) -> &FamilyContents<Self>;
+    fn written(reconciler: &Reconciler) -> &Written<Self>;
     /// `backend` with its counter slot of service port `service_id`.
     fn counted(stats: &mut StatsSlots, service_id: u32, backend: Self::Backend) -> Self::Backend;
 }
@@ -162,7 +234,7 @@ impl Side for Ipv4Addr {
     fn node_port_addrs(reconciler: &Reconciler) -> &[Self] {
         &reconciler.node_port_addrs
     }
-    fn written(reconciler: &Reconciler) -> &MapContents {
+    fn written(reconciler: &Reconciler) -> &Written<Ipv4Addr> {
         &reconciler.written
     }
     fn counted(stats: &mut StatsSlots, service_id: u32, backend: Backend) -> Backend {
@@ -177,7 +249,7 @@ impl Side for Ipv6Addr {
     fn node_port_addrs(reconciler: &Reconciler) -> &[Self] {
         &reconciler.node_port_addrs6
     }
-    fn written(reconciler: &Reconciler) -> &MapContents6 {
+    fn written(reconciler: &Reconciler) -> &Written<Ipv6Addr> {
         &reconciler.written6
     }
     /// Not counted yet: the counter slots (`StatsSlots`) are keyed by IPv4 endpoints.
@@ -201,7 +273,8 @@ struct Scope {
 impl Scope {
     fn add(&mut self, contribution: &Contribution) {
         self.frontends.extend(&contribution.frontends);
-        self.backends.extend(&contribution.backends);
+        let lists = contribution.lists.iter();
+        self.backends.extend(lists.flat_map(|lists| lists.keys()));
         self.source_ranges.extend(&contribution.source_ranges);
     }
 }
@@ -264,10 +337,10 @@ impl<K: Ord> KeySet<K> for BTreeSet<K> {
 
 impl<'a, K: Ord + Copy> Keys<'a, K> {
     /// The entries of `desired` among these keys that `written` does not hold as they are.
-    fn changed<V: PartialEq + Copy>(
+    fn changed<V: Recorded>(
         self,
         desired: &BTreeMap<K, V>,
-        written: &BTreeMap<K, V>,
+        written: &BTreeMap<K, V::Record>,
     ) -> Vec<(K, V)> {
         match self.0 {
             None => changed(desired, written),
@@ -306,9 +379,9 @@ pub struct Reconciler {
     /// agent restart rewrites nothing.
     adopt_ids: bool,
     /// What the maps hold, as far as we know: read back at start, then what we wrote.
-    written: MapContents,
+    written: Written<Ipv4Addr>,
     /// The same of the IPv6 maps, which each sync computes and diffs whole.
-    written6: MapContents6,
+    written6: Written<Ipv6Addr>,
     /// Failed map writes since start.
     pub failed_total: u64,
     /// What the last sync put in the maps, when the next sync may start from it.
@@ -324,14 +397,14 @@ impl Reconciler {
         Self {
             node_port_addrs: vec![node_addr],
             node_port_addrs6: Vec::new(),
-            written6: MapContents6::default(),
+            written6: Written::default(),
             node_name: String::new(),
             zone: String::new(),
             default_scheduler: Scheduler::default(),
             ids: BTreeMap::new(),
             next_id: max_id + 1,
             adopt_ids: true,
-            written: existing,
+            written: existing.recorded(),
             failed_total: 0,
             last: None,
             stats: StatsSlots::default(),
@@ -344,7 +417,7 @@ impl Reconciler {
     pub fn with_ipv6(mut self, node_port_addrs: Vec<Ipv6Addr>, existing: MapContents6) -> Self {
         self.next_id = self.next_id.max(existing.max_service_id() + 1);
         self.node_port_addrs6 = node_port_addrs;
-        self.written6 = existing;
+        self.written6 = existing.recorded();
         self
     }
 
@@ -394,13 +467,26 @@ impl Reconciler {
         changed
     }
 
+    /// Rebuilds the records of what was written and of the last sync with full nodes, after a
+    /// bulk change ([`crate::compact`]).
+    pub fn compact(&mut self) {
+        compact(&mut self.ids);
+        self.written.compact();
+        self.written6.compact();
+        if let Some(last) = &mut self.last {
+            compact(&mut last.services);
+            compact(&mut last.catch_alls);
+        }
+        self.stats.compact();
+    }
+
     /// What the maps hold, as far as the reconciler knows.
-    pub fn written(&self) -> &MapContents {
+    pub fn written(&self) -> &Written<Ipv4Addr> {
         &self.written
     }
 
     /// What the IPv6 maps hold, as far as the reconciler knows.
-    pub fn written6(&self) -> &MapContents6 {
+    pub fn written6(&self) -> &Written<Ipv6Addr> {
         &self.written6
     }
 
@@ -411,7 +497,7 @@ impl Reconciler {
     pub fn audit(&mut self, actual: MapContents) -> usize {
         let differences = self.written.differences(&actual);
         if differences > 0 {
-            self.written = actual;
+            self.written = actual.recorded();
             self.last = None;
         }
         differences
@@ -422,7 +508,7 @@ impl Reconciler {
     pub fn audit6(&mut self, actual: MapContents6) -> usize {
         let differences = self.written6.differences(&actual);
         if differences > 0 {
-            self.written6 = actual;
+            self.written6 = actual.recorded();
         }
         differences
     }
@@ -506,7 +592,7 @@ impl Reconciler {
             cluster_ip: service.cluster_ip,
             ports: port_names(service),
             frontends: Vec::new(),
-            backends: Vec::new(),
+            lists: Vec::new(),
             source_ranges: Vec::new(),
         };
         let mut conflicted = false;
@@ -547,11 +633,11 @@ impl Reconciler {
         } else {
             0
         };
-        contribution.backends.extend(
-            (0..backend_count)
-                .chain((0..local_count).map(|slot| LOCAL_SLOT + slot))
-                .map(|slot| BackendKey { service_id, slot }),
-        );
+        contribution.lists.push(Lists {
+            service_id,
+            cluster: backend_count,
+            local: local_count,
+        });
         if !external.source_ranges.is_empty() && !external.load_balancer_ips.is_empty() {
             for &net in &external.source_ranges {
                 let range = SourceRange { service_id, net };
@@ -819,11 +905,11 @@ impl Reconciler {
             }
         };
         self.adopt_ids = false;
-        let udp_endpoints = |written: &MapContents| match &scope {
+        let udp_endpoints = |written: &Written<Ipv4Addr>| match &scope {
             None => udp_flush::udp_endpoints(written),
             Some(scope) => udp_flush::udp_endpoints_of(written, &scope.frontends),
         };
-        let endpoints = |written: &MapContents| match &scope {
+        let endpoints = |written: &Written<Ipv4Addr>| match &scope {
             None => endpoints_of(written, written.backends.keys()),
             Some(scope) => endpoints_of(written, &scope.backends),
         };
@@ -961,7 +1047,7 @@ impl Reconciler {
             |_, (key, _)| service_of(key),
         );
         for (key, value) in skip_indices(&origins, &failed) {
-            self.written6.origins.insert(*key, *value);
+            self.written6.origins.insert(*key, value.record());
         }
 
         let (ports, catch_alls): (Vec<_>, Vec<_>) =
@@ -1163,7 +1249,7 @@ impl Reconciler {
             |_, (key, _)| service_of(key),
         );
         for (key, value) in skip_indices(&origins, &failed) {
-            self.written.origins.insert(*key, *value);
+            self.written.origins.insert(*key, value.record());
         }
 
         let failures = maps.insert_frontends(&frontends);
@@ -1337,7 +1423,7 @@ impl Reconciler {
         let failures = maps.insert_statuses(&records);
         let failed = self.failures(report, "status insert", &records, failures, |_, r| r.0);
         for (sid, record) in skip_indices(&records, &failed) {
-            self.written.statuses.insert(*sid, *record);
+            self.written.statuses.insert(*sid, record.record());
         }
         let gone: Vec<u32> = DiffKeys::of(scope)
             .status_ids
@@ -1361,7 +1447,7 @@ impl Reconciler {
         op: &str,
         entries: &[T],
         failures: Vec<(usize, E)>,
-        service_id: impl Fn(&MapContents, &T) -> u32,
+        service_id: impl Fn(&Written<Ipv4Addr>, &T) -> u32,
     ) -> BTreeSet<usize> {
         failures
             .into_iter()
@@ -1483,7 +1569,7 @@ fn port_names<A: MapFamily>(service: &Service<A>) -> Vec<(String, Protocol)> {
 
 /// The endpoints of the service ports of the slots `keys` in `contents`.
 fn endpoints_of<'a>(
-    contents: &MapContents,
+    contents: &Written<Ipv4Addr>,
     keys: impl IntoIterator<Item = &'a BackendKey>,
 ) -> BTreeSet<PortEndpoint> {
     keys.into_iter()
@@ -1497,26 +1583,26 @@ fn endpoints_of<'a>(
 }
 
 /// The entries of `desired` that `written` does not hold as they are.
-fn changed<K: Ord + Copy, V: PartialEq + Copy>(
+fn changed<K: Ord + Copy, V: Recorded>(
     desired: &BTreeMap<K, V>,
-    written: &BTreeMap<K, V>,
+    written: &BTreeMap<K, V::Record>,
 ) -> Vec<(K, V)> {
     desired
         .iter()
-        .filter(|(key, value)| written.get(key) != Some(value))
+        .filter(|(key, value)| written.get(key) != Some(&value.record()))
         .map(|(key, value)| (*key, *value))
         .collect()
 }
 
 /// The entries of `desired` among `keys` that `written` does not hold as they are.
-fn changed_in<K: Ord + Copy, V: PartialEq + Copy>(
+fn changed_in<K: Ord + Copy, V: Recorded>(
     keys: &BTreeSet<K>,
     desired: &BTreeMap<K, V>,
-    written: &BTreeMap<K, V>,
+    written: &BTreeMap<K, V::Record>,
 ) -> Vec<(K, V)> {
     keys.iter()
         .filter_map(|key| desired.get(key).map(|value| (*key, *value)))
-        .filter(|(key, value)| written.get(key) != Some(value))
+        .filter(|(key, value)| written.get(key) != Some(&value.record()))
         .collect()
 }
 
@@ -1901,7 +1987,7 @@ mod tests {
         assert!(maps.contents.source_ranges.is_empty());
         assert_eq!(report.source_ranges_removed, 1);
         assert_eq!(maps.ops.last(), Some(&Op::RemoveSourceRange(allowed)));
-        assert_eq!(maps.contents, r.written);
+        assert_eq!(maps.contents.recorded(), r.written);
     }
 
     /// A ClusterIP service with externalIPs is externally accessible: externalTrafficPolicy
@@ -1963,9 +2049,9 @@ mod tests {
             ("c", 12, None, vec![endpoint(4, true)]),
         ]);
         let check = |r: &mut Reconciler, maps: &FakeMaps, m: &Model| {
-            assert_eq!(&maps.contents, r.written());
+            assert_eq!(&maps.contents.recorded(), r.written());
             let whole = r.desired(m);
-            assert_eq!(r.written(), &whole);
+            assert_eq!(r.written(), &whole.recorded());
         };
         r.sync(&m, &mut maps);
         check(&mut r, &maps, &m);
@@ -2064,9 +2150,9 @@ mod tests {
         maps.fail_backends_of = None;
         let report = r.sync_changed(&m, Some(&BTreeSet::new()), &mut maps);
         assert_eq!((report.failed, report.backends_added), (0, 1));
-        assert_eq!(&maps.contents, r.written());
+        assert_eq!(&maps.contents.recorded(), r.written());
         let whole = r.desired(&m);
-        assert_eq!(r.written(), &whole);
+        assert_eq!(r.written(), &whole.recorded());
     }
 
     #[test]
@@ -2423,7 +2509,7 @@ mod tests {
             },
             backend(4)
         )));
-        assert_eq!(maps.contents, r.written);
+        assert_eq!(maps.contents.recorded(), r.written);
     }
 
     #[test]
@@ -2573,7 +2659,7 @@ mod tests {
             .collect();
         assert!(kinds.contains(&(cluster_ip6(0x10), KIND_CLUSTER_IP)));
         assert!(kinds.contains(&(NODE6, KIND_NODE_PORT)));
-        assert_eq!(r.written6(), &maps.contents6);
+        assert_eq!(r.written6(), &maps.contents6.recorded());
         // The IPv4 maps hold no IPv6 entry: the IPv6-only service has no IPv4 frontend.
         assert_eq!(
             maps.contents.frontends.len(),
@@ -2611,7 +2697,7 @@ mod tests {
         let report = r.sync_changed(&m, Some(&web), &mut maps);
         assert_eq!(report.failed, 0);
         assert_eq!(maps.contents6, MapContents6::default());
-        assert_eq!(r.written6(), &MapContents6::default());
+        assert_eq!(r.written6(), &Written::default());
         assert_eq!(maps.contents.frontends, v4_before.frontends);
         assert_eq!(maps.contents.backends, v4_before.backends);
 
@@ -2698,6 +2784,48 @@ mod tests {
         assert!(report.changed(), "{report:?}");
         assert_eq!(maps.contents, wanted);
         assert_eq!(r.audit(maps.contents.clone()), 0);
+    }
+
+    #[test]
+    fn audit_finds_records_changed_behind_the_writer_by_their_digests() {
+        let mut r = Reconciler::new(NODE, MapContents::default());
+        let mut maps = FakeMaps::default();
+        let m = model(&[("web", 10, Some(30080), vec![endpoint(2, true)])]);
+        r.sync(&m, &mut maps);
+        let wanted = maps.contents.clone();
+
+        // Same keys, other values: an origin of another kind, a status record with another
+        // checksum.
+        maps.contents.origins.values_mut().next().unwrap().kind ^= 1;
+        maps.contents.statuses.values_mut().next().unwrap().digest ^= 1;
+        assert_eq!(r.audit(maps.contents.clone()), 2);
+
+        r.sync_changed(&m, Some(&BTreeSet::new()), &mut maps);
+        assert_eq!(maps.contents, wanted);
+        assert_eq!(r.audit(maps.contents.clone()), 0);
+    }
+
+    #[test]
+    fn lists_give_the_keys_of_both_lists_slots() {
+        let key = |slot| BackendKey {
+            service_id: 7,
+            slot,
+        };
+        let lists = Lists {
+            service_id: 7,
+            cluster: 2,
+            local: 1,
+        };
+        assert_eq!(
+            lists.keys().collect::<Vec<_>>(),
+            vec![key(0), key(1), key(LOCAL_SLOT)]
+        );
+        let empty = Lists {
+            service_id: 7,
+            cluster: 0,
+            local: 0,
+        };
+        assert_eq!(empty.keys().count(), 0);
     }
 
     #[test]
@@ -2849,7 +2977,7 @@ mod tests {
         };
         assert_eq!(status_of(&maps), in_sync(&["a", "b"]));
         let whole = r.desired(&m);
-        assert_eq!(r.written(), &whole);
+        assert_eq!(r.written(), &whole.recorded());
 
         // A partial sync rewrites a's record only; c comes, b goes with its record.
         let a = name("a");
@@ -2870,7 +2998,7 @@ mod tests {
         assert_eq!(status_of(&maps), in_sync(&["a", "c"]));
         assert_eq!(maps.contents.statuses.len(), 2);
         let whole = r.desired(&m);
-        assert_eq!(r.written(), &whole);
+        assert_eq!(r.written(), &whole.recorded());
 
         // a's new slot cannot be written: failed, with the error; in sync once retried.
         let a_id = r

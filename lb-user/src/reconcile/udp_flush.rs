@@ -2,12 +2,13 @@
 //! of connection, so a client that keeps its source port (a DNS resolver) would stay on its
 //! entry, and a dead backend, until the entry times out.
 use std::collections::BTreeSet;
+use std::net::Ipv4Addr;
 
 use lb_common::{
     Backend, BackendKey, CT_F_REPLY, ConntrackEntry, ConntrackKey, FrontendKey, IPPROTO_UDP,
 };
 
-use crate::maps::contents::MapContents;
+use crate::maps::contents::{FamilyContents, Records};
 
 /// An endpoint of one UDP service port.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -18,7 +19,7 @@ pub struct UdpEndpoint {
 }
 
 /// Every endpoint (of either list) of the UDP service ports in `contents`.
-pub fn udp_endpoints(contents: &MapContents) -> BTreeSet<UdpEndpoint> {
+pub fn udp_endpoints<R: Records>(contents: &FamilyContents<Ipv4Addr, R>) -> BTreeSet<UdpEndpoint> {
     let udp: BTreeSet<u32> = contents
         .frontends
         .iter()
@@ -37,8 +38,8 @@ pub fn udp_endpoints(contents: &MapContents) -> BTreeSet<UdpEndpoint> {
 }
 
 /// [`udp_endpoints`] of the service ports that have a frontend among `frontends`.
-pub fn udp_endpoints_of<'a>(
-    contents: &MapContents,
+pub fn udp_endpoints_of<'a, R: Records>(
+    contents: &FamilyContents<Ipv4Addr, R>,
     frontends: impl IntoIterator<Item = &'a FrontendKey>,
 ) -> BTreeSet<UdpEndpoint> {
     let udp: BTreeSet<u32> = frontends
@@ -95,6 +96,7 @@ pub fn stale_entries<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::maps::contents::MapContents;
     use lb_common::{
         BackendKey, CT_F_MASQUERADE, Frontend, FrontendKey, IPPROTO_TCP, ipv4_be, port_be,
     };

@@ -1,5 +1,5 @@
 //! The apiserver as a source: kube-runtime watchers (with backoff) on Services, EndpointSlices
-//! and this node's Node. Each new version of a Service or slice is converted through k8s.rs as
+//! and this node's Node. Each new version of a Service or slice is converted through convert.rs as
 //! it arrives and the object dropped: the specs are the only copy of the cluster's state kept
 //! (k8s objects cost ~10× their specs: 3.4 KB per slice of 10 endpoints), and the change tracker
 //! keeps each object's resourceVersion and owner.
@@ -28,8 +28,8 @@ use tracing::{debug, info, warn};
 use crate::maps::writer::WriteFailure;
 use crate::model::{Family, ServiceName, ServiceSlices, ServiceSpec, SliceSpec, Specs};
 use crate::source::change_tracker::{ChangeTracker, Kind, ObjectVersion};
+use crate::source::convert::{self, InvalidField};
 use crate::source::events::WriteFailureEvents;
-use crate::source::k8s::{self, InvalidField};
 
 /// The EndpointSlice annotation network programming latency is measured from.
 pub const TRIGGER_TIME_ANNOTATION: &str = "endpoints.kubernetes.io/last-change-trigger-time";
@@ -327,7 +327,7 @@ impl ApiSource {
                 if let Some(uid) = &svc.metadata.uid {
                     self.uids.insert(name.clone(), uid.clone());
                 }
-                let spec = convert(svc.as_ref(), k8s::service, events);
+                let spec = convert(svc.as_ref(), convert::service, events);
                 self.pending.services.insert(name, spec);
             }
             Object::Slice(slice) => {
@@ -335,7 +335,7 @@ impl ApiSource {
                 if !self.tracker.applied(Kind::EndpointSlice, version) {
                     return;
                 }
-                let spec = convert(slice.as_ref(), k8s::endpoint_slice, events);
+                let spec = convert(slice.as_ref(), convert::endpoint_slice, events);
                 self.pending.slices.insert(key, spec);
             }
         }
@@ -373,8 +373,8 @@ impl ApiSource {
             Some(ObjectReference {
                 api_version: Some(Service::api_version(&()).into_owned()),
                 kind: Some(Service::kind(&()).into_owned()),
-                namespace: Some(name.namespace.clone()),
-                name: Some(name.name.clone()),
+                namespace: Some(name.namespace.to_string()),
+                name: Some(name.name.to_string()),
                 uid: Some(uids.get(name)?.clone()),
                 ..Default::default()
             })
@@ -382,7 +382,7 @@ impl ApiSource {
     }
 
     /// Brings into `specs` the Services whose Service or slices changed since the last update
-    /// (converted as they arrived; objects k8s.rs rejected were warned about then).
+    /// (converted as they arrived; objects convert.rs rejected were warned about then).
     pub fn update(&mut self, specs: &mut Specs) -> Update {
         let changed = self.tracker.take_changed();
         for name in &changed {
@@ -436,7 +436,7 @@ impl ApiSource {
     }
 }
 
-/// The object as a spec; None, with a warning, if k8s.rs rejects it. The fields it skipped are
+/// The object as a spec; None, with a warning, if convert.rs rejects it. The fields it skipped are
 /// warned about, and told on the object as an Event.
 fn convert<K, T>(
     object: &K,
@@ -562,8 +562,8 @@ fn spawn_watch<K>(
 
 fn service_of_service(svc: &Service) -> Option<ServiceName> {
     Some(ServiceName {
-        namespace: svc.metadata.namespace.clone().unwrap_or_default(),
-        name: svc.metadata.name.clone()?,
+        namespace: svc.metadata.namespace.as_deref().unwrap_or_default().into(),
+        name: svc.metadata.name.as_deref()?.into(),
     })
 }
 
@@ -573,10 +573,15 @@ fn service_of_slice(slice: &EndpointSlice) -> Option<ServiceName> {
         .metadata
         .labels
         .as_ref()?
-        .get(k8s::SERVICE_NAME_LABEL)?;
+        .get(convert::SERVICE_NAME_LABEL)?;
     Some(ServiceName {
-        namespace: slice.metadata.namespace.clone().unwrap_or_default(),
-        name: name.clone(),
+        namespace: slice
+            .metadata
+            .namespace
+            .as_deref()
+            .unwrap_or_default()
+            .into(),
+        name: name.as_str().into(),
     })
 }
 

@@ -14,7 +14,7 @@ use tracing::{debug, warn};
 use crate::error_chain;
 use crate::maps::writer::WriteFailure;
 use crate::model::ServiceName;
-use crate::source::k8s::InvalidField;
+use crate::source::convert::InvalidField;
 
 /// The reason of the Events on Services whose map writes failed.
 pub const MAP_WRITE_FAILED: &str = "MapWriteFailed";

@@ -18,7 +18,7 @@ use serde::de::DeserializeOwned;
 use tracing::{debug, warn};
 
 use crate::model::{ServiceName, ServiceSpec, SliceSpec, Specs};
-use crate::source::k8s::{self, InvalidField};
+use crate::source::convert::{self, InvalidField};
 
 /// Where in the directory: a file name and a 1-based document index.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -165,6 +165,11 @@ impl ManifestCache {
     /// What the directory held at the last load that succeeded.
     pub fn specs(&self) -> &Specs {
         &self.specs
+    }
+
+    /// Rebuilds the specs' maps with full nodes, after a bulk change ([`crate::compact`]).
+    pub fn compact_specs(&mut self) {
+        self.specs.compact();
     }
 
     /// Files parsed since the cache was made.
@@ -627,11 +632,11 @@ fn typed_object(at: Location, typed: &Typed) -> Result<Object, ManifestError> {
     let mut skipped = Vec::new();
     let (kind, name, spec) = match typed {
         Typed::Service(svc) => {
-            let spec = k8s::service(svc, &mut skipped).map_err(invalid)?;
+            let spec = convert::service(svc, &mut skipped).map_err(invalid)?;
             (SERVICE, object_key(&svc.metadata), spec.map(Spec::Service))
         }
         Typed::Slice(slice) => {
-            let spec = k8s::endpoint_slice(slice, &mut skipped).map_err(invalid)?;
+            let spec = convert::endpoint_slice(slice, &mut skipped).map_err(invalid)?;
             (
                 ENDPOINT_SLICE,
                 object_key(&slice.metadata),
@@ -815,7 +820,7 @@ endpoints: [{addresses: [10.244.1.2]}]
             .values()
             .map(|s| {
                 (
-                    s.name.name.clone(),
+                    s.name.name.to_string(),
                     s.cluster_ip.expect("an IPv4 ClusterIP"),
                 )
             })

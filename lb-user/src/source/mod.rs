@@ -2,6 +2,6 @@
 //! the conversion of their Kubernetes objects into the model's specs.
 pub mod apiserver;
 pub mod change_tracker;
+pub mod convert;
 pub mod events;
-pub mod k8s;
 pub mod manifests;

@@ -1,6 +1,7 @@
 //! Kubernetes objects (k8s-openapi types, from any source) to the model's specs: validation,
 //! defaults, and what we ignore (ExternalName, headless, FQDN slices, SCTP).
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::sync::Arc;
 
 use ipnet::IpNet;
 use k8s_openapi::api::core::v1::{Service, ServiceSpec as ServiceSpecK8s, ServiceStatus};
@@ -373,7 +374,7 @@ pub fn endpoint_slice(
                 serving,
                 terminating,
             },
-            node_name: e.node_name.clone(),
+            node_name: e.node_name.as_deref().map(Arc::from),
             hints: Hints::new(
                 e.hints
                     .iter()
@@ -392,7 +393,7 @@ pub fn endpoint_slice(
     Ok(Some(SliceSpec {
         service: ServiceName {
             namespace: slice_name.namespace,
-            name: service.clone(),
+            name: service.as_str().into(),
         },
         family,
         ports,
@@ -403,11 +404,11 @@ pub fn endpoint_slice(
 fn object_name(meta: &ObjectMeta) -> Result<ServiceName, InvalidField> {
     let name = meta
         .name
-        .clone()
+        .as_deref()
         .ok_or_else(|| invalid("metadata.name", "missing"))?;
     Ok(ServiceName {
-        namespace: meta.namespace.clone().unwrap_or_else(|| "default".into()),
-        name,
+        namespace: meta.namespace.as_deref().unwrap_or("default").into(),
+        name: name.into(),
     })
 }
 
