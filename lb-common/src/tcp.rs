@@ -556,9 +556,18 @@ mod tests {
             len: 0,
         };
         assert!(TcpWindow::acknowledged_by(&server, &ack(5001)));
-        assert!(TcpWindow::acknowledged_by(&server, &ack(5001u32.wrapping_sub(65_000))));
-        assert!(!TcpWindow::acknowledged_by(&server, &ack(5002)), "beyond it");
-        assert!(!TcpWindow::acknowledged_by(&server, &ack(0x9000_0000)), "a blind guess");
+        assert!(TcpWindow::acknowledged_by(
+            &server,
+            &ack(5001u32.wrapping_sub(65_000))
+        ));
+        assert!(
+            !TcpWindow::acknowledged_by(&server, &ack(5002)),
+            "beyond it"
+        );
+        assert!(
+            !TcpWindow::acknowledged_by(&server, &ack(0x9000_0000)),
+            "a blind guess"
+        );
         let no_ack = Segment {
             flags: 0,
             ..ack(5001)

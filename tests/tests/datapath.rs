@@ -828,7 +828,10 @@ fn a_handshake_ack_that_misses_the_syn_ack_establishes_nothing() {
             (tcp::SYN_RECV, tcp::SYN_RECV),
             "an ACK {offset:#x} past the SYN-ACK"
         );
-        assert!(!datapath.confirmed(&key), "ACK {offset:#x} past the SYN-ACK");
+        assert!(
+            !datapath.confirmed(&key),
+            "ACK {offset:#x} past the SYN-ACK"
+        );
     }
     datapath.translate(&flow.client);
     assert_eq!(
