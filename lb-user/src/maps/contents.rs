@@ -132,8 +132,8 @@ pub struct FamilyContents<A: MapFamily> {
     /// The Service port and kind of each frontend but the catch-alls (for `lb services`).
     pub origins: BTreeMap<A::FrontendKey, FrontendOrigin>,
     /// What each service port wants the other maps to hold, by service id (for `lb status`);
-    /// written after them at each sync. IPv4's only: `SERVICE_STATUS` does not count IPv6
-    /// entries yet, and an IPv6 contents' is empty.
+    /// written after them at each sync. IPv4's only (one record per service id counts both
+    /// families' entries): an IPv6 contents' is empty.
     pub statuses: BTreeMap<u32, ServiceStatus>,
 }
 

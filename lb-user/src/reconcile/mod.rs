@@ -431,7 +431,8 @@ impl Reconciler {
     /// service ports their ids.
     pub fn desired(&mut self, model: &Model) -> MapContents {
         let mut desired = self.full(model).0;
-        desired.statuses = self.statuses(model, &desired, None, &BTreeMap::new());
+        let desired6 = self.desired6(model);
+        desired.statuses = self.statuses(model, &desired, &desired6, None, &BTreeMap::new());
         desired
     }
 
@@ -832,7 +833,8 @@ impl Reconciler {
         let mut report = self.apply(&desired, scope.as_ref(), maps);
         let udp_after = udp_endpoints(&self.written);
         report.removed_udp = udp_before.difference(&udp_after).copied().collect();
-        self.apply6(model, &mut report, maps);
+        let desired6 = self.desired6(model);
+        self.apply6(&desired6, &mut report, maps);
         // The endpoints that left their service ports, and those given a slot this sync whose
         // backends could not be written.
         let endpoints_after = endpoints(&self.written);
@@ -853,7 +855,19 @@ impl Reconciler {
             |_, reset| reset.service_id,
         );
         report.uncounted = self.stats.take_uncounted();
-        self.record_statuses(model, &desired, scope.as_ref(), &mut report, maps);
+        // A partial sync's records of the IPv6 ports count their IPv4 side too.
+        let desired = match &scope {
+            Some(_) => self.with_unchanged_v4(desired, &last, model),
+            None => desired,
+        };
+        self.record_statuses(
+            model,
+            &desired,
+            &desired6,
+            scope.as_ref(),
+            &mut report,
+            maps,
+        );
         self.name_failures(&mut report);
         log_full_maps(&report);
         if report.failed == 0 {
@@ -905,9 +919,12 @@ impl Reconciler {
     /// range writes failed keeps its old frontends. The IPv6 side is computed and diffed whole
     /// at each sync: few services have one yet, and a change of the IPv4 side alone writes
     /// nothing here.
-    fn apply6<W: MapWriter>(&mut self, model: &Model, report: &mut SyncReport, maps: &mut W) {
-        let desired = self.desired6(model);
-
+    fn apply6<W: MapWriter>(
+        &mut self,
+        desired: &MapContents6,
+        report: &mut SyncReport,
+        maps: &mut W,
+    ) {
         let backends = changed(&desired.backends, &self.written6.backends);
         let failures = maps.insert_backends6(&backends);
         let failed = self.failures(
@@ -1287,29 +1304,42 @@ impl Reconciler {
         }
     }
 
-    /// The status record of every port in `scope` (None: every port), from its entries in
-    /// `desired` and its failed writes in `failures`.
+    /// The status record of every port in `scope` (None: every port) and of every IPv6 port
+    /// (the IPv6 side is computed whole at each sync), from its entries in `desired` and
+    /// `desired6` and its failed writes in `failures`.
     fn statuses(
         &self,
         model: &Model,
         desired: &MapContents,
+        desired6: &MapContents6,
         scope: Option<&Scope>,
         failures: &BTreeMap<u32, WriteFailure>,
     ) -> BTreeMap<u32, ServiceStatus> {
-        let ports: BTreeMap<u32, &ServicePortId> = match scope {
+        let mut ports: BTreeMap<u32, &ServicePortId> = match scope {
             None => self.ids.iter().map(|(port, &sid)| (sid, port)).collect(),
             Some(scope) => scope.ports.iter().map(|(&sid, port)| (sid, port)).collect(),
         };
-        // Looked up once per port: the model is keyed by name.
-        let ports: BTreeMap<u32, (&ServicePortId, Ipv4Addr)> = ports
+        if scope.is_some() {
+            let v6 = model
+                .ports_v6()
+                .filter_map(|(id, _, _)| self.ids.get_key_value(&id));
+            ports.extend(v6.map(|(port, &sid)| (sid, port)));
+        }
+        // Looked up once per port: the model is keyed by name. An IPv6-only port has no IPv4
+        // ClusterIP.
+        let ports: BTreeMap<u32, (&ServicePortId, Option<Ipv4Addr>)> = ports
             .into_iter()
-            .filter_map(|(sid, port)| {
-                let service = model.services.get(&port.service)?;
-                Some((sid, (port, service.cluster_ip)))
+            .filter_map(|(sid, port)| match model.services.get(&port.service) {
+                Some(service) => Some((sid, (port, Some(service.cluster_ip)))),
+                None => model
+                    .services_v6
+                    .contains_key(&port.service)
+                    .then_some((sid, (port, None))),
             })
             .collect();
-        let tallies = sync_status::tallies(desired, |sid| {
-            ports.get(&sid).map(|(_, ip)| ipv4_be(ip.octets()))
+        let tallies = sync_status::tallies(desired, desired6, |sid| {
+            let (_, ip) = ports.get(&sid)?;
+            ip.map(|ip| ipv4_be(ip.octets()))
         });
         ports
             .iter()
@@ -1321,6 +1351,41 @@ impl Reconciler {
             .collect()
     }
 
+    /// `desired`, a partial sync's, with the IPv4 entries (as written) of the services with an
+    /// IPv6 side that it did not recompute: [`Reconciler::statuses`] records every IPv6 port,
+    /// and a record counts both families' entries.
+    fn with_unchanged_v4(
+        &self,
+        mut desired: MapContents,
+        last: &LastSync,
+        model: &Model,
+    ) -> MapContents {
+        let written = &self.written;
+        for name in model.services_v6.keys() {
+            let Some(contribution) = last.services.get(name) else {
+                continue;
+            };
+            let catch_all = Ipv4Addr::any_port(contribution.cluster_ip);
+            for key in contribution.frontends.iter().chain([&catch_all]) {
+                if let Some(frontend) = written.frontends.get(key) {
+                    desired.frontends.entry(*key).or_insert(*frontend);
+                }
+                if let Some(origin) = written.origins.get(key) {
+                    desired.origins.entry(*key).or_insert(*origin);
+                }
+            }
+            for key in &contribution.backends {
+                if let Some(backend) = written.backends.get(key) {
+                    desired.backends.entry(*key).or_insert(*backend);
+                }
+            }
+            desired
+                .source_ranges
+                .extend(contribution.source_ranges.iter().copied());
+        }
+        desired
+    }
+
     /// Writes the status records of the ports in `scope` (None: every port) that changed, with
     /// the failures of this sync so far, and removes those of ports gone. Last, so that a record
     /// never says a port is in sync before its entries are written.
@@ -1328,11 +1393,12 @@ impl Reconciler {
         &mut self,
         model: &Model,
         desired: &MapContents,
+        desired6: &MapContents6,
         scope: Option<&Scope>,
         report: &mut SyncReport,
         maps: &mut W,
     ) {
-        let wanted = self.statuses(model, desired, scope, &report.failed_ids);
+        let wanted = self.statuses(model, desired, desired6, scope, &report.failed_ids);
         let records = changed(&wanted, &self.written.statuses);
         let failures = maps.insert_statuses(&records);
         let failed = self.failures(report, "status insert", &records, failures, |_, r| r.0);
@@ -2825,13 +2891,71 @@ mod tests {
 
     /// What `lb status` says of the fake maps, by service name and port state.
     fn status_of(maps: &FakeMaps) -> Vec<(String, sync_status::SyncState)> {
-        sync_status::compare(&maps.contents.statuses, &maps.contents)
+        sync_status::compare(&maps.contents.statuses, &maps.contents, &maps.contents6)
             .into_iter()
             .map(|p| {
                 let record = p.record.expect("a record");
                 (lb_common::field_text(&record.name).to_owned(), p.state)
             })
             .collect()
+    }
+
+    #[test]
+    fn status_records_count_the_ipv6_side_and_see_its_entries_lost() {
+        use sync_status::SyncState::{InSync, Missing};
+        let mut m = model(&[("web", 10, Some(30080), vec![endpoint(2, true)])]);
+        add_ipv6_side(&mut m, "web", 0x10, vec![endpoint6(0xb), endpoint6(0xc)]);
+        add_ipv6_side(&mut m, "web6", 0x11, vec![endpoint6(0xd)]);
+        let mut r = Reconciler::new(NODE, MapContents::default())
+            .with_ipv6(vec![NODE6], MapContents6::default());
+        let mut maps = FakeMaps::default();
+        r.sync(&m, &mut maps);
+        let in_sync = vec![("web".to_owned(), InSync), ("web6".to_owned(), InSync)];
+        assert_eq!(status_of(&maps), in_sync);
+        let counts = |maps: &FakeMaps, name: &str| {
+            let record = maps
+                .contents
+                .statuses
+                .values()
+                .find(|s| lb_common::field_text(&s.name) == name)
+                .expect("a record");
+            (record.frontends, record.backends, record.origins)
+        };
+        // web: its IPv4 ClusterIP, NodePort and catch-all and 1 slot, and as many of IPv6's
+        // with 2 slots; web6: its IPv6 ClusterIP and catch-all, 1 slot.
+        assert_eq!(counts(&maps, "web"), (6, 3, 4));
+        assert_eq!(counts(&maps, "web6"), (2, 1, 1));
+
+        // An IPv6 entry lost behind the agent's back: the port is missing.
+        let mut lost = maps.contents6.clone();
+        lost.backends.pop_last();
+        let states: Vec<_> = sync_status::compare(&maps.contents.statuses, &maps.contents, &lost)
+            .into_iter()
+            .map(|p| p.state)
+            .collect();
+        assert_eq!(states, [InSync, Missing]);
+        let mut lost = maps.contents6.clone();
+        lost.frontends
+            .remove(&Ipv6Addr::any_port(cluster_ip6(0x10)));
+        let states: Vec<_> = sync_status::compare(&maps.contents.statuses, &maps.contents, &lost)
+            .into_iter()
+            .map(|p| p.state)
+            .collect();
+        assert_eq!(states, [Missing, InSync]);
+
+        // A change of the IPv6 side alone follows in the records.
+        add_ipv6_side(&mut m, "web6", 0x11, vec![endpoint6(0xd), endpoint6(0xe)]);
+        let changed = BTreeSet::from([name("web6")]);
+        r.sync_changed(&m, Some(&changed), &mut maps);
+        assert_eq!(status_of(&maps), in_sync);
+        assert_eq!(counts(&maps, "web6"), (2, 2, 1));
+        add_ipv6_side(&mut m, "web", 0x10, vec![endpoint6(0xb)]);
+        r.sync_changed(&m, Some(&BTreeSet::new()), &mut maps);
+        assert_eq!(status_of(&maps), in_sync);
+        assert_eq!(counts(&maps, "web"), (6, 2, 4));
+        m.services_v6.remove(&name("web6"));
+        r.sync_changed(&m, Some(&BTreeSet::new()), &mut maps);
+        assert_eq!(status_of(&maps), in_sync[..1]);
     }
 
     #[test]
