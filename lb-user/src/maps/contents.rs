@@ -61,6 +61,8 @@ pub trait MapFamily: Family {
     fn frontend_addr(key: &Self::FrontendKey) -> Self;
     /// The key's port, host byte order (0: a catch-all).
     fn frontend_port(key: &Self::FrontendKey) -> u16;
+    /// The key's `IPPROTO_*` (0: a catch-all).
+    fn frontend_proto(key: &Self::FrontendKey) -> u8;
     /// The endpoint `addr`:`port`, not counted.
     fn backend(addr: Self, port: u16) -> Self::Backend;
 }
@@ -84,6 +86,9 @@ impl MapFamily for Ipv4Addr {
     }
     fn frontend_port(key: &FrontendKey) -> u16 {
         u16::from_be(key.port)
+    }
+    fn frontend_proto(key: &FrontendKey) -> u8 {
+        key.proto
     }
     fn backend(addr: Self, port: u16) -> Backend {
         Backend {
@@ -113,6 +118,9 @@ impl MapFamily for Ipv6Addr {
     }
     fn frontend_port(key: &FrontendKey6) -> u16 {
         u16::from_be(key.port)
+    }
+    fn frontend_proto(key: &FrontendKey6) -> u8 {
+        key.proto
     }
     fn backend(addr: Self, port: u16) -> Backend6 {
         Backend6 {

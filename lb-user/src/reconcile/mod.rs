@@ -22,7 +22,7 @@ use crate::error_chain;
 use crate::maps::contents::{
     BackendValue, FamilyContents, MapContents, MapContents6, MapFamily, SourceRange,
 };
-use crate::maps::stats_slots::{PortEndpoint, StatsReset, StatsSlots};
+use crate::maps::stats_slots::{FamilyBackend, PortEndpoint, StatsReset, StatsSlots};
 use crate::maps::writer::{MapWriter, WriteFailure};
 use crate::model::{
     Endpoint, Model, Protocol, Scheduler, Service, ServiceName, ServicePort, ServicePortId,
@@ -180,9 +180,11 @@ impl Side for Ipv6Addr {
     fn written(reconciler: &Reconciler) -> &MapContents6 {
         &reconciler.written6
     }
-    /// Not counted yet: the counter slots (`StatsSlots`) are keyed by IPv4 endpoints.
-    fn counted(_: &mut StatsSlots, _: u32, backend: Backend6) -> Backend6 {
-        backend
+    fn counted(stats: &mut StatsSlots, service_id: u32, backend: Backend6) -> Backend6 {
+        Backend6 {
+            stats_slot: stats.slot(PortEndpoint::new(service_id, &backend)),
+            ..backend
+        }
     }
 }
 
@@ -348,10 +350,11 @@ impl Reconciler {
         self
     }
 
-    /// Counts endpoints in a `BACKEND_STATS` of `capacity` slots, keeping the slots the maps
-    /// read at start give them; without it none is counted.
+    /// Counts endpoints of both families in a `BACKEND_STATS` of `capacity` slots, keeping the
+    /// slots the maps read at start give them (after [`Reconciler::with_ipv6`], IPv6's too);
+    /// without it none is counted.
     pub fn with_stats_slots(mut self, capacity: u32) -> Self {
-        self.stats = StatsSlots::adopt(capacity, &self.written.backends);
+        self.stats = StatsSlots::adopt(capacity, &self.written.backends, &self.written6.backends);
         self
     }
 
@@ -829,15 +832,35 @@ impl Reconciler {
             Some(scope) => endpoints_of(written, &scope.backends),
         };
         let udp_before = udp_endpoints(&self.written);
-        let endpoints_before = endpoints(&self.written);
-        let mut report = self.apply(&desired, scope.as_ref(), maps);
+        // The IPv6 side is diffed whole: all its UDP endpoints.
+        let udp6_before = udp_flush::udp_endpoints(&self.written6);
+        // The IPv6 side is diffed whole: all its endpoints.
+        let endpoints6 = |written: &MapContents6| endpoints_of(written, written.backends.keys());
+        let mut endpoints_before = endpoints(&self.written);
+        endpoints_before.extend(endpoints6(&self.written6));
+        // Before the claims: the new slots of IPv6 endpoints are claimed with IPv4's.
+        let desired6 = self.desired6(model);
+        let mut report = SyncReport::default();
+        // The services some of whose claims failed: their frontends keep what they had.
+        let unclaimed = self.claim_slots(&mut report, maps);
+        self.apply(
+            &desired,
+            scope.as_ref(),
+            unclaimed.clone(),
+            &mut report,
+            maps,
+        );
         let udp_after = udp_endpoints(&self.written);
         report.removed_udp = udp_before.difference(&udp_after).copied().collect();
-        let desired6 = self.desired6(model);
-        self.apply6(&desired6, &mut report, maps);
+        self.apply6(&desired6, unclaimed, &mut report, maps);
+        let udp6_after = udp_flush::udp_endpoints(&self.written6);
+        report
+            .removed_udp
+            .extend(udp6_before.difference(&udp6_after).copied());
         // The endpoints that left their service ports, and those given a slot this sync whose
         // backends could not be written.
-        let endpoints_after = endpoints(&self.written);
+        let mut endpoints_after = endpoints(&self.written);
+        endpoints_after.extend(endpoints6(&self.written6));
         let assigned = self.stats.take_assigned();
         let releases: Vec<StatsReset> = endpoints_before
             .iter()
@@ -878,25 +901,24 @@ impl Reconciler {
 
     /// Writes the difference between `desired` and the maps, for the keys in `scope` (None:
     /// every key; else `desired` holds what the keys of the scope are to hold). Inserts first
-    /// (counter slots, backends, source ranges, then frontends), removals after, so that no
-    /// packet meets a frontend whose backends are not written yet.
+    /// (backends, source ranges, then frontends; the counter slots were claimed before),
+    /// removals after, so that no packet meets a frontend whose backends are not written yet.
+    /// `broken`: the services whose claims failed, whose frontends keep what they had.
     fn apply<W: MapWriter>(
         &mut self,
         desired: &MapContents,
         scope: Option<&Scope>,
+        mut broken: BTreeSet<u32>,
+        report: &mut SyncReport,
         maps: &mut W,
-    ) -> SyncReport {
+    ) {
         let keys = DiffKeys::of(scope);
-        let mut report = SyncReport::default();
-        // The services some of whose inserts failed: their frontends keep what they had.
-        let mut broken = self.claim_slots(&mut report, maps);
-        self.insert_backends(desired, &keys, &mut broken, &mut report, maps);
-        self.insert_source_ranges(desired, &keys, &mut broken, &mut report, maps);
-        self.insert_frontends(desired, &keys, &broken, &mut report, maps);
-        self.remove_frontends(desired, &keys, &mut report, maps);
-        self.remove_source_ranges(desired, &keys, &mut report, maps);
-        self.remove_backends(desired, &keys, &mut report, maps);
-        report
+        self.insert_backends(desired, &keys, &mut broken, report, maps);
+        self.insert_source_ranges(desired, &keys, &mut broken, report, maps);
+        self.insert_frontends(desired, &keys, &broken, report, maps);
+        self.remove_frontends(desired, &keys, report, maps);
+        self.remove_source_ranges(desired, &keys, report, maps);
+        self.remove_backends(desired, &keys, report, maps);
     }
 
     /// The IPv6 maps' contents for `model`'s IPv6 side, with the service ids the last
@@ -913,19 +935,24 @@ impl Reconciler {
         desired
     }
 
-    /// Brings the IPv6 maps to `model`'s IPv6 side, in the order of [`Reconciler::apply`]: new
+    /// Brings the IPv6 maps to `desired`, in the order of [`Reconciler::apply`]: new
     /// backends and source ranges, origins, frontends (catch-alls last); then the frontends,
-    /// origins, source ranges and slots no longer wanted. A service whose backend or source
-    /// range writes failed keeps its old frontends. The IPv6 side is computed and diffed whole
+    /// origins, source ranges and slots no longer wanted. A service whose counter slot claims
+    /// (`broken`), backend or source range writes failed keeps its old frontends. The IPv6 side is computed and diffed whole
     /// at each sync: few services have one yet, and a change of the IPv4 side alone writes
     /// nothing here.
     fn apply6<W: MapWriter>(
         &mut self,
         desired: &MapContents6,
+        mut broken: BTreeSet<u32>,
         report: &mut SyncReport,
         maps: &mut W,
     ) {
-        let backends = changed(&desired.backends, &self.written6.backends);
+        let backends: Vec<(BackendKey, Backend6)> =
+            changed(&desired.backends, &self.written6.backends)
+                .into_iter()
+                .filter(|(key, _)| !broken.contains(&key.service_id))
+                .collect();
         let failures = maps.insert_backends6(&backends);
         let failed = self.failures(
             report,
@@ -934,7 +961,7 @@ impl Reconciler {
             failures,
             |_, (key, _)| key.service_id,
         );
-        let mut broken: BTreeSet<u32> = failed.iter().map(|&i| backends[i].0.service_id).collect();
+        broken.extend(failed.iter().map(|&i| backends[i].0.service_id));
         for (key, value) in skip_indices(&backends, &failed) {
             match self.written6.backends.insert(*key, *value) {
                 Some(_) => report.backends_updated += 1,
@@ -1548,10 +1575,13 @@ fn port_names<A: MapFamily>(service: &Service<A>) -> Vec<(String, Protocol)> {
 }
 
 /// The endpoints of the service ports of the slots `keys` in `contents`.
-fn endpoints_of<'a>(
-    contents: &MapContents,
+fn endpoints_of<'a, A: MapFamily>(
+    contents: &FamilyContents<A>,
     keys: impl IntoIterator<Item = &'a BackendKey>,
-) -> BTreeSet<PortEndpoint> {
+) -> BTreeSet<PortEndpoint>
+where
+    for<'b> &'b A::Backend: Into<FamilyBackend>,
+{
     keys.into_iter()
         .filter_map(|key| {
             contents
@@ -2719,6 +2749,89 @@ mod tests {
         assert!(!report.changed(), "{report:?}");
         assert_eq!((maps.contents.clone(), maps.contents6.clone()), before);
         assert_eq!(restarted.next_id, first.next_id);
+    }
+
+    #[test]
+    fn ipv6_endpoints_get_counter_slots_released_when_gone_and_kept_on_restart() {
+        let mut m = model(&[("web", 10, None, vec![endpoint(2, true)])]);
+        add_ipv6_side(&mut m, "web", 0x10, vec![endpoint6(0xb), endpoint6(0xc)]);
+        let mut r = Reconciler::new(NODE, MapContents::default())
+            .with_ipv6(vec![NODE6], MapContents6::default())
+            .with_stats_slots(8);
+        let mut maps = FakeMaps::default();
+        r.sync(&m, &mut maps);
+        let slots6 = |maps: &FakeMaps| -> Vec<u16> {
+            let backends = maps.contents6.backends.values();
+            backends.map(|b| b.stats_slot).collect()
+        };
+        let v4: Vec<u16> = maps
+            .contents
+            .backends
+            .values()
+            .map(|b| b.stats_slot)
+            .collect();
+        assert_eq!(v4, [1]);
+        assert_eq!(slots6(&maps), [2, 3], "a slot of its own per IPv6 endpoint");
+        assert_eq!(r.stats_slots(), (7, 3));
+        let sid = maps.contents6.backends.keys().next().unwrap().service_id;
+        let owner = |last| {
+            let backend = Ipv6Addr::backend(endpoint6(last).addr, 8080);
+            PortEndpoint::new(sid, &backend).owner()
+        };
+        assert!(
+            maps.ops.contains(&Op::ResetStats(2, owner(0xb)))
+                && maps.ops.contains(&Op::ResetStats(3, owner(0xc))),
+            "claimed with their owners: {:?}",
+            maps.ops
+        );
+
+        // 0xc leaves: its slot is released.
+        add_ipv6_side(&mut m, "web", 0x10, vec![endpoint6(0xb)]);
+        maps.ops.clear();
+        r.sync(&m, &mut maps);
+        assert_eq!(maps.ops, [Op::ResetStats(3, 0)]);
+        assert_eq!(slots6(&maps), [2]);
+        assert_eq!(r.stats_slots(), (7, 2));
+
+        // A restarted agent keeps the IPv6 endpoints' slots.
+        let mut r = Reconciler::new(NODE, maps.contents.clone())
+            .with_ipv6(vec![NODE6], maps.contents6.clone())
+            .with_stats_slots(8);
+        maps.ops.clear();
+        r.sync(&m, &mut maps);
+        assert_eq!(maps.ops, [], "nothing rewritten, no slot reset");
+        assert_eq!(slots6(&maps), [2]);
+        assert_eq!(r.stats_slots(), (7, 2));
+    }
+
+    #[test]
+    fn removed_ipv6_udp_endpoints_are_reported_for_the_conntrack_flush() {
+        let mut m = Model::default();
+        add_ipv6_side(&mut m, "dns", 0x12, vec![endpoint6(0xb), endpoint6(0xc)]);
+        add_ipv6_side(&mut m, "web", 0x13, vec![endpoint6(0xb), endpoint6(0xc)]);
+        m.services_v6.get_mut(&name("dns")).unwrap().ports[0].protocol = Protocol::Udp;
+        let mut r = Reconciler::new(NODE, MapContents::default())
+            .with_ipv6(vec![NODE6], MapContents6::default());
+        let mut maps = FakeMaps::default();
+        assert!(r.sync(&m, &mut maps).removed_udp.is_empty());
+        let dns = maps.contents6.frontends
+            [&Ipv6Addr::frontend_key(cluster_ip6(0x12), 80, lb_common::IPPROTO_UDP)]
+            .service_id;
+
+        // 0xc leaves both: only the UDP port's endpoint is flushed.
+        for service in ["dns", "web"] {
+            let ports = &mut m.services_v6.get_mut(&name(service)).unwrap().ports;
+            ports[0].endpoints.retain(|e| e.addr == endpoint6(0xb).addr);
+        }
+        let report = r.sync_changed(&m, Some(&BTreeSet::new()), &mut maps);
+        let gone = Ipv6Addr::backend(endpoint6(0xc).addr, 8080);
+        assert_eq!(
+            report.removed_udp,
+            BTreeSet::from([UdpEndpoint {
+                service_id: dns,
+                backend: FamilyBackend::from(&gone),
+            }])
+        );
     }
 
     #[test]
