@@ -543,3 +543,51 @@ fn removed_ipv6_udp_endpoint_loses_its_conntrack() -> Result<()> {
     );
     Ok(())
 }
+
+/// --nodeport-addresses of IPv6, as of IPv4: the dual-stack Service's NodePort is listed on
+/// the node's IPv6 addresses in the flag's IPv6 CIDR (not on the IPv6 --node-ip outside it), as
+/// they come and go (each change makes the agent sync once its netlink notification arrives).
+#[test]
+fn ipv6_node_ports_follow_nodeport_addresses() -> Result<()> {
+    const SECOND_IP_V6: &str = "2001:db8:300::10";
+    let bpffs = Bpffs::mount()?;
+    let bpffs_arg = bpffs.arg();
+    let flag = format!("{NODE_IP}/32,2001:db8:300::/64");
+    let mut node = dual_stack_node(&["--bpffs", &bpffs_arg, "--nodeport-addresses", &flag])?;
+    let service = node
+        .service(Proto::Tcp, &["pod-b", "pod-c"])
+        .node_port(NODE_PORT)
+        .yaml();
+    node.agent
+        .update_manifests(&dual_stack(&service, Proto::Tcp)?)?;
+    let node_ports = |node: &Node| -> Result<Vec<String>> {
+        let mut listed: Vec<String> = services(&node.topology.node, &bpffs_arg)?
+            .into_iter()
+            .filter(|l| l.kind == "NodePort")
+            .map(|l| l.frontend)
+            .collect();
+        listed.sort();
+        Ok(listed)
+    };
+    let v4 = format!("{NODE_IP}:{NODE_PORT}");
+    let listed = node_ports(&node)?;
+    ensure!(listed == [v4.clone()], "{listed:?}");
+
+    let address = format!("{SECOND_IP_V6}/128");
+    let external = lb_tests::topology::EXTERNAL_INTERFACE;
+    let interface_address = |op: &str| {
+        node.topology
+            .node
+            .ip(&["-6", "addr", op, &address, "dev", external, "nodad"])
+    };
+    interface_address("add")?;
+    node.agent.wait_for_sync(Duration::from_secs(5))?;
+    let listed = node_ports(&node)?;
+    let v6 = format!("[{SECOND_IP_V6}]:{NODE_PORT}");
+    ensure!(listed == [v4.clone(), v6], "{listed:?}");
+    interface_address("del")?;
+    node.agent.wait_for_sync(Duration::from_secs(5))?;
+    let listed = node_ports(&node)?;
+    ensure!(listed == [v4], "{listed:?}");
+    Ok(())
+}

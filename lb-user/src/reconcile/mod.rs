@@ -397,6 +397,14 @@ impl Reconciler {
         changed
     }
 
+    /// Serves IPv6 NodePorts on `addrs` from the next sync on; whether that is a change. (The
+    /// IPv6 side is computed whole at each sync: nothing else to redo.)
+    pub fn set_node_port_addresses6(&mut self, addrs: Vec<Ipv6Addr>) -> bool {
+        let changed = self.node_port_addrs6 != addrs;
+        self.node_port_addrs6 = addrs;
+        changed
+    }
+
     /// What the maps hold, as far as the reconciler knows.
     pub fn written(&self) -> &MapContents {
         &self.written
