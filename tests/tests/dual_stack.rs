@@ -330,8 +330,10 @@ fn mac(ns: &Netns, interface: &str) -> Result<String> {
 
 /// Gives every pod an IPv6 address routed as its IPv4 one (a /128 on its veth, the node's
 /// gateway address on every pod veth), with static neighbours so that no packet waits for
-/// neighbour discovery or duplicate address detection.
-fn add_pod_ipv6(node: &Node) -> Result<()> {
+/// neighbour discovery or duplicate address detection. The gateway address is a node address
+/// NodePorts are served on, as IPv4's: waits for the sync it makes, which a later manifest
+/// update must not take for its own.
+fn add_pod_ipv6(node: &mut Node) -> Result<()> {
     let host = &node.topology.node;
     host.sysctl("net.ipv6.conf.all.forwarding", "1")?;
     let gateway = POD_GATEWAY_V6.to_string();
@@ -369,6 +371,9 @@ fn add_pod_ipv6(node: &Node) -> Result<()> {
             "-6", "neigh", "add", &gateway, "lladdr", &veth_mac, "dev", "eth0",
         ])?;
     }
+    let served = format!("{POD_GATEWAY_V6}]");
+    node.agent.wait_for_log(&served, Duration::from_secs(5))?;
+    node.agent.wait_for_sync(Duration::from_secs(5))?;
     Ok(())
 }
 
@@ -382,7 +387,7 @@ fn ipv6_only(proto: Proto, endpoints: &[Ipv6Addr]) -> String {
 /// own address (no masquerade inside the cluster CIDR), the client sees the ClusterIP answer.
 fn pod_to_ipv6_cluster_ip(proto: Proto) -> Result<()> {
     let mut node = dual_stack_node(&[])?;
-    add_pod_ipv6(&node)?;
+    add_pod_ipv6(&mut node)?;
     let _servers = ["pod-b", "pod-c"]
         .iter()
         .map(|pod| EchoServer::start_v6(node.pod_ns(pod), pod, TARGET_PORT_V6))
@@ -437,7 +442,7 @@ fn ipv6_endpoints_traffic_is_counted_and_their_service_in_sync() -> Result<()> {
     let bpffs = Bpffs::mount()?;
     let bpffs_arg = bpffs.arg();
     let mut node = dual_stack_node(&["--bpffs", &bpffs_arg])?;
-    add_pod_ipv6(&node)?;
+    add_pod_ipv6(&mut node)?;
     let _servers = ["pod-b", "pod-c"]
         .iter()
         .map(|pod| EchoServer::start_v6(node.pod_ns(pod), pod, TARGET_PORT_V6))
@@ -516,7 +521,7 @@ fn ask(socket: &std::net::UdpSocket, to: SocketAddr) -> Result<String> {
 #[test]
 fn removed_ipv6_udp_endpoint_loses_its_conntrack() -> Result<()> {
     let mut node = dual_stack_node(&[])?;
-    add_pod_ipv6(&node)?;
+    add_pod_ipv6(&mut node)?;
     let _servers = ["pod-b", "pod-c"]
         .iter()
         .map(|pod| EchoServer::start_v6(node.pod_ns(pod), pod, TARGET_PORT_V6))
