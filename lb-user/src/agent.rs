@@ -30,7 +30,7 @@ use lb_user::datapath::{self, Datapath, MapSizes};
 use lb_user::error_chain;
 use lb_user::maps::contents::{MapContents, MapContents6};
 use lb_user::maps::writer::WriteFailure;
-use lb_user::model::node_addresses;
+use lb_user::model::node_addresses::NodePortSelection;
 use lb_user::model::nodeport::NodePortAllocator;
 use lb_user::model::{Endpoint, Model, Service, ServiceName, ServicePort, Specs};
 use lb_user::reconcile::coalesce::Coalescer;
@@ -76,15 +76,16 @@ pub async fn run(args: AgentArgs) -> Result<()> {
         .cluster_cidr
         .v4
         .unwrap_or(Ipv4Net::new_assert(Ipv4Addr::UNSPECIFIED, 32));
-    let nodeport_cidrs = args.nodeport_addresses_of::<Ipv4Addr>();
+    let node_ports = NodePortSelection {
+        node_ip,
+        cidrs: args.nodeport_addresses_of::<Ipv4Addr>(),
+        node_ip6: node_ips.v6,
+        cidrs6: args.nodeport_addresses_of::<Ipv6Addr>(),
+    };
     let loaded = load_datapath(&args, forwarding, &node_ips, cluster_cidr)?;
     let links = LinkWatcher::start()?;
-    let node_port_addrs = node_addresses::node_port_addresses(
-        &links.ipv4_addresses().await?,
-        node_ip,
-        &nodeport_cidrs,
-    );
-    info!(addresses = ?node_port_addrs, "NodePorts served on");
+    let node_port_addrs = node_ports.addresses(&links.addresses().await?);
+    info!(addresses = ?node_port_addrs.0, ipv6 = ?node_port_addrs.1, "NodePorts served on");
     let migrated = loaded.migrated;
     let mut state = State::new(&args, &node_ips, node_port_addrs, loaded, metrics, health)?;
 
@@ -97,8 +98,7 @@ pub async fn run(args: AgentArgs) -> Result<()> {
     let agent = Agent {
         audit: audit_interval(args.sync_period),
         args,
-        node_ip,
-        nodeport_cidrs,
+        node_ports,
         state,
         source,
         coalescer,
@@ -340,9 +340,8 @@ fn audit_interval(period: Duration) -> Option<tokio::time::Interval> {
 /// The started agent: what its loop waits on and acts on.
 struct Agent {
     args: AgentArgs,
-    node_ip: Option<Ipv4Addr>,
-    /// The --nodeport-addresses of IPv4.
-    nodeport_cidrs: Vec<Ipv4Net>,
+    /// The node IPs and --nodeport-addresses of both families.
+    node_ports: NodePortSelection,
     state: State,
     source: Source,
     coalescer: Coalescer,
@@ -436,7 +435,7 @@ impl Agent {
     async fn node_addresses_changed(&mut self) {
         let changed = self
             .state
-            .node_addresses_changed(&self.links, self.node_ip, &self.nodeport_cidrs)
+            .node_addresses_changed(&self.links, &self.node_ports)
             .await;
         if changed {
             self.coalescer.queue(Instant::now(), Duration::ZERO);
@@ -899,8 +898,8 @@ struct State {
     metrics: Arc<Metrics>,
     health: Arc<Mutex<Health>>,
     service_health: ServiceHealth,
-    /// The node's IPv6 addresses NodePorts would be served on (its IPv6 node IP).
-    ipv6_node_ips: usize,
+    /// How many IPv6 addresses NodePorts are served on.
+    ipv6_node_port_addrs: usize,
     /// The IPv6 frontends not served that the log last reported.
     ipv6_frontends_logged: usize,
 }
@@ -922,7 +921,7 @@ impl State {
     fn new(
         args: &AgentArgs,
         node_ips: &NodeIps,
-        node_port_addrs: Vec<Ipv4Addr>,
+        (node_port_addrs, node_port_addrs6): (Vec<Ipv4Addr>, Vec<Ipv6Addr>),
         loaded: Loaded,
         metrics: Arc<Metrics>,
         health: Arc<Mutex<Health>>,
@@ -942,7 +941,7 @@ impl State {
                 node_ips.v4.unwrap_or(Ipv4Addr::UNSPECIFIED),
                 loaded.existing,
             )
-            .with_ipv6(node_ips.v6.into_iter().collect(), loaded.existing6)
+            .with_ipv6(node_port_addrs6.clone(), loaded.existing6)
             .with_stats_slots(datapath.service_maps.stats_capacity())
             .with_node_port_addresses(node_port_addrs)
             .with_node_name(node_name(args)?)
@@ -957,7 +956,7 @@ impl State {
             metrics,
             health,
             service_health,
-            ipv6_node_ips: usize::from(node_ips.v6.is_some()),
+            ipv6_node_port_addrs: node_port_addrs6.len(),
             ipv6_frontends_logged: 0,
         })
     }
@@ -993,21 +992,22 @@ impl State {
     }
 
     /// Reads the node's addresses again after a netlink change; whether the NodePort addresses
-    /// changed (then a sync is due). A failed read keeps the current ones.
+    /// of either family changed (then a sync is due). A failed read keeps the current ones.
     async fn node_addresses_changed(
         &mut self,
         links: &LinkWatcher,
-        node_ip: Option<Ipv4Addr>,
-        cidrs: &[Ipv4Net],
+        selection: &NodePortSelection,
     ) -> bool {
-        match links.ipv4_addresses().await {
+        match links.addresses().await {
             Ok(present) => {
-                let addrs = node_addresses::node_port_addresses(&present, node_ip, cidrs);
+                let (addrs, addrs6) = selection.addresses(&present);
+                self.ipv6_node_port_addrs = addrs6.len();
                 let changed = self.reconciler.set_node_port_addresses(addrs.clone());
-                if changed {
-                    info!(addresses = ?addrs, "NodePorts now served on");
+                let changed6 = self.reconciler.set_node_port_addresses6(addrs6.clone());
+                if changed || changed6 {
+                    info!(addresses = ?addrs, ipv6 = ?addrs6, "NodePorts now served on");
                 }
-                changed
+                changed || changed6
             }
             Err(err) => {
                 warn!(error = %error_chain(&err), "reading the node's addresses: keeping the current ones");
@@ -1090,7 +1090,7 @@ impl State {
     /// Says how many IPv6 frontends the model holds, of which the datapath serves only
     /// ClusterIP connections from pods yet (docs/ipv6.md), once per sync that changes the number.
     fn log_ipv6_pending(&mut self, model: &Model) {
-        let frontends = model.ipv6_frontends(self.ipv6_node_ips);
+        let frontends = model.ipv6_frontends(self.ipv6_node_port_addrs);
         if frontends == self.ipv6_frontends_logged {
             return;
         }

@@ -332,8 +332,10 @@ fn mac(ns: &Netns, interface: &str) -> Result<String> {
 
 /// Gives every pod an IPv6 address routed as its IPv4 one (a /128 on its veth, the node's
 /// gateway address on every pod veth), with static neighbours so that no packet waits for
-/// neighbour discovery or duplicate address detection.
-fn add_pod_ipv6(node: &Node) -> Result<()> {
+/// neighbour discovery or duplicate address detection. The gateway address is a node address
+/// NodePorts are served on, as IPv4's: waits for the sync it makes, which a later manifest
+/// update must not take for its own.
+fn add_pod_ipv6(node: &mut Node) -> Result<()> {
     let host = &node.topology.node;
     host.sysctl("net.ipv6.conf.all.forwarding", "1")?;
     let gateway = POD_GATEWAY_V6.to_string();
@@ -371,6 +373,9 @@ fn add_pod_ipv6(node: &Node) -> Result<()> {
             "-6", "neigh", "add", &gateway, "lladdr", &veth_mac, "dev", "eth0",
         ])?;
     }
+    let served = format!("{POD_GATEWAY_V6}]");
+    node.agent.wait_for_log(&served, Duration::from_secs(5))?;
+    node.agent.wait_for_sync(Duration::from_secs(5))?;
     Ok(())
 }
 
@@ -384,7 +389,7 @@ fn ipv6_only(proto: Proto, endpoints: &[Ipv6Addr]) -> String {
 /// own address (no masquerade inside the cluster CIDR), the client sees the ClusterIP answer.
 fn pod_to_ipv6_cluster_ip(proto: Proto) -> Result<()> {
     let mut node = dual_stack_node(&[])?;
-    add_pod_ipv6(&node)?;
+    add_pod_ipv6(&mut node)?;
     let _servers = ["pod-b", "pod-c"]
         .iter()
         .map(|pod| EchoServer::start_v6(node.pod_ns(pod), pod, TARGET_PORT_V6))
@@ -419,8 +424,8 @@ fn pod_to_ipv6_cluster_ip_udp() -> Result<()> {
 /// are on `cgroup`.
 fn dual_stack_node_with_hooks(cgroup: &Cgroup) -> Result<Node> {
     let path = cgroup.agent_path();
-    let node = dual_stack_node(&["--cgroup", path.to_str().context("cgroup path")?])?;
-    add_pod_ipv6(&node)?;
+    let mut node = dual_stack_node(&["--cgroup", path.to_str().context("cgroup path")?])?;
+    add_pod_ipv6(&mut node)?;
     Ok(node)
 }
 
@@ -574,5 +579,184 @@ fn node_ipv6_udp_flow_sticks_to_one_backend() -> Result<()> {
         servers.insert(node_answer(&cgroup, &node, Proto::Udp, service)?.server);
     }
     ensure!(servers.len() > 1, "new sockets all went to {servers:?}");
+    Ok(())
+}
+
+/// `lb ARGS --bpffs BPFFS -o json` in `node`: whether it exited 0, and its JSON.
+fn lb_json(node: &Netns, args: &[&str], bpffs: &str) -> Result<(bool, serde_json::Value)> {
+    let mut all = args.to_vec();
+    all.extend(["--bpffs", bpffs, "-o", "json"]);
+    let output = node.exec(&lb_binary().to_string_lossy(), &all)?;
+    let json = serde_json::from_slice(&output.stdout).with_context(|| {
+        format!(
+            "lb {args:?}: {}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        )
+    })?;
+    Ok((output.status.success(), json))
+}
+
+/// "Operators must see inside" over IPv6: after 6 connections from pod-a to an IPv6-only
+/// Service, `lb services` counts them on its IPv6 endpoints (each with a counter slot of its
+/// own), and `lb status` has a record of the Service that counts its IPv6 entries (its
+/// ClusterIP and catch-all, its 2 backend slots, 1 origin) and says it is in sync.
+#[test]
+fn ipv6_endpoints_traffic_is_counted_and_their_service_in_sync() -> Result<()> {
+    let bpffs = Bpffs::mount()?;
+    let bpffs_arg = bpffs.arg();
+    let mut node = dual_stack_node(&["--bpffs", &bpffs_arg])?;
+    add_pod_ipv6(&mut node)?;
+    let _servers = ["pod-b", "pod-c"]
+        .iter()
+        .map(|pod| EchoServer::start_v6(node.pod_ns(pod), pod, TARGET_PORT_V6))
+        .collect::<Result<Vec<_>>>()?;
+    node.agent
+        .update_manifests(&ipv6_only(Proto::Tcp, &[pod_ip_v6(1), pod_ip_v6(2)]))?;
+    let service: SocketAddr = (CLUSTER_IP_V6_ONLY.parse::<Ipv6Addr>()?, PORT).into();
+    let answers = requests(node.pod_ns("pod-a"), Proto::Tcp, service, 6)?;
+    ensure!(answers.len() == 6, "{answers:?}");
+
+    let ns = &node.topology.node;
+    let (_, rows) = lb_json(ns, &["services"], &bpffs_arg)?;
+    let frontend = format!("[{CLUSTER_IP_V6_ONLY}]:{PORT}");
+    let row = rows
+        .as_array()
+        .context("a list")?
+        .iter()
+        .find(|r| r["frontend"] == frontend.as_str() && r["protocol"] == "tcp")
+        .with_context(|| format!("{frontend} in {rows}"))?;
+    let backends = row["backends"].as_array().context("backends")?;
+    let connections: u64 = backends
+        .iter()
+        .map(|b| b["connections"].as_u64().unwrap_or_default())
+        .sum();
+    ensure!(
+        backends.len() == 2 && backends.iter().all(|b| b["counted"] == true) && connections == 6,
+        "6 connections counted on the IPv6 endpoints: {row}"
+    );
+
+    let (in_sync, status) = lb_json(ns, &["status"], &bpffs_arg)?;
+    let web6 = status["services"]
+        .as_array()
+        .context("services")?
+        .iter()
+        .find(|s| s["service"] == "default/web6")
+        .with_context(|| format!("default/web6 in {status}"))?;
+    let port = &web6["ports"][0];
+    let counts = |side: &str| {
+        let c = &port[side];
+        [&c["frontends"], &c["backends"], &c["origins"]].map(|v| v.as_u64())
+    };
+    ensure!(
+        in_sync
+            && web6["state"] == "in sync"
+            && counts("desired") == [Some(2), Some(2), Some(1)]
+            && counts("actual") == counts("desired"),
+        "{status}"
+    );
+    Ok(())
+}
+
+/// An unconnected UDP socket on [::] in `ns`: every request leaves from the same source port.
+fn udp_client_v6(ns: &Netns) -> Result<std::net::UdpSocket> {
+    ns.run(|| -> Result<std::net::UdpSocket> {
+        let socket = std::net::UdpSocket::bind("[::]:0")?;
+        socket.set_read_timeout(Some(lb_tests::echo::TIMEOUT))?;
+        Ok(socket)
+    })?
+}
+
+/// The name of the server that answers one datagram from `socket` to `to`.
+fn ask(socket: &std::net::UdpSocket, to: SocketAddr) -> Result<String> {
+    socket.send_to(b"hello\n", to)?;
+    let mut buf = [0u8; 512];
+    let (len, peer) = socket
+        .recv_from(&mut buf)
+        .with_context(|| format!("no answer from {to}"))?;
+    ensure!(peer == to, "answer from {peer}, asked {to}");
+    let text = std::str::from_utf8(&buf[..len])?;
+    Ok(text.split(' ').next().unwrap_or_default().to_string())
+}
+
+/// kube-proxy's UDP conntrack flush over IPv6: pod-b's endpoint is removed (pod-b keeps
+/// running, so a stale entry would still get its answer); the next datagram from the same
+/// socket to the IPv6 ClusterIP reaches pod-c.
+#[test]
+fn removed_ipv6_udp_endpoint_loses_its_conntrack() -> Result<()> {
+    let mut node = dual_stack_node(&[])?;
+    add_pod_ipv6(&mut node)?;
+    let _servers = ["pod-b", "pod-c"]
+        .iter()
+        .map(|pod| EchoServer::start_v6(node.pod_ns(pod), pod, TARGET_PORT_V6))
+        .collect::<Result<Vec<_>>>()?;
+    node.agent
+        .update_manifests(&ipv6_only(Proto::Udp, &[pod_ip_v6(1)]))?;
+    let service: SocketAddr = (CLUSTER_IP_V6_ONLY.parse::<Ipv6Addr>()?, PORT).into();
+    let socket = udp_client_v6(node.pod_ns("pod-a"))?;
+    for _ in 0..3 {
+        let server = ask(&socket, service).with_context(|| node.agent.log())?;
+        ensure!(server == "pod-b", "answered by {server}");
+    }
+    node.agent
+        .update_manifests(&ipv6_only(Proto::Udp, &[pod_ip_v6(2)]))?;
+    for _ in 0..3 {
+        let server = ask(&socket, service)
+            .with_context(|| format!("after the update: {}", node.agent.log()))?;
+        ensure!(server == "pod-c", "still answered by {server}");
+    }
+    let log = node.agent.log();
+    ensure!(
+        log.contains("UDP conntrack of removed endpoints flushed"),
+        "{log}"
+    );
+    Ok(())
+}
+
+/// --nodeport-addresses of IPv6, as of IPv4: the dual-stack Service's NodePort is listed on
+/// the node's IPv6 addresses in the flag's IPv6 CIDR (not on the IPv6 --node-ip outside it), as
+/// they come and go (each change makes the agent sync once its netlink notification arrives).
+#[test]
+fn ipv6_node_ports_follow_nodeport_addresses() -> Result<()> {
+    const SECOND_IP_V6: &str = "2001:db8:300::10";
+    let bpffs = Bpffs::mount()?;
+    let bpffs_arg = bpffs.arg();
+    let flag = format!("{NODE_IP}/32,2001:db8:300::/64");
+    let mut node = dual_stack_node(&["--bpffs", &bpffs_arg, "--nodeport-addresses", &flag])?;
+    let service = node
+        .service(Proto::Tcp, &["pod-b", "pod-c"])
+        .node_port(NODE_PORT)
+        .yaml();
+    node.agent
+        .update_manifests(&dual_stack(&service, Proto::Tcp)?)?;
+    let node_ports = |node: &Node| -> Result<Vec<String>> {
+        let mut listed: Vec<String> = services(&node.topology.node, &bpffs_arg)?
+            .into_iter()
+            .filter(|l| l.kind == "NodePort")
+            .map(|l| l.frontend)
+            .collect();
+        listed.sort();
+        Ok(listed)
+    };
+    let v4 = format!("{NODE_IP}:{NODE_PORT}");
+    let listed = node_ports(&node)?;
+    ensure!(listed == [v4.clone()], "{listed:?}");
+
+    let address = format!("{SECOND_IP_V6}/128");
+    let external = lb_tests::topology::EXTERNAL_INTERFACE;
+    let interface_address = |op: &str| {
+        node.topology
+            .node
+            .ip(&["-6", "addr", op, &address, "dev", external, "nodad"])
+    };
+    interface_address("add")?;
+    node.agent.wait_for_sync(Duration::from_secs(5))?;
+    let listed = node_ports(&node)?;
+    let v6 = format!("[{SECOND_IP_V6}]:{NODE_PORT}");
+    ensure!(listed == [v4.clone(), v6], "{listed:?}");
+    interface_address("del")?;
+    node.agent.wait_for_sync(Duration::from_secs(5))?;
+    let listed = node_ports(&node)?;
+    ensure!(listed == [v4], "{listed:?}");
     Ok(())
 }

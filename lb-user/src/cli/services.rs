@@ -92,29 +92,31 @@ impl From<FrontendKey6> for FrontendAt {
 #[derive(Debug, Clone, Copy)]
 struct SlotBackend {
     address: SocketAddr,
-    /// Its counter slot and the slot's owner when it counts this endpoint; None: not counted
-    /// (IPv6 endpoints are not counted yet).
-    counter: Option<(u16, u32)>,
+    /// Its counter slot and the slot's owner when it counts this endpoint.
+    counter: (u16, u32),
 }
 
 impl SlotBackend {
     fn v4(service_id: u32, backend: &Backend) -> Self {
         SlotBackend {
             address: socket(backend.addr, backend.port).into(),
-            counter: Some((
+            counter: (
                 backend.stats_slot,
                 PortEndpoint::new(service_id, backend).owner(),
-            )),
+            ),
         }
     }
 
-    fn v6(backend: &Backend6) -> Self {
+    fn v6(service_id: u32, backend: &Backend6) -> Self {
         SlotBackend {
             address: SocketAddr::new(
                 Ipv6Addr::from(backend.addr.octets()).into(),
                 u16::from_be(backend.port),
             ),
-            counter: None,
+            counter: (
+                backend.stats_slot,
+                PortEndpoint::new(service_id, backend).owner(),
+            ),
         }
     }
 }
@@ -164,7 +166,8 @@ impl Pinned {
         let name = map_name::BACKEND_STATS;
         let array: PerCpuArray<MapData, BackendStats> = pins::open(dir, name)?;
         // Only the slots in use: the array is mostly free slots, each as many values as CPUs.
-        let stats = stats_slots::in_use(backends4.values())
+        let slots4 = backends4.values().map(|b| b.stats_slot);
+        let stats = stats_slots::in_use(slots4.chain(backends6.values().map(|b| b.stats_slot)))
             .into_iter()
             .filter(|&slot| u32::from(slot) < array.len())
             .map(|slot| {
@@ -179,7 +182,7 @@ impl Pinned {
             .chain(
                 backends6
                     .iter()
-                    .map(|(k, b)| ((IpFamily::V6, *k), SlotBackend::v6(b))),
+                    .map(|(k, b)| ((IpFamily::V6, *k), SlotBackend::v6(k.service_id, b))),
             )
             .collect();
         Ok(Pinned {
@@ -293,13 +296,12 @@ fn rows(pinned: &Pinned) -> Vec<Row> {
                     continue;
                 }
                 // A slot that counts another endpoint (its claim is being rewritten) is none.
-                let stats = backend.counter.and_then(|(slot, owner)| {
-                    pinned
-                        .stats
-                        .get(&slot)
-                        .filter(|stats| stats.owner == owner)
-                        .copied()
-                });
+                let (counter_slot, owner) = backend.counter;
+                let stats = pinned
+                    .stats
+                    .get(&counter_slot)
+                    .filter(|stats| stats.owner == owner)
+                    .copied();
                 let counted = stats.is_some();
                 let stats = stats.unwrap_or_default();
                 backends.push(BackendRow {

@@ -9,7 +9,7 @@ use jiff::Timestamp;
 use lb_common::{AgentInfo, ServiceStatus, field_text, map_name};
 use lb_user::datapath::{self, MapFill, ServiceMaps};
 use lb_user::maps::connections::protocol_name;
-use lb_user::maps::contents::MapContents;
+use lb_user::maps::contents::{MapContents, MapContents6};
 use lb_user::maps::pins;
 use lb_user::reconcile::sync_status::{self, PortStatus, SyncState, Tally};
 use serde::Serialize;
@@ -18,8 +18,10 @@ use crate::cli::args::{Output, StatsArgs};
 
 pub fn run(args: StatsArgs) -> Result<()> {
     let dir = pins::find(&args.bpffs, map_name::SERVICE_STATUS)?;
-    let maps = ServiceMaps::pinned(&dir)?.read()?;
-    let ports = sync_status::compare(&maps.statuses, &maps);
+    let pinned = ServiceMaps::pinned(&dir)?;
+    let maps = pinned.read()?;
+    let maps6 = pinned.read6()?;
+    let ports = sync_status::compare(&maps.statuses, &maps, &maps6);
     let fill = datapath::read_map_fill(&dir)
         .into_iter()
         .collect::<Result<Vec<_>, _>>()
@@ -27,7 +29,7 @@ pub fn run(args: StatsArgs) -> Result<()> {
     let agent = datapath::read_agent_info(&dir)?;
     let status = Status::new(
         &ports,
-        &maps,
+        (&maps, &maps6),
         &fill,
         &agent,
         pins::agent_running(),
@@ -150,7 +152,7 @@ fn rfc3339(unix_s: u64) -> String {
 impl Status {
     fn new(
         ports: &[PortStatus],
-        maps: &MapContents,
+        maps: (&MapContents, &MapContents6),
         fill: &[MapFill],
         agent: &AgentInfo,
         running: bool,
@@ -286,12 +288,24 @@ fn service_name(record: &ServiceStatus) -> String {
     )
 }
 
-/// The Service a frontend of `service_id` names in its origin, if any.
-fn unrecorded_service(maps: &MapContents, service_id: u32) -> Option<String> {
-    maps.frontends
+/// The Service a frontend of `service_id` of either family names in its origin, if any.
+fn unrecorded_service(
+    (maps, maps6): (&MapContents, &MapContents6),
+    service_id: u32,
+) -> Option<String> {
+    let v4 = maps
+        .frontends
         .iter()
         .filter(|(_, f)| f.service_id == service_id)
-        .find_map(|(key, _)| maps.origins.get(key))
+        .find_map(|(key, _)| maps.origins.get(key));
+    let v6 = || {
+        maps6
+            .frontends
+            .iter()
+            .filter(|(_, f)| f.service_id == service_id)
+            .find_map(|(key, _)| maps6.origins.get(key))
+    };
+    v4.or_else(v6)
         .map(|o| format!("{}/{}", field_text(&o.namespace), field_text(&o.name)))
 }
 

@@ -4,7 +4,7 @@
 //! native mode. Also the node's IPv4 addresses, which NodePorts answer on, and their changes.
 use std::collections::BTreeMap;
 use std::io;
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::IpAddr;
 
 use std::marker::PhantomData;
 use std::os::fd::{AsFd as _, BorrowedFd};
@@ -94,12 +94,13 @@ pub struct LinkWatcher {
 
 impl LinkWatcher {
     /// Subscribes to link and IPv4 address notifications; call [`LinkWatcher::list`] and
-    /// [`LinkWatcher::ipv4_addresses`] afterwards, so no change in between is missed. Needs a
+    /// [`LinkWatcher::addresses`] afterwards, so no change in between is missed. Needs a
     /// tokio runtime.
     pub fn start() -> Result<Self, LinkError> {
         let (connection, handle, messages) = rtnetlink::new_multicast_connection(&[
             MulticastGroup::Link,
             MulticastGroup::Ipv4Ifaddr,
+            MulticastGroup::Ipv6Ifaddr,
         ])
         .map_err(LinkError::Socket)?;
         tokio::spawn(connection);
@@ -112,16 +113,25 @@ impl LinkWatcher {
         Ok(links.iter().filter_map(Link::of_message).collect())
     }
 
-    /// The IPv4 addresses of the namespace's interfaces.
-    pub async fn ipv4_addresses(&self) -> Result<Vec<Ipv4Addr>, LinkError> {
+    /// The addresses of the namespace's interfaces, of both families.
+    pub async fn addresses(&self) -> Result<Vec<IpAddr>, LinkError> {
         let messages: Vec<AddressMessage> =
             self.handle.address().get().execute().try_collect().await?;
         Ok(messages
             .iter()
-            .flat_map(|m| &m.attributes)
-            .filter_map(|a| match a {
-                AddressAttribute::Local(IpAddr::V4(ip)) => Some(*ip),
-                _ => None,
+            .filter_map(|m| {
+                // IPv4 gives its own address as Local (Address is the peer's of a point-to-point
+                // link); IPv6 only as Address.
+                let local = m.attributes.iter().find_map(|a| match a {
+                    AddressAttribute::Local(ip) => Some(*ip),
+                    _ => None,
+                });
+                local.or_else(|| {
+                    m.attributes.iter().find_map(|a| match a {
+                        AddressAttribute::Address(ip @ IpAddr::V6(_)) => Some(*ip),
+                        _ => None,
+                    })
+                })
             })
             .collect())
     }

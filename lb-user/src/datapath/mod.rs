@@ -27,7 +27,9 @@ use aya::programs::{CgroupSockAddr, ProgramError, SchedClassifier, Xdp};
 use aya::{Ebpf, EbpfError, EbpfLoader};
 use bytemuck::Pod;
 use ipnet::Ipv6Net;
-use lb_common::{Addr6, Backend6, Config6, FrontendKey6, SourceRangeKey6};
+use lb_common::{
+    Addr6, Backend6, Config6, ConntrackEntry6, ConntrackKey6, FrontendKey6, SourceRangeKey6,
+};
 use lb_common::{AgentInfo, ServiceStatus};
 use lb_common::{
     Backend, BackendKey, BackendStats, Clock, Config, ConntrackEntry, ConntrackKey, Counter,
@@ -139,6 +141,9 @@ pub struct Datapath {
     conntrack: HashMap<MapData, ConntrackKey, ConntrackEntry>,
     /// Connections whose handshake is not complete (`map_name::CONNTRACK_UNCONFIRMED`).
     unconfirmed: HashMap<MapData, ConntrackKey, ConntrackEntry>,
+    /// Their IPv6 twins.
+    conntrack6: HashMap<MapData, ConntrackKey6, ConntrackEntry6>,
+    unconfirmed6: HashMap<MapData, ConntrackKey6, ConntrackEntry6>,
     xdp_egress: HashMap<MapData, u32, u8>,
     agent: Array<MapData, AgentInfo>,
     reject_limit: PerCpuArray<MapData, RejectLimit>,
@@ -201,6 +206,8 @@ impl Datapath {
         let config6 = take_map(&mut ebpf, map_name::CONFIG6)?;
         let conntrack = take_map(&mut ebpf, map_name::CONNTRACK)?;
         let unconfirmed = take_map(&mut ebpf, map_name::CONNTRACK_UNCONFIRMED)?;
+        let conntrack6 = take_map(&mut ebpf, map_name::CONNTRACK6)?;
+        let unconfirmed6 = take_map(&mut ebpf, map_name::CONNTRACK6_UNCONFIRMED)?;
         let xdp_egress = take_map(&mut ebpf, map_name::XDP_EGRESS)?;
         let agent = take_map(&mut ebpf, map_name::AGENT)?;
         let reject_limit = take_map(&mut ebpf, map_name::REJECT_LIMIT)?;
@@ -211,6 +218,8 @@ impl Datapath {
             config6,
             conntrack,
             unconfirmed,
+            conntrack6,
+            unconfirmed6,
             xdp_egress,
             agent,
             reject_limit,
@@ -286,22 +295,26 @@ impl Datapath {
             .map_err(|source| DatapathError::Program { name, source })
     }
 
-    /// Deletes the conntrack entries (both directions) of connections to `removed` UDP
-    /// endpoints; returns how many. Entries the datapath drops meanwhile are no failure.
+    /// Deletes the conntrack entries (both directions, both families) of connections to
+    /// `removed` UDP endpoints; returns how many. Entries the datapath drops meanwhile are no
+    /// failure.
     pub fn flush_udp(&mut self, removed: &BTreeSet<UdpEndpoint>) -> Result<usize, DatapathError> {
         let mut flushed = 0;
         for (name, map) in [
             (map_name::CONNTRACK, &mut self.conntrack),
             (map_name::CONNTRACK_UNCONFIRMED, &mut self.unconfirmed),
         ] {
-            let err = |source| DatapathError::Map { name, source };
-            // Collected first: deleting while iterating would restart the walk.
-            let entries: Vec<_> = map.iter().filter_map(Result::ok).collect();
-            let stale: Vec<ConntrackKey> = udp_flush::stale_entries(entries, removed).collect();
-            for key in &stale {
-                ignore_missing(map.remove(key)).map_err(err)?;
-            }
-            flushed += stale.len();
+            flushed += remove_all(name, map, |entries| {
+                udp_flush::stale_entries(entries, removed).collect()
+            })?;
+        }
+        for (name, map) in [
+            (map_name::CONNTRACK6, &mut self.conntrack6),
+            (map_name::CONNTRACK6_UNCONFIRMED, &mut self.unconfirmed6),
+        ] {
+            flushed += remove_all(name, map, |entries| {
+                udp_flush::stale_entries6(entries, removed).collect()
+            })?;
         }
         Ok(flushed)
     }
@@ -359,6 +372,21 @@ impl Datapath {
                 source,
             })
     }
+}
+
+/// Removes the keys `stale` picks of the entries of `map` (named `name`); returns how many.
+fn remove_all<K: aya::Pod, V: aya::Pod>(
+    name: &'static str,
+    map: &mut HashMap<MapData, K, V>,
+    stale: impl FnOnce(Vec<(K, V)>) -> Vec<K>,
+) -> Result<usize, DatapathError> {
+    let err = |source| DatapathError::Map { name, source };
+    // Collected first: deleting while iterating would restart the walk.
+    let stale = stale(map.iter().filter_map(Result::ok).collect());
+    for key in &stale {
+        ignore_missing(map.remove(key)).map_err(err)?;
+    }
+    Ok(stale.len())
 }
 
 fn take_map<T>(ebpf: &mut Ebpf, name: &'static str) -> Result<T, DatapathError>
@@ -779,20 +807,19 @@ pub fn read_map_fill(pin_dir: &Path) -> Vec<Result<MapFill, DatapathError>> {
         .collect()
 }
 
-/// The counter slots of `BACKEND_STATS` that the pinned backends hold.
+/// The counter slots of `BACKEND_STATS` that the pinned backends of both families hold.
 fn stats_slots_in_use(pin_dir: &Path) -> Result<u32, DatapathError> {
-    let name = map_name::BACKENDS;
-    let err = |source| DatapathError::Map { name, source };
-    let backends: HashMap<MapData, BackendKey, Backend> = HashMap::try_from(
-        Map::from_map_data(MapData::from_pin(pin_dir.join(name)).map_err(err)?).map_err(err)?,
-    )
-    .map_err(err)?;
-    let backends: Vec<Backend> = backends
+    let backends: HashMap<MapData, BackendKey, Backend> = pinned(pin_dir, map_name::BACKENDS)?;
+    let backends6: HashMap<MapData, BackendKey, Backend6> = pinned(pin_dir, map_name::BACKENDS6)?;
+    let slots4 = backends
         .iter()
         .filter_map(Result::ok)
-        .map(|(_, backend)| backend)
-        .collect();
-    Ok(stats_slots::in_use(&backends).len() as u32)
+        .map(|(_, b)| b.stats_slot);
+    let slots6 = backends6
+        .iter()
+        .filter_map(Result::ok)
+        .map(|(_, b)| b.stats_slot);
+    Ok(stats_slots::in_use(slots4.chain(slots6)).len() as u32)
 }
 
 #[cfg(test)]

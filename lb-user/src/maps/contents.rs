@@ -63,6 +63,8 @@ pub trait MapFamily: Family {
     fn frontend_addr(key: &Self::FrontendKey) -> Self;
     /// The key's port, host byte order (0: a catch-all).
     fn frontend_port(key: &Self::FrontendKey) -> u16;
+    /// The key's `IPPROTO_*` (0: a catch-all).
+    fn frontend_proto(key: &Self::FrontendKey) -> u8;
     /// The endpoint `addr`:`port`, not counted.
     fn backend(addr: Self, port: u16) -> Self::Backend;
 }
@@ -86,6 +88,9 @@ impl MapFamily for Ipv4Addr {
     }
     fn frontend_port(key: &FrontendKey) -> u16 {
         u16::from_be(key.port)
+    }
+    fn frontend_proto(key: &FrontendKey) -> u8 {
+        key.proto
     }
     fn backend(addr: Self, port: u16) -> Backend {
         Backend {
@@ -115,6 +120,9 @@ impl MapFamily for Ipv6Addr {
     }
     fn frontend_port(key: &FrontendKey6) -> u16 {
         u16::from_be(key.port)
+    }
+    fn frontend_proto(key: &FrontendKey6) -> u8 {
+        key.proto
     }
     fn backend(addr: Self, port: u16) -> Backend6 {
         Backend6 {
@@ -189,8 +197,8 @@ pub struct FamilyContents<A: MapFamily, R: Records = Whole> {
     /// The Service port and kind of each frontend but the catch-alls (for `lb services`).
     pub origins: BTreeMap<A::FrontendKey, R::Origin>,
     /// What each service port wants the other maps to hold, by service id (for `lb status`);
-    /// written after them at each sync. IPv4's only: `SERVICE_STATUS` does not count IPv6
-    /// entries yet, and an IPv6 contents' is empty.
+    /// written after them at each sync. IPv4's only (one record per service id counts both
+    /// families' entries): an IPv6 contents' is empty.
     pub statuses: BTreeMap<u32, R::Status>,
 }
 

@@ -8,32 +8,48 @@
 //! keeps it, so the counters survive it.
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
-use lb_common::{Backend, BackendKey, mix32};
+use lb_common::{Backend, Backend6, BackendKey, mix32};
 
 use crate::compact::compact;
 
-/// The counter slots `backends` refer to (slot 0, "not counted", left out).
-pub fn in_use<'a>(backends: impl IntoIterator<Item = &'a Backend>) -> BTreeSet<u16> {
-    backends
-        .into_iter()
-        .map(|backend| backend.stats_slot)
-        .filter(|&slot| slot != 0)
-        .collect()
+/// The counter slots `slots` (the backends' `stats_slot`s, of either family) refer to (slot 0,
+/// "not counted", left out).
+pub fn in_use(slots: impl IntoIterator<Item = u16>) -> BTreeSet<u16> {
+    slots.into_iter().filter(|&slot| slot != 0).collect()
+}
+
+/// An endpoint of either family, without its counter slot: the slots of `BACKEND_STATS` are
+/// shared by both families' backends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum FamilyBackend {
+    V4(Backend),
+    V6(Backend6),
+}
+
+impl From<&Backend> for FamilyBackend {
+    fn from(backend: &Backend) -> Self {
+        FamilyBackend::V4(backend.endpoint())
+    }
+}
+
+impl From<&Backend6> for FamilyBackend {
+    fn from(backend: &Backend6) -> Self {
+        FamilyBackend::V6(backend.endpoint())
+    }
 }
 
 /// An endpoint of one service port: what a counter slot counts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct PortEndpoint {
     pub service_id: u32,
-    /// [`Backend::endpoint`]: without a counter slot.
-    pub backend: Backend,
+    pub backend: FamilyBackend,
 }
 
 impl PortEndpoint {
-    pub fn new(service_id: u32, backend: &Backend) -> Self {
+    pub fn new(service_id: u32, backend: impl Into<FamilyBackend>) -> Self {
         Self {
             service_id,
-            backend: backend.endpoint(),
+            backend: backend.into(),
         }
     }
 
@@ -43,8 +59,17 @@ impl PortEndpoint {
     /// lingering connections would then count for the second.
     pub fn owner(&self) -> u32 {
         let h = mix32(self.service_id ^ 0x9e37_79b9);
-        let h = mix32(h ^ self.backend.addr);
-        mix32(h ^ u32::from(self.backend.port)).max(1)
+        let (h, port) = match self.backend {
+            FamilyBackend::V4(backend) => (mix32(h ^ backend.addr), backend.port),
+            FamilyBackend::V6(backend) => {
+                let a = backend.addr;
+                let h = [a.w0, a.w1, a.w2, a.w3]
+                    .into_iter()
+                    .fold(h, |h, word| mix32(h ^ word));
+                (h, backend.port)
+            }
+        };
+        mix32(h ^ u32::from(port)).max(1)
     }
 }
 
@@ -75,10 +100,14 @@ pub struct StatsSlots {
 }
 
 impl StatsSlots {
-    /// `capacity`: the map's size (at most `MAX_BACKEND_STATS`). Keeps the slots `backends` (the
-    /// pinned backends at start) already give their endpoints; a slot claimed twice stays the
-    /// first endpoint's, the other gets a new one.
-    pub fn adopt(capacity: u32, backends: &BTreeMap<BackendKey, Backend>) -> Self {
+    /// `capacity`: the map's size (at most `MAX_BACKEND_STATS`). Keeps the slots `backends` and
+    /// `backends6` (the pinned backends at start) already give their endpoints; a slot claimed
+    /// twice stays the first endpoint's (IPv4's first), the other gets a new one.
+    pub fn adopt(
+        capacity: u32,
+        backends: &BTreeMap<BackendKey, Backend>,
+        backends6: &BTreeMap<BackendKey, Backend6>,
+    ) -> Self {
         let capacity = capacity.min(lb_common::MAX_BACKEND_STATS);
         let mut slots = StatsSlots {
             capacity,
@@ -86,9 +115,13 @@ impl StatsSlots {
             ..Default::default()
         };
         let mut taken = BTreeSet::new();
-        for (key, backend) in backends {
-            let slot = backend.stats_slot;
-            let endpoint = PortEndpoint::new(key.service_id, backend);
+        let v4 = backends
+            .iter()
+            .map(|(key, b)| (b.stats_slot, PortEndpoint::new(key.service_id, b)));
+        let v6 = backends6
+            .iter()
+            .map(|(key, b)| (b.stats_slot, PortEndpoint::new(key.service_id, b)));
+        for (slot, endpoint) in v4.chain(v6) {
             if slot == 0
                 || u32::from(slot) >= capacity
                 || slots.assigned.contains_key(&endpoint)
@@ -192,20 +225,31 @@ mod tests {
     use super::*;
     use lb_common::{ipv4_be, port_be};
 
+    fn backend(last: u8) -> Backend {
+        Backend {
+            addr: ipv4_be([10, 244, 1, last]),
+            port: port_be(8080),
+            stats_slot: 0,
+        }
+    }
+
     fn endpoint(service_id: u32, last: u8) -> PortEndpoint {
-        PortEndpoint {
-            service_id,
-            backend: Backend {
-                addr: ipv4_be([10, 244, 1, last]),
-                port: port_be(8080),
-                stats_slot: 0,
-            },
+        PortEndpoint::new(service_id, &backend(last))
+    }
+
+    fn backend6(last: u8) -> Backend6 {
+        let mut octets = [0x20, 0x01, 0x0d, 0xb8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+        octets[15] = last;
+        Backend6 {
+            addr: lb_common::Addr6::from_octets(octets),
+            port: port_be(8080),
+            stats_slot: 0,
         }
     }
 
     #[test]
     fn slots_are_handed_out_once_per_endpoint_and_reused_last() {
-        let mut slots = StatsSlots::adopt(4, &BTreeMap::new());
+        let mut slots = StatsSlots::adopt(4, &BTreeMap::new(), &BTreeMap::new());
         assert_eq!(slots.capacity(), 3);
         assert_eq!(slots.slot(endpoint(1, 2)), 1);
         assert_eq!(slots.slot(endpoint(1, 2)), 1, "the same endpoint");
@@ -246,21 +290,21 @@ mod tests {
     #[test]
     fn a_restarted_agent_keeps_the_pinned_assignment() {
         let key = |service_id, slot| BackendKey { service_id, slot };
-        let with_slot = |e: PortEndpoint, stats_slot| Backend {
+        let with_slot = |last, stats_slot| Backend {
             stats_slot,
-            ..e.backend
+            ..backend(last)
         };
         let pinned = BTreeMap::from([
             // One endpoint in two slots of its list.
-            (key(1, 0), with_slot(endpoint(1, 2), 3)),
-            (key(1, 1), with_slot(endpoint(1, 2), 3)),
-            (key(1, 2), with_slot(endpoint(1, 3), 5)),
+            (key(1, 0), with_slot(2, 3)),
+            (key(1, 1), with_slot(2, 3)),
+            (key(1, 2), with_slot(3, 5)),
             // Claims a slot already taken: gets another.
-            (key(2, 0), with_slot(endpoint(2, 2), 5)),
+            (key(2, 0), with_slot(2, 5)),
             // Beyond the map (it was resized): gets another.
-            (key(3, 0), with_slot(endpoint(3, 2), 9)),
+            (key(3, 0), with_slot(2, 9)),
         ]);
-        let mut slots = StatsSlots::adopt(8, &pinned);
+        let mut slots = StatsSlots::adopt(8, &pinned, &BTreeMap::new());
         assert_eq!(slots.slot(endpoint(1, 2)), 3);
         assert_eq!(slots.slot(endpoint(1, 3)), 5);
         assert!(slots.unclaimed().is_empty(), "kept slots are not reset");
@@ -270,5 +314,56 @@ mod tests {
         assert_eq!(slots.slot(endpoint(3, 4)), 6, "then past the highest kept");
         assert_eq!(slots.slot(endpoint(3, 5)), 7);
         assert_eq!(slots.slot(endpoint(3, 6)), 0);
+    }
+
+    #[test]
+    fn ipv6_endpoints_share_the_slots_and_a_restart_keeps_theirs() {
+        let mut slots = StatsSlots::adopt(5, &BTreeMap::new(), &BTreeMap::new());
+        let v6 = |service_id, last| PortEndpoint::new(service_id, &backend6(last));
+        assert_eq!(slots.slot(endpoint(1, 2)), 1);
+        assert_eq!(
+            slots.slot(v6(1, 2)),
+            2,
+            "an IPv6 endpoint gets a slot of its own"
+        );
+        assert_eq!(slots.slot(v6(1, 2)), 2);
+        assert_eq!(slots.slot(v6(2, 2)), 3, "another service port");
+        assert_ne!(v6(1, 2).owner(), endpoint(1, 2).owner());
+        assert_ne!(v6(1, 2).owner(), v6(1, 3).owner());
+        assert_ne!(v6(1, 2).owner(), 0);
+
+        let key = |slot| BackendKey {
+            service_id: 1,
+            slot,
+        };
+        let pinned = BTreeMap::from([(
+            key(0),
+            Backend {
+                stats_slot: 1,
+                ..backend(2)
+            },
+        )]);
+        let pinned6 = BTreeMap::from([
+            (
+                key(0),
+                Backend6 {
+                    stats_slot: 4,
+                    ..backend6(2)
+                },
+            ),
+            // IPv4's slot: IPv4's it stays.
+            (
+                key(1),
+                Backend6 {
+                    stats_slot: 1,
+                    ..backend6(3)
+                },
+            ),
+        ]);
+        let mut slots = StatsSlots::adopt(5, &pinned, &pinned6);
+        assert_eq!(slots.slot(v6(1, 2)), 4);
+        assert_eq!(slots.slot(endpoint(1, 2)), 1);
+        assert!(slots.unclaimed().is_empty(), "kept slots are not reset");
+        assert_eq!(slots.slot(v6(1, 3)), 2);
     }
 }

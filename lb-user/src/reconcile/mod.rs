@@ -24,7 +24,7 @@ use crate::maps::contents::{
     BackendValue, Digest, Digests, FamilyContents, MapContents, MapContents6, MapFamily, Records,
     SourceRange,
 };
-use crate::maps::stats_slots::{PortEndpoint, StatsReset, StatsSlots};
+use crate::maps::stats_slots::{FamilyBackend, PortEndpoint, StatsReset, StatsSlots};
 use crate::maps::writer::{MapWriter, WriteFailure};
 use crate::model::{
     Endpoint, Model, Protocol, Scheduler, Service, ServiceName, ServicePort, ServicePortId,
@@ -252,9 +252,11 @@ impl Side for Ipv6Addr {
     fn written(reconciler: &Reconciler) -> &Written<Ipv6Addr> {
         &reconciler.written6
     }
-    /// Not counted yet: the counter slots (`StatsSlots`) are keyed by IPv4 endpoints.
-    fn counted(_: &mut StatsSlots, _: u32, backend: Backend6) -> Backend6 {
-        backend
+    fn counted(stats: &mut StatsSlots, service_id: u32, backend: Backend6) -> Backend6 {
+        Backend6 {
+            stats_slot: stats.slot(PortEndpoint::new(service_id, &backend)),
+            ..backend
+        }
     }
 }
 
@@ -421,10 +423,11 @@ impl Reconciler {
         self
     }
 
-    /// Counts endpoints in a `BACKEND_STATS` of `capacity` slots, keeping the slots the maps
-    /// read at start give them; without it none is counted.
+    /// Counts endpoints of both families in a `BACKEND_STATS` of `capacity` slots, keeping the
+    /// slots the maps read at start give them (after [`Reconciler::with_ipv6`], IPv6's too);
+    /// without it none is counted.
     pub fn with_stats_slots(mut self, capacity: u32) -> Self {
-        self.stats = StatsSlots::adopt(capacity, &self.written.backends);
+        self.stats = StatsSlots::adopt(capacity, &self.written.backends, &self.written6.backends);
         self
     }
 
@@ -480,6 +483,14 @@ impl Reconciler {
         self.stats.compact();
     }
 
+    /// Serves IPv6 NodePorts on `addrs` from the next sync on; whether that is a change. (The
+    /// IPv6 side is computed whole at each sync: nothing else to redo.)
+    pub fn set_node_port_addresses6(&mut self, addrs: Vec<Ipv6Addr>) -> bool {
+        let changed = self.node_port_addrs6 != addrs;
+        self.node_port_addrs6 = addrs;
+        changed
+    }
+
     /// What the maps hold, as far as the reconciler knows.
     pub fn written(&self) -> &Written<Ipv4Addr> {
         &self.written
@@ -517,7 +528,8 @@ impl Reconciler {
     /// service ports their ids.
     pub fn desired(&mut self, model: &Model) -> MapContents {
         let mut desired = self.full(model).0;
-        desired.statuses = self.statuses(model, &desired, None, &BTreeMap::new());
+        let desired6 = self.desired6(model);
+        desired.statuses = self.statuses(model, &desired, &desired6, None, &BTreeMap::new());
         desired
     }
 
@@ -893,6 +905,11 @@ impl Reconciler {
                 // A change of the IPv6 side alone gives or takes port ids too.
                 let mut changed = changed.clone();
                 changed.extend(last.v6_ports_changed(model));
+                // The status record of a port counts both families' entries, and every IPv6
+                // port's is written at each sync (the IPv6 side is computed whole): the
+                // services with an IPv6 side are recomputed too, so that their IPv4 side is in
+                // the desired contents the records are made of.
+                changed.extend(model.services_v6.keys().cloned());
                 self.update(model, &changed, last)
             }
             _ => None,
@@ -914,14 +931,36 @@ impl Reconciler {
             Some(scope) => endpoints_of(written, &scope.backends),
         };
         let udp_before = udp_endpoints(&self.written);
-        let endpoints_before = endpoints(&self.written);
-        let mut report = self.apply(&desired, scope.as_ref(), maps);
+        // The IPv6 side is diffed whole: all its UDP endpoints.
+        let udp6_before = udp_flush::udp_endpoints(&self.written6);
+        // The IPv6 side is diffed whole: all its endpoints.
+        let endpoints6 =
+            |written: &Written<Ipv6Addr>| endpoints_of(written, written.backends.keys());
+        let mut endpoints_before = endpoints(&self.written);
+        endpoints_before.extend(endpoints6(&self.written6));
+        // Before the claims: the new slots of IPv6 endpoints are claimed with IPv4's.
+        let desired6 = self.desired6(model);
+        let mut report = SyncReport::default();
+        // The services some of whose claims failed: their frontends keep what they had.
+        let unclaimed = self.claim_slots(&mut report, maps);
+        self.apply(
+            &desired,
+            scope.as_ref(),
+            unclaimed.clone(),
+            &mut report,
+            maps,
+        );
         let udp_after = udp_endpoints(&self.written);
         report.removed_udp = udp_before.difference(&udp_after).copied().collect();
-        self.apply6(model, &mut report, maps);
+        self.apply6(&desired6, unclaimed, &mut report, maps);
+        let udp6_after = udp_flush::udp_endpoints(&self.written6);
+        report
+            .removed_udp
+            .extend(udp6_before.difference(&udp6_after).copied());
         // The endpoints that left their service ports, and those given a slot this sync whose
         // backends could not be written.
-        let endpoints_after = endpoints(&self.written);
+        let mut endpoints_after = endpoints(&self.written);
+        endpoints_after.extend(endpoints6(&self.written6));
         let assigned = self.stats.take_assigned();
         let releases: Vec<StatsReset> = endpoints_before
             .iter()
@@ -939,7 +978,14 @@ impl Reconciler {
             |_, reset| reset.service_id,
         );
         report.uncounted = self.stats.take_uncounted();
-        self.record_statuses(model, &desired, scope.as_ref(), &mut report, maps);
+        self.record_statuses(
+            model,
+            &desired,
+            &desired6,
+            scope.as_ref(),
+            &mut report,
+            maps,
+        );
         self.name_failures(&mut report);
         log_full_maps(&report);
         if report.failed == 0 {
@@ -950,25 +996,24 @@ impl Reconciler {
 
     /// Writes the difference between `desired` and the maps, for the keys in `scope` (None:
     /// every key; else `desired` holds what the keys of the scope are to hold). Inserts first
-    /// (counter slots, backends, source ranges, then frontends), removals after, so that no
-    /// packet meets a frontend whose backends are not written yet.
+    /// (backends, source ranges, then frontends; the counter slots were claimed before),
+    /// removals after, so that no packet meets a frontend whose backends are not written yet.
+    /// `broken`: the services whose claims failed, whose frontends keep what they had.
     fn apply<W: MapWriter>(
         &mut self,
         desired: &MapContents,
         scope: Option<&Scope>,
+        mut broken: BTreeSet<u32>,
+        report: &mut SyncReport,
         maps: &mut W,
-    ) -> SyncReport {
+    ) {
         let keys = DiffKeys::of(scope);
-        let mut report = SyncReport::default();
-        // The services some of whose inserts failed: their frontends keep what they had.
-        let mut broken = self.claim_slots(&mut report, maps);
-        self.insert_backends(desired, &keys, &mut broken, &mut report, maps);
-        self.insert_source_ranges(desired, &keys, &mut broken, &mut report, maps);
-        self.insert_frontends(desired, &keys, &broken, &mut report, maps);
-        self.remove_frontends(desired, &keys, &mut report, maps);
-        self.remove_source_ranges(desired, &keys, &mut report, maps);
-        self.remove_backends(desired, &keys, &mut report, maps);
-        report
+        self.insert_backends(desired, &keys, &mut broken, report, maps);
+        self.insert_source_ranges(desired, &keys, &mut broken, report, maps);
+        self.insert_frontends(desired, &keys, &broken, report, maps);
+        self.remove_frontends(desired, &keys, report, maps);
+        self.remove_source_ranges(desired, &keys, report, maps);
+        self.remove_backends(desired, &keys, report, maps);
     }
 
     /// The IPv6 maps' contents for `model`'s IPv6 side, with the service ids the last
@@ -985,16 +1030,24 @@ impl Reconciler {
         desired
     }
 
-    /// Brings the IPv6 maps to `model`'s IPv6 side, in the order of [`Reconciler::apply`]: new
+    /// Brings the IPv6 maps to `desired`, in the order of [`Reconciler::apply`]: new
     /// backends and source ranges, origins, frontends (catch-alls last); then the frontends,
-    /// origins, source ranges and slots no longer wanted. A service whose backend or source
-    /// range writes failed keeps its old frontends. The IPv6 side is computed and diffed whole
+    /// origins, source ranges and slots no longer wanted. A service whose counter slot claims
+    /// (`broken`), backend or source range writes failed keeps its old frontends. The IPv6 side is computed and diffed whole
     /// at each sync: few services have one yet, and a change of the IPv4 side alone writes
     /// nothing here.
-    fn apply6<W: MapWriter>(&mut self, model: &Model, report: &mut SyncReport, maps: &mut W) {
-        let desired = self.desired6(model);
-
-        let backends = changed(&desired.backends, &self.written6.backends);
+    fn apply6<W: MapWriter>(
+        &mut self,
+        desired: &MapContents6,
+        mut broken: BTreeSet<u32>,
+        report: &mut SyncReport,
+        maps: &mut W,
+    ) {
+        let backends: Vec<(BackendKey, Backend6)> =
+            changed(&desired.backends, &self.written6.backends)
+                .into_iter()
+                .filter(|(key, _)| !broken.contains(&key.service_id))
+                .collect();
         let failures = maps.insert_backends6(&backends);
         let failed = self.failures(
             report,
@@ -1003,7 +1056,7 @@ impl Reconciler {
             failures,
             |_, (key, _)| key.service_id,
         );
-        let mut broken: BTreeSet<u32> = failed.iter().map(|&i| backends[i].0.service_id).collect();
+        broken.extend(failed.iter().map(|&i| backends[i].0.service_id));
         for (key, value) in skip_indices(&backends, &failed) {
             match self.written6.backends.insert(*key, *value) {
                 Some(_) => report.backends_updated += 1,
@@ -1373,29 +1426,42 @@ impl Reconciler {
         }
     }
 
-    /// The status record of every port in `scope` (None: every port), from its entries in
-    /// `desired` and its failed writes in `failures`.
+    /// The status record of every port in `scope` (None: every port) and of every IPv6 port
+    /// (the IPv6 side is computed whole at each sync), from its entries in `desired` and
+    /// `desired6` and its failed writes in `failures`.
     fn statuses(
         &self,
         model: &Model,
         desired: &MapContents,
+        desired6: &MapContents6,
         scope: Option<&Scope>,
         failures: &BTreeMap<u32, WriteFailure>,
     ) -> BTreeMap<u32, ServiceStatus> {
-        let ports: BTreeMap<u32, &ServicePortId> = match scope {
+        let mut ports: BTreeMap<u32, &ServicePortId> = match scope {
             None => self.ids.iter().map(|(port, &sid)| (sid, port)).collect(),
             Some(scope) => scope.ports.iter().map(|(&sid, port)| (sid, port)).collect(),
         };
-        // Looked up once per port: the model is keyed by name.
-        let ports: BTreeMap<u32, (&ServicePortId, Ipv4Addr)> = ports
+        if scope.is_some() {
+            let v6 = model
+                .ports_v6()
+                .filter_map(|(id, _, _)| self.ids.get_key_value(&id));
+            ports.extend(v6.map(|(port, &sid)| (sid, port)));
+        }
+        // Looked up once per port: the model is keyed by name. An IPv6-only port has no IPv4
+        // ClusterIP.
+        let ports: BTreeMap<u32, (&ServicePortId, Option<Ipv4Addr>)> = ports
             .into_iter()
-            .filter_map(|(sid, port)| {
-                let service = model.services.get(&port.service)?;
-                Some((sid, (port, service.cluster_ip)))
+            .filter_map(|(sid, port)| match model.services.get(&port.service) {
+                Some(service) => Some((sid, (port, Some(service.cluster_ip)))),
+                None => model
+                    .services_v6
+                    .contains_key(&port.service)
+                    .then_some((sid, (port, None))),
             })
             .collect();
-        let tallies = sync_status::tallies(desired, |sid| {
-            ports.get(&sid).map(|(_, ip)| ipv4_be(ip.octets()))
+        let tallies = sync_status::tallies(desired, desired6, |sid| {
+            let (_, ip) = ports.get(&sid)?;
+            ip.map(|ip| ipv4_be(ip.octets()))
         });
         ports
             .iter()
@@ -1414,11 +1480,12 @@ impl Reconciler {
         &mut self,
         model: &Model,
         desired: &MapContents,
+        desired6: &MapContents6,
         scope: Option<&Scope>,
         report: &mut SyncReport,
         maps: &mut W,
     ) {
-        let wanted = self.statuses(model, desired, scope, &report.failed_ids);
+        let wanted = self.statuses(model, desired, desired6, scope, &report.failed_ids);
         let records = changed(&wanted, &self.written.statuses);
         let failures = maps.insert_statuses(&records);
         let failed = self.failures(report, "status insert", &records, failures, |_, r| r.0);
@@ -1568,10 +1635,13 @@ fn port_names<A: MapFamily>(service: &Service<A>) -> Vec<(String, Protocol)> {
 }
 
 /// The endpoints of the service ports of the slots `keys` in `contents`.
-fn endpoints_of<'a>(
-    contents: &Written<Ipv4Addr>,
+fn endpoints_of<'a, A: MapFamily, R: Records>(
+    contents: &FamilyContents<A, R>,
     keys: impl IntoIterator<Item = &'a BackendKey>,
-) -> BTreeSet<PortEndpoint> {
+) -> BTreeSet<PortEndpoint>
+where
+    for<'b> &'b A::Backend: Into<FamilyBackend>,
+{
     keys.into_iter()
         .filter_map(|key| {
             contents
@@ -2742,6 +2812,89 @@ mod tests {
     }
 
     #[test]
+    fn ipv6_endpoints_get_counter_slots_released_when_gone_and_kept_on_restart() {
+        let mut m = model(&[("web", 10, None, vec![endpoint(2, true)])]);
+        add_ipv6_side(&mut m, "web", 0x10, vec![endpoint6(0xb), endpoint6(0xc)]);
+        let mut r = Reconciler::new(NODE, MapContents::default())
+            .with_ipv6(vec![NODE6], MapContents6::default())
+            .with_stats_slots(8);
+        let mut maps = FakeMaps::default();
+        r.sync(&m, &mut maps);
+        let slots6 = |maps: &FakeMaps| -> Vec<u16> {
+            let backends = maps.contents6.backends.values();
+            backends.map(|b| b.stats_slot).collect()
+        };
+        let v4: Vec<u16> = maps
+            .contents
+            .backends
+            .values()
+            .map(|b| b.stats_slot)
+            .collect();
+        assert_eq!(v4, [1]);
+        assert_eq!(slots6(&maps), [2, 3], "a slot of its own per IPv6 endpoint");
+        assert_eq!(r.stats_slots(), (7, 3));
+        let sid = maps.contents6.backends.keys().next().unwrap().service_id;
+        let owner = |last| {
+            let backend = Ipv6Addr::backend(endpoint6(last).addr, 8080);
+            PortEndpoint::new(sid, &backend).owner()
+        };
+        assert!(
+            maps.ops.contains(&Op::ResetStats(2, owner(0xb)))
+                && maps.ops.contains(&Op::ResetStats(3, owner(0xc))),
+            "claimed with their owners: {:?}",
+            maps.ops
+        );
+
+        // 0xc leaves: its slot is released.
+        add_ipv6_side(&mut m, "web", 0x10, vec![endpoint6(0xb)]);
+        maps.ops.clear();
+        r.sync(&m, &mut maps);
+        assert_eq!(maps.ops, [Op::ResetStats(3, 0)]);
+        assert_eq!(slots6(&maps), [2]);
+        assert_eq!(r.stats_slots(), (7, 2));
+
+        // A restarted agent keeps the IPv6 endpoints' slots.
+        let mut r = Reconciler::new(NODE, maps.contents.clone())
+            .with_ipv6(vec![NODE6], maps.contents6.clone())
+            .with_stats_slots(8);
+        maps.ops.clear();
+        r.sync(&m, &mut maps);
+        assert_eq!(maps.ops, [], "nothing rewritten, no slot reset");
+        assert_eq!(slots6(&maps), [2]);
+        assert_eq!(r.stats_slots(), (7, 2));
+    }
+
+    #[test]
+    fn removed_ipv6_udp_endpoints_are_reported_for_the_conntrack_flush() {
+        let mut m = Model::default();
+        add_ipv6_side(&mut m, "dns", 0x12, vec![endpoint6(0xb), endpoint6(0xc)]);
+        add_ipv6_side(&mut m, "web", 0x13, vec![endpoint6(0xb), endpoint6(0xc)]);
+        m.services_v6.get_mut(&name("dns")).unwrap().ports[0].protocol = Protocol::Udp;
+        let mut r = Reconciler::new(NODE, MapContents::default())
+            .with_ipv6(vec![NODE6], MapContents6::default());
+        let mut maps = FakeMaps::default();
+        assert!(r.sync(&m, &mut maps).removed_udp.is_empty());
+        let dns = maps.contents6.frontends
+            [&Ipv6Addr::frontend_key(cluster_ip6(0x12), 80, lb_common::IPPROTO_UDP)]
+            .service_id;
+
+        // 0xc leaves both: only the UDP port's endpoint is flushed.
+        for service in ["dns", "web"] {
+            let ports = &mut m.services_v6.get_mut(&name(service)).unwrap().ports;
+            ports[0].endpoints.retain(|e| e.addr == endpoint6(0xb).addr);
+        }
+        let report = r.sync_changed(&m, Some(&BTreeSet::new()), &mut maps);
+        let gone = Ipv6Addr::backend(endpoint6(0xc).addr, 8080);
+        assert_eq!(
+            report.removed_udp,
+            BTreeSet::from([UdpEndpoint {
+                service_id: dns,
+                backend: FamilyBackend::from(&gone),
+            }])
+        );
+    }
+
+    #[test]
     fn restart_adopts_ids_from_the_maps_and_writes_nothing() {
         let m = model(&[("web", 10, Some(30080), vec![endpoint(2, true)])]);
         let mut first = Reconciler::new(NODE, MapContents::default());
@@ -2953,13 +3106,71 @@ mod tests {
 
     /// What `lb status` says of the fake maps, by service name and port state.
     fn status_of(maps: &FakeMaps) -> Vec<(String, sync_status::SyncState)> {
-        sync_status::compare(&maps.contents.statuses, &maps.contents)
+        sync_status::compare(&maps.contents.statuses, &maps.contents, &maps.contents6)
             .into_iter()
             .map(|p| {
                 let record = p.record.expect("a record");
                 (lb_common::field_text(&record.name).to_owned(), p.state)
             })
             .collect()
+    }
+
+    #[test]
+    fn status_records_count_the_ipv6_side_and_see_its_entries_lost() {
+        use sync_status::SyncState::{InSync, Missing};
+        let mut m = model(&[("web", 10, Some(30080), vec![endpoint(2, true)])]);
+        add_ipv6_side(&mut m, "web", 0x10, vec![endpoint6(0xb), endpoint6(0xc)]);
+        add_ipv6_side(&mut m, "web6", 0x11, vec![endpoint6(0xd)]);
+        let mut r = Reconciler::new(NODE, MapContents::default())
+            .with_ipv6(vec![NODE6], MapContents6::default());
+        let mut maps = FakeMaps::default();
+        r.sync(&m, &mut maps);
+        let in_sync = vec![("web".to_owned(), InSync), ("web6".to_owned(), InSync)];
+        assert_eq!(status_of(&maps), in_sync);
+        let counts = |maps: &FakeMaps, name: &str| {
+            let record = maps
+                .contents
+                .statuses
+                .values()
+                .find(|s| lb_common::field_text(&s.name) == name)
+                .expect("a record");
+            (record.frontends, record.backends, record.origins)
+        };
+        // web: its IPv4 ClusterIP, NodePort and catch-all and 1 slot, and as many of IPv6's
+        // with 2 slots; web6: its IPv6 ClusterIP and catch-all, 1 slot.
+        assert_eq!(counts(&maps, "web"), (6, 3, 4));
+        assert_eq!(counts(&maps, "web6"), (2, 1, 1));
+
+        // An IPv6 entry lost behind the agent's back: the port is missing.
+        let mut lost = maps.contents6.clone();
+        lost.backends.pop_last();
+        let states: Vec<_> = sync_status::compare(&maps.contents.statuses, &maps.contents, &lost)
+            .into_iter()
+            .map(|p| p.state)
+            .collect();
+        assert_eq!(states, [InSync, Missing]);
+        let mut lost = maps.contents6.clone();
+        lost.frontends
+            .remove(&Ipv6Addr::any_port(cluster_ip6(0x10)));
+        let states: Vec<_> = sync_status::compare(&maps.contents.statuses, &maps.contents, &lost)
+            .into_iter()
+            .map(|p| p.state)
+            .collect();
+        assert_eq!(states, [Missing, InSync]);
+
+        // A change of the IPv6 side alone follows in the records.
+        add_ipv6_side(&mut m, "web6", 0x11, vec![endpoint6(0xd), endpoint6(0xe)]);
+        let changed = BTreeSet::from([name("web6")]);
+        r.sync_changed(&m, Some(&changed), &mut maps);
+        assert_eq!(status_of(&maps), in_sync);
+        assert_eq!(counts(&maps, "web6"), (2, 2, 1));
+        add_ipv6_side(&mut m, "web", 0x10, vec![endpoint6(0xb)]);
+        r.sync_changed(&m, Some(&BTreeSet::new()), &mut maps);
+        assert_eq!(status_of(&maps), in_sync);
+        assert_eq!(counts(&maps, "web"), (6, 2, 4));
+        m.services_v6.remove(&name("web6"));
+        r.sync_changed(&m, Some(&BTreeSet::new()), &mut maps);
+        assert_eq!(status_of(&maps), in_sync[..1]);
     }
 
     #[test]

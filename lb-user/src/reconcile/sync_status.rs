@@ -2,14 +2,19 @@
 //! agent: at every sync the agent records a checksum and the counts of each port's desired
 //! entries in the pinned `SERVICE_STATUS` map (with the writes that failed), and `lb status`
 //! computes the same of what the maps hold and compares. Both go through [`tallies`], so the
-//! two sides cannot count differently.
+//! two sides cannot count differently. A port's entries of both families count together: its
+//! service id is the same in the IPv4 and the IPv6 maps.
 use std::collections::{BTreeMap, HashMap};
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, Ipv6Addr};
 
 use bytemuck::bytes_of as bytes;
-use lb_common::{FrontendKey, ServiceStatus, field_text, ipv4_be, text_field};
+use ipnet::{Ipv4Net, Ipv6Net};
+use lb_common::{
+    Backend, Backend6, FrontendKey, FrontendKey6, KIND_CLUSTER_IP, ServiceStatus, field_text,
+    ipv4_be, text_field,
+};
 
-use crate::maps::contents::MapContents;
+use crate::maps::contents::{FamilyContents, MapContents, MapContents6, MapFamily};
 use crate::maps::writer::WriteFailure;
 use crate::model::ServicePortId;
 
@@ -33,6 +38,8 @@ struct PortSum {
     backends: (crc32fast::Hasher, u32),
     source_ranges: (crc32fast::Hasher, u32),
     origins: (crc32fast::Hasher, u32),
+    /// The catch-alls of its IPv6 ClusterIP frontends.
+    catch_alls6: Vec<FrontendKey6>,
 }
 
 fn add(sum: &mut (crc32fast::Hasher, u32), parts: &[&[u8]]) {
@@ -42,40 +49,62 @@ fn add(sum: &mut (crc32fast::Hasher, u32), parts: &[&[u8]]) {
     sum.1 += 1;
 }
 
-/// The tally of every service port in `contents`, by service id. `cluster_ip` gives a port's
-/// ClusterIP (network byte order), whose catch-all is counted with it; None: no catch-all.
-/// One pass over the maps, without copies: it runs on every full sync.
+/// A family's service map entries as [`tallies`] sums them up.
+pub trait Tallied: MapFamily {
+    /// The bytes of a source range's entry.
+    fn range_bytes(net: &Self::Net) -> Vec<u8>;
+    /// The bytes of a frontend key or a backend value.
+    fn key_bytes(key: &Self::FrontendKey) -> &[u8];
+    fn backend_bytes(backend: &Self::Backend) -> &[u8];
+    /// The catch-all of the ClusterIP frontend `key`, when the port's own entries say it:
+    /// IPv6's (an IPv4 port's is its record's `cluster_ip`).
+    fn catch_all6(key: &Self::FrontendKey) -> Option<FrontendKey6>;
+}
+
+impl Tallied for Ipv4Addr {
+    fn range_bytes(net: &Ipv4Net) -> Vec<u8> {
+        [net.addr().octets().as_slice(), &[net.prefix_len()]].concat()
+    }
+    fn key_bytes(key: &FrontendKey) -> &[u8] {
+        bytes(key)
+    }
+    fn backend_bytes(backend: &Backend) -> &[u8] {
+        bytes(backend)
+    }
+    fn catch_all6(_: &FrontendKey) -> Option<FrontendKey6> {
+        None
+    }
+}
+
+impl Tallied for Ipv6Addr {
+    fn range_bytes(net: &Ipv6Net) -> Vec<u8> {
+        [net.addr().octets().as_slice(), &[net.prefix_len()]].concat()
+    }
+    fn key_bytes(key: &FrontendKey6) -> &[u8] {
+        bytes(key)
+    }
+    fn backend_bytes(backend: &Backend6) -> &[u8] {
+        bytes(backend)
+    }
+    fn catch_all6(key: &FrontendKey6) -> Option<FrontendKey6> {
+        Some(FrontendKey6::any_port(key.addr))
+    }
+}
+
+/// The tally of every service port in `contents` and `contents6`, by service id: a port's
+/// entries of both families count together (its service id is the same in both).
+/// `cluster_ip` gives a port's IPv4 ClusterIP (network byte order), whose catch-all is counted
+/// with it; None: no catch-all. An IPv6 port's catch-all is that of the address of its
+/// ClusterIP frontend (by its origin). One pass over the maps, without copies: it runs on every
+/// full sync.
 pub fn tallies(
     contents: &MapContents,
+    contents6: &MapContents6,
     cluster_ip: impl Fn(u32) -> Option<u32>,
 ) -> BTreeMap<u32, Tally> {
     let mut ports: HashMap<u32, PortSum> = HashMap::new();
-    // Service id 0: the catch-alls, which belong to every port of their ClusterIP.
-    for (key, frontend) in contents.frontends.iter().filter(|(_, f)| f.service_id != 0) {
-        let port = ports.entry(frontend.service_id).or_default();
-        add(&mut port.frontends, &[bytes(key), bytes(frontend)]);
-        if let Some(origin) = contents.origins.get(key) {
-            add(&mut port.origins, &[bytes(key), bytes(origin)]);
-        }
-    }
-    // A port's slots are consecutive keys: its sum is looked up once per port, not per slot
-    // (500k slots at 50k Services).
-    let mut backends = contents.backends.iter().peekable();
-    while let Some((key, _)) = backends.peek() {
-        let service_id = key.service_id;
-        let port = ports.entry(service_id).or_default();
-        while let Some((key, backend)) = backends.next_if(|(k, _)| k.service_id == service_id) {
-            add(&mut port.backends, &[bytes(key), bytes(backend)]);
-        }
-    }
-    for range in &contents.source_ranges {
-        let port = ports.entry(range.service_id).or_default();
-        let net = range.net;
-        add(
-            &mut port.source_ranges,
-            &[&net.addr().octets(), &[net.prefix_len()]],
-        );
-    }
+    add_family(&mut ports, contents);
+    add_family(&mut ports, contents6);
     ports
         .into_iter()
         .map(|(service_id, mut sum)| {
@@ -85,9 +114,43 @@ pub fn tallies(
             if let Some((key, frontend)) = catch_all {
                 add(&mut sum.frontends, &[bytes(key), bytes(frontend)]);
             }
+            for key in &sum.catch_alls6 {
+                if let Some((key, frontend)) = contents6.frontends.get_key_value(key) {
+                    add(&mut sum.frontends, &[bytes(key), bytes(frontend)]);
+                }
+            }
             (service_id, tally(sum))
         })
         .collect()
+}
+
+/// Adds the entries of one family's `contents` to the sums of their ports.
+fn add_family<A: Tallied>(ports: &mut HashMap<u32, PortSum>, contents: &FamilyContents<A>) {
+    // Service id 0: the catch-alls, which belong to every port of their ClusterIP.
+    for (key, frontend) in contents.frontends.iter().filter(|(_, f)| f.service_id != 0) {
+        let port = ports.entry(frontend.service_id).or_default();
+        add(&mut port.frontends, &[A::key_bytes(key), bytes(frontend)]);
+        if let Some(origin) = contents.origins.get(key) {
+            add(&mut port.origins, &[A::key_bytes(key), bytes(origin)]);
+            if origin.kind == KIND_CLUSTER_IP {
+                port.catch_alls6.extend(A::catch_all6(key));
+            }
+        }
+    }
+    // A port's slots are consecutive keys: its sum is looked up once per port, not per slot
+    // (500k slots at 50k Services).
+    let mut backends = contents.backends.iter().peekable();
+    while let Some((key, _)) = backends.peek() {
+        let service_id = key.service_id;
+        let port = ports.entry(service_id).or_default();
+        while let Some((key, backend)) = backends.next_if(|(k, _)| k.service_id == service_id) {
+            add(&mut port.backends, &[bytes(key), A::backend_bytes(backend)]);
+        }
+    }
+    for range in &contents.source_ranges {
+        let port = ports.entry(range.service_id).or_default();
+        add(&mut port.source_ranges, &[&A::range_bytes(&range.net)]);
+    }
 }
 
 fn tally(sum: PortSum) -> Tally {
@@ -109,11 +172,11 @@ fn tally(sum: PortSum) -> Tally {
     }
 }
 
-/// The record of service port `port` (of ClusterIP `cluster_ip`) whose desired entries tally
-/// `desired`, and whose writes in the sync failed as `failure` says.
+/// The record of service port `port` (of IPv4 ClusterIP `cluster_ip`; None: IPv6 only) whose
+/// desired entries tally `desired`, and whose writes in the sync failed as `failure` says.
 pub fn record(
     port: &ServicePortId,
-    cluster_ip: Ipv4Addr,
+    cluster_ip: Option<Ipv4Addr>,
     desired: Tally,
     failure: Option<&WriteFailure>,
 ) -> ServiceStatus {
@@ -121,7 +184,7 @@ pub fn record(
         namespace: text_field(&port.service.namespace),
         name: text_field(&port.service.name),
         port_name: text_field(&port.port_name),
-        cluster_ip: ipv4_be(cluster_ip.octets()),
+        cluster_ip: cluster_ip.map_or(0, |ip| ipv4_be(ip.octets())),
         proto: u32::from(port.protocol.ipproto()),
         digest: desired.digest,
         frontends: desired.frontends,
@@ -171,9 +234,14 @@ pub struct PortStatus {
 }
 
 /// Every port of `records` (what the agent wants, by service id) and every other port with
-/// entries in `actual` (what the maps hold), in service id order.
-pub fn compare(records: &BTreeMap<u32, ServiceStatus>, actual: &MapContents) -> Vec<PortStatus> {
-    let mut actual = tallies(actual, |id| records.get(&id).map(|r| r.cluster_ip));
+/// entries in `actual` or `actual6` (what the maps hold), in service id order.
+pub fn compare(
+    records: &BTreeMap<u32, ServiceStatus>,
+    actual: &MapContents,
+    actual6: &MapContents6,
+) -> Vec<PortStatus> {
+    let cluster_ip = |id| records.get(&id).map(|r| r.cluster_ip).filter(|&ip| ip != 0);
+    let mut actual = tallies(actual, actual6, cluster_ip);
     let mut ports: Vec<PortStatus> = records
         .iter()
         .map(|(&service_id, record)| {
@@ -319,10 +387,13 @@ mod tests {
                 .find(|p| p.0 == sid)
                 .map(|p| ipv4_be(p.2.octets()))
         };
-        let tallies = tallies(desired, ip);
+        let tallies = tallies(desired, &MapContents6::default(), ip);
         ports
             .iter()
-            .map(|(sid, port, ip)| (*sid, record(port, *ip, tallies[sid], failures.get(sid))))
+            .map(|(sid, port, ip)| {
+                let record = record(port, Some(*ip), tallies[sid], failures.get(sid));
+                (*sid, record)
+            })
             .collect()
     }
 
@@ -331,7 +402,7 @@ mod tests {
         records: &BTreeMap<u32, ServiceStatus>,
         actual: &MapContents,
     ) -> Vec<(u32, SyncState)> {
-        compare(records, actual)
+        compare(records, actual, &MapContents6::default())
             .into_iter()
             .map(|p| (p.service_id, p.state))
             .collect()
@@ -348,7 +419,7 @@ mod tests {
             "the catch-all counts as web's"
         );
         assert_eq!(field_text(&web.name), "web");
-        let ports = compare(&records, &desired);
+        let ports = compare(&records, &desired, &MapContents6::default());
         assert_eq!(ports.len(), 2);
         for port in &ports {
             assert_eq!(port.state, SyncState::InSync, "{port:?}");

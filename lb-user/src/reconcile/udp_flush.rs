@@ -5,25 +5,32 @@ use std::collections::BTreeSet;
 use std::net::Ipv4Addr;
 
 use lb_common::{
-    Backend, BackendKey, CT_F_REPLY, ConntrackEntry, ConntrackKey, FrontendKey, IPPROTO_UDP,
+    Addr6, Backend, Backend6, BackendKey, CT_F_REPLY, ConntrackEntry, ConntrackEntry6,
+    ConntrackKey, ConntrackKey6, FrontendKey, IPPROTO_UDP,
 };
 
-use crate::maps::contents::{FamilyContents, Records};
+use crate::maps::contents::{FamilyContents, MapFamily, Records};
+use crate::maps::stats_slots::FamilyBackend;
 
-/// An endpoint of one UDP service port.
+/// An endpoint of one UDP service port, of either family.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct UdpEndpoint {
     pub service_id: u32,
-    /// [`Backend::endpoint`]: a counter slot change is no removal.
-    pub backend: Backend,
+    /// Without its counter slot: a counter slot change is no removal.
+    pub backend: FamilyBackend,
 }
 
-/// Every endpoint (of either list) of the UDP service ports in `contents`.
-pub fn udp_endpoints<R: Records>(contents: &FamilyContents<Ipv4Addr, R>) -> BTreeSet<UdpEndpoint> {
+/// Every endpoint (of either list) of the UDP service ports in `contents`, of either family.
+pub fn udp_endpoints<A: MapFamily, R: Records>(
+    contents: &FamilyContents<A, R>,
+) -> BTreeSet<UdpEndpoint>
+where
+    for<'b> &'b A::Backend: Into<FamilyBackend>,
+{
     let udp: BTreeSet<u32> = contents
         .frontends
         .iter()
-        .filter(|(key, _)| key.proto == IPPROTO_UDP)
+        .filter(|(key, _)| A::frontend_proto(key) == IPPROTO_UDP)
         .map(|(_, frontend)| frontend.service_id)
         .collect();
     contents
@@ -32,7 +39,7 @@ pub fn udp_endpoints<R: Records>(contents: &FamilyContents<Ipv4Addr, R>) -> BTre
         .filter(|(key, _)| udp.contains(&key.service_id))
         .map(|(key, backend)| UdpEndpoint {
             service_id: key.service_id,
-            backend: backend.endpoint(),
+            backend: backend.into(),
         })
         .collect()
 }
@@ -62,7 +69,7 @@ pub fn udp_endpoints_of<'a, R: Records>(
                 .range(slots)
                 .map(move |(_, backend)| UdpEndpoint {
                     service_id,
-                    backend: backend.endpoint(),
+                    backend: backend.into(),
                 })
         })
         .collect()
@@ -83,11 +90,34 @@ pub fn stale_entries<'a>(
         };
         let endpoint = UdpEndpoint {
             service_id: entry.service_id,
-            backend: Backend {
+            backend: FamilyBackend::V4(Backend {
                 addr,
                 port,
                 stats_slot: 0,
-            },
+            }),
+        };
+        (key.proto == IPPROTO_UDP && removed.contains(&endpoint)).then_some(key)
+    })
+}
+
+/// [`stale_entries`] of the IPv6 conntrack table.
+pub fn stale_entries6<'a>(
+    entries: impl IntoIterator<Item = (ConntrackKey6, ConntrackEntry6)> + 'a,
+    removed: &'a BTreeSet<UdpEndpoint>,
+) -> impl Iterator<Item = ConntrackKey6> + 'a {
+    entries.into_iter().filter_map(move |(key, entry)| {
+        let (addr, port): (Addr6, u16) = if entry.flags & CT_F_REPLY != 0 {
+            (key.src_addr, key.src_port)
+        } else {
+            (entry.dst_addr, entry.dst_port)
+        };
+        let endpoint = UdpEndpoint {
+            service_id: entry.service_id,
+            backend: FamilyBackend::V6(Backend6 {
+                addr,
+                port,
+                stats_slot: 0,
+            }),
         };
         (key.proto == IPPROTO_UDP && removed.contains(&endpoint)).then_some(key)
     })
@@ -183,7 +213,7 @@ mod tests {
         );
         let want = BTreeSet::from([UdpEndpoint {
             service_id: 1,
-            backend: backend(2),
+            backend: FamilyBackend::V4(backend(2)),
         }]);
         assert_eq!(udp_endpoints(&contents), want);
         let keys: Vec<FrontendKey> = contents.frontends.keys().copied().collect();
@@ -218,7 +248,7 @@ mod tests {
         .collect();
         let removed = BTreeSet::from([UdpEndpoint {
             service_id: 7,
-            backend: b,
+            backend: FamilyBackend::V4(b),
         }]);
         let stale: Vec<ConntrackKey> = stale_entries(entries.clone(), &removed).collect();
         let want: Vec<ConntrackKey> = entries[..4].iter().map(|(k, _)| *k).collect();
