@@ -10,8 +10,8 @@
 use aya_ebpf::{macros::map, maps::PerCpuArray};
 use lb_common::{
     Addr6, BackendKey, CONFIG_F_MASQUERADE_ALL, CONFIG_F_READY, Config, Config6, ConntrackKey6,
-    Counter, FRONTEND_F_LOCAL, FRONTEND_F_MASQUERADE, FRONTEND_F_PRESERVE_SOURCE, Frontend,
-    FrontendKey6, LOCAL_SLOT, SCHED_ROUND_ROBIN,
+    Counter, FRONTEND_F_LOCAL, FRONTEND_F_MASQUERADE, FRONTEND_F_PRESERVE_SOURCE,
+    FRONTEND_F_SOURCE_RANGES, Frontend, FrontendKey6, LOCAL_SLOT, SCHED_ROUND_ROBIN,
 };
 
 use crate::{
@@ -85,6 +85,11 @@ fn open<P: PacketAccess>(ctx: &P) -> Result<(), Counter> {
     let config6 = maps::config6().ok_or(Counter::Passed)?;
     let tuple = &packet.tuple;
     let frontend = frontend(tuple)?;
+    // Source ranges are not checked over IPv6 yet: such a frontend is not served rather than
+    // served to every source.
+    if frontend.flags & FRONTEND_F_SOURCE_RANGES != 0 {
+        return Err(Counter::Passed);
+    }
     let state = conntrack6::opening_state(packet)?;
     let (service_id, base, count) = backends(config6, &frontend, &tuple.src_addr);
     if count == 0 {
