@@ -4,19 +4,22 @@
 //! and UDP state machines and timeouts are lb_common's, shared with IPv4.
 use aya_ebpf::{
     bindings::{BPF_ANY, BPF_NOEXIST},
+    cty::c_void,
+    helpers::bpf_loop,
     macros::map,
     maps::PerCpuArray,
 };
 use lb_common::{
-    Backend6, CT_F_REPLY, CT_UDP_UNREPLIED, CachedHop, Config, ConntrackEntry6, ConntrackKey6,
-    Counter, IPPROTO_TCP, conntrack_timeout_ns,
+    Addr6, Backend6, CT_F_MASQUERADE, CT_F_REPLY, CT_UDP_UNREPLIED, CachedHop, Config,
+    ConntrackEntry6, ConntrackKey6, Counter, IPPROTO_TCP, conntrack_timeout_ns,
+    masquerade::PortSearch,
     tcp::{self, Step, TcpWindow},
     udp_step,
 };
 
 use crate::{maps, parse6::Packet6};
 
-/// This CPU's entry under construction (`track_new`).
+/// This CPU's entry under construction (`track_new`, `scratch`).
 #[map(name = "LB_CT6_SCRATCH_V1")]
 static SCRATCH: PerCpuArray<ConntrackEntry6> = PerCpuArray::with_max_entries(1, 0);
 
@@ -78,33 +81,33 @@ pub fn opening_state(packet: &Packet6) -> Result<u8, Counter> {
     tcp::opening_state(packet.tcp_flags).ok_or(Counter::PassedTcpNoConnection)
 }
 
-/// Tracks the new connection `tuple` to `backend` of service `service_id`, opening in `state`
-/// with a first packet of `bytes`: its reply entry first, so that a clash with another
-/// connection's reply tuple (a client reaching two frontends of one backend from one port) is
-/// refused before anything is written. Returns the tuple the packet is rewritten to: this
-/// connection's, or that of another CPU's that tracked the same tuple first.
-#[inline(always)]
+/// Tracks the new connection `packet` opens to `backend` of service `service_id`, opening in
+/// `state`, the backend seeing it from `masquerade` (the masquerade address) or else from the
+/// client's own address. Its reply entry goes first, from the client's own port, or
+/// (masqueraded, or that reply tuple another connection's) from a port of the SNAT range no live
+/// connection uses with that address (`claim_source`), so that a clash is refused before the
+/// original entry is written. The scratch entry holds the original entry the packet is
+/// rewritten by once it returns (`rewrite_of_new`): this connection's, or a copy of that of
+/// another CPU's that tracked the same tuple first.
+// A frame of its own: the new connection path's deepest, beside the rewrite's.
+#[inline(never)]
 pub fn track_new(
-    tuple: &ConntrackKey6,
+    packet: &Packet6,
     service_id: u32,
     backend: &Backend6,
     state: u8,
-    bytes: u16,
-    now: u64,
-) -> Result<ConntrackKey6, Counter> {
-    let to = ConntrackKey6 {
-        dst_addr: backend.addr,
-        dst_port: backend.port,
-        ..*tuple
-    };
+    masquerade: Option<&Addr6>,
+) -> Result<(), Counter> {
+    let tuple = &packet.tuple;
+    let now = maps::now_ns(maps::config().ok_or(Counter::Passed)?);
     let stats_slot = u32::from(backend.stats_slot);
     let stats_owner = maps::backend_stats_owner(stats_slot);
-    // The entries are built in this CPU's scratch entry, not on the stack, which has no room for
-    // them beside the packet (docs/ipv6.md).
-    let scratch = SCRATCH.get_ptr_mut(0).ok_or(Counter::DropConntrackFull)?;
-    // SAFETY: this CPU's own entry, valid until the program returns; tc programs are not
-    // preempted while they run, and nothing else holds a reference to it.
-    let entry = unsafe { &mut *scratch };
+    let masquerade_flag = if masquerade.is_some() {
+        CT_F_MASQUERADE
+    } else {
+        0
+    };
+    let entry = scratch()?;
     entry.last_seen_ns = now;
     entry.service_id = service_id;
     entry.state = state;
@@ -118,41 +121,210 @@ pub fn track_new(
     entry.dst_addr = tuple.src_addr;
     entry.src_port = tuple.dst_port;
     entry.dst_port = tuple.src_port;
-    entry.flags = CT_F_REPLY;
-    let reply_key = reversed(&to);
-    let created = maps::conntrack6_insert(&reply_key, entry, BPF_NOEXIST);
-    if !created {
-        match maps::conntrack6(&reply_key) {
-            // The reply entry of this client tuple's previous connection (expired or closed, its
-            // original entry deleted by `lookup`), or another CPU's of this same connection:
-            // taken over, or written again alike.
-            Some(theirs) if same_rewrite(theirs, entry) => {
-                if !maps::conntrack6_insert(&reply_key, entry, BPF_ANY) {
-                    return Err(Counter::DropConntrackFull);
-                }
+    entry.flags = CT_F_REPLY | masquerade_flag;
+    let reply = reply_claim()?;
+    reply.backend = backend.addr;
+    reply.backend_port = backend.port;
+    reply.source = *masquerade.unwrap_or(&tuple.src_addr);
+    reply.proto = tuple.proto;
+    reply.now = now;
+    let own = match masquerade {
+        Some(_) => Claim::Held,
+        None => claim_reply(tuple.src_port)?,
+    };
+    let (src_port, created) = match own {
+        Claim::Created => (tuple.src_port, true),
+        Claim::Reused => (tuple.src_port, false),
+        Claim::Held => match claim_source()? {
+            Some(claimed) => claimed,
+            None if masquerade.is_some() => {
+                maps::count_backend_ports_exhausted(stats_slot);
+                return Err(Counter::DropSnatPortsExhausted);
             }
-            // Another client's connection (a client reaching two frontends of one backend from
-            // one port): IPv4's source port remap is not done for IPv6 yet.
-            Some(_) => return Err(Counter::DropTupleClash),
-            None => return Err(Counter::DropConntrackFull),
-        }
-    }
-    entry.src_addr = to.src_addr;
-    entry.dst_addr = to.dst_addr;
-    entry.src_port = to.src_port;
-    entry.dst_port = to.dst_port;
-    entry.flags = 0;
+            None => return Err(Counter::DropTupleClash),
+        },
+    };
+    // The original entry: from the client, rewritten to source → backend.
+    let entry = scratch()?;
+    entry.src_addr = reply.source;
+    entry.dst_addr = backend.addr;
+    entry.src_port = src_port;
+    entry.dst_port = backend.port;
+    entry.flags = masquerade_flag;
     if !maps::conntrack6_insert(tuple, entry, BPF_NOEXIST) {
         if created {
-            maps::conntrack6_remove(&reply_key);
+            maps::conntrack6_remove(&reversed(&rewrite_of(entry, tuple.proto)));
         }
         // Another CPU tracked the same client first: its connection is this one.
         let theirs = maps::conntrack6(tuple).ok_or(Counter::DropConntrackFull)?;
-        return Ok(rewrite_of(theirs, tuple.proto));
+        entry.src_addr = theirs.src_addr;
+        entry.dst_addr = theirs.dst_addr;
+        entry.src_port = theirs.src_port;
+        entry.dst_port = theirs.dst_port;
+        return Ok(());
     }
     maps::count(Counter::NewConnection);
-    maps::count_backend_connection(stats_slot, bytes);
-    Ok(to)
+    if masquerade.is_some() {
+        maps::count(Counter::Masqueraded);
+    }
+    maps::count_backend_connection(stats_slot, packet.len);
+    Ok(())
+}
+
+/// The tuple the packet that `track_new` tracked is rewritten to.
+pub fn rewrite_of_new(proto: u8) -> Result<ConntrackKey6, Counter> {
+    Ok(rewrite_of(scratch()?, proto))
+}
+
+/// This CPU's entry under construction. The entries are built here, not on the stack, which has
+/// no room for them beside the packet (docs/ipv6.md).
+fn scratch() -> Result<&'static mut ConntrackEntry6, Counter> {
+    let scratch = SCRATCH.get_ptr_mut(0).ok_or(Counter::DropConntrackFull)?;
+    // SAFETY: this CPU's own entry, valid until the program returns; tc programs are not
+    // preempted while they run, and each user takes it afresh rather than holding it.
+    Ok(unsafe { &mut *scratch })
+}
+
+/// This CPU's `ReplyClaim` (`track_new`), kept off the stack as the scratch entry is: the port
+/// search runs at the new connection path's deepest.
+#[map(name = "LB_CT6_REPLY_CLAIM_V1")]
+static REPLY_CLAIM: PerCpuArray<ReplyClaim> = PerCpuArray::with_max_entries(1, 0);
+
+fn reply_claim() -> Result<&'static mut ReplyClaim, Counter> {
+    let claim = REPLY_CLAIM
+        .get_ptr_mut(0)
+        .ok_or(Counter::DropConntrackFull)?;
+    // SAFETY: as `scratch`.
+    Ok(unsafe { &mut *claim })
+}
+
+/// Where a new connection's reply entry (the scratch entry) goes: replies from `backend` to
+/// `source` and a port.
+struct ReplyClaim {
+    backend: Addr6,
+    /// Network byte order.
+    backend_port: u16,
+    source: Addr6,
+    proto: u8,
+    now: u64,
+}
+
+/// What `claim_reply` found at a reply tuple.
+#[derive(Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+enum Claim {
+    /// Free: the scratch entry is in.
+    Created,
+    /// An entry of this same flow (a connection it reopens, or another CPU's of this first
+    /// packet) or an expired one: overwritten with the scratch entry.
+    Reused,
+    /// A live connection of another flow holds it.
+    Held,
+}
+
+/// Puts the scratch entry (a reply entry) at the reply tuple of `REPLY_CLAIM` and `port` unless a live
+/// connection of another flow holds it. Looked up before the insert: an insert into a full LRU
+/// map evicts an entry whether or not it succeeds, and probing a held port must not evict one.
+// A frame of its own: called for the client's port and from `try_port`.
+#[inline(never)]
+fn claim_reply(port: u16) -> Result<Claim, Counter> {
+    let reply = reply_claim()?;
+    let key = ConntrackKey6 {
+        src_addr: reply.backend,
+        dst_addr: reply.source,
+        src_port: reply.backend_port,
+        dst_port: port,
+        proto: reply.proto,
+        _pad0: 0,
+        _pad1: 0,
+    };
+    let entry = scratch()?;
+    if let Some(held) = maps::conntrack6(&key) {
+        let expired = maps::config().is_none_or(|config| {
+            reply.now.saturating_sub(held.last_seen_ns)
+                > conntrack_timeout_ns(reply.proto, held.state, &config.timeouts)
+        });
+        if !expired && !same_rewrite(held, entry) {
+            return Ok(Claim::Held);
+        }
+        if expired {
+            maps::count(Counter::ConntrackTakenOver);
+        }
+        return if maps::conntrack6_insert(&key, entry, BPF_ANY) {
+            Ok(Claim::Reused)
+        } else {
+            Err(Counter::DropConntrackFull)
+        };
+    }
+    if maps::conntrack6_insert(&key, entry, BPF_NOEXIST) {
+        Ok(Claim::Created)
+    } else if maps::conntrack6(&key).is_some() {
+        // Another CPU's connection took it since the lookup.
+        Ok(Claim::Held)
+    } else {
+        Err(Counter::DropConntrackFull)
+    }
+}
+
+/// The port of the SNAT range whose reply tuple `claim_reply` got, and whether it created its
+/// entry; `Ok(None)` when none of the ports tried was free. Ports are searched as IPv4's
+/// `masquerade::claim_source` searches them (`PortSearch`), in a `bpf_loop`, so that the verifier
+/// follows one try. No early drop: IPv6 connections are not held unconfirmed yet.
+fn claim_source() -> Result<Option<(u16, bool)>, Counter> {
+    let config = maps::config().ok_or(Counter::Passed)?;
+    let Some(ports) = PortSearch::new(config.snat_port_min, config.snat_port_max, maps::random())
+    else {
+        return Ok(None);
+    };
+    let mut search = Search {
+        ports,
+        port: 0,
+        created: false,
+        conntrack_full: false,
+    };
+    // SAFETY: `try_port` is a bpf_loop callback, and `search` outlives the loop.
+    unsafe {
+        bpf_loop(
+            ports.tries(),
+            try_port as *const () as *mut c_void,
+            (&raw mut search).cast(),
+            0,
+        );
+    }
+    if search.conntrack_full {
+        return Err(Counter::DropConntrackFull);
+    }
+    Ok((search.port != 0).then_some((search.port, search.created)))
+}
+
+/// The state of `claim_source`'s search, shared with each try.
+struct Search {
+    ports: PortSearch,
+    /// The port claimed (network byte order); 0: none yet (the range starts above 0).
+    port: u16,
+    /// `claim_reply` created the entry of `port`.
+    created: bool,
+    /// A try found the conntrack table full.
+    conntrack_full: bool,
+}
+
+/// Try `index` of a `Search` (`search`): 1 (stop) once it has an outcome.
+extern "C" fn try_port(index: u64, search: *mut c_void) -> i64 {
+    // SAFETY: bpf_loop passes claim_source's `search`, live and not otherwise borrowed.
+    let search = unsafe { &mut *search.cast::<Search>() };
+    let port = search.ports.port(index as u32).to_be();
+    match claim_reply(port) {
+        Ok(Claim::Held) => 0,
+        Ok(claim) => {
+            search.port = port;
+            search.created = claim == Claim::Created;
+            1
+        }
+        Err(_) => {
+            search.conntrack_full = true;
+            1
+        }
+    }
 }
 
 /// Whether `a` and `b` rewrite to the same tuple, field by field: tuples built to compare would

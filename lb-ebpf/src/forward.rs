@@ -27,6 +27,7 @@ use crate::{
 };
 
 pub const AF_INET: u8 = 2;
+pub const AF_INET6: u8 = 10;
 /// Don't fragment, in the host-order fragment offset word.
 const IP_DF: u16 = 0x4000;
 

@@ -10,7 +10,7 @@ use aya_ebpf::{
 };
 use lb_common::{Counter, tc_ipv6_slot};
 
-use crate::{maps, nat6, packet, translate6};
+use crate::{maps, packet, translate6};
 
 const ETH_P_IPV6: u16 = 0x86dd;
 
@@ -43,9 +43,7 @@ pub fn tail_call(ctx: &TcContext, slot: u32) -> i32 {
 #[classifier]
 pub fn lb_ingress6(ctx: TcContext) -> i32 {
     packet::pull_headers(&ctx);
-    let translated =
-        translate6::translation(&ctx).and_then(|(packet, to)| nat6::rewrite(&ctx, &packet, &to));
-    match translated {
+    match translate6::translation(&ctx) {
         // Handed to the stack, which routes the rewritten packet.
         Ok(()) => TC_ACT_OK as i32,
         Err(reason) => {

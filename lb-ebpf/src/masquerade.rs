@@ -10,11 +10,11 @@ use aya_ebpf::{
     cty::c_void,
     helpers::bpf_loop,
 };
-use lb_common::{Config, ConntrackKey, Counter, masquerade::PortSearch};
+use lb_common::{Addr6, Config, Config6, ConntrackKey, Counter, masquerade::PortSearch};
 
 use crate::{
     conntrack::{Claim, Connection},
-    forward::{AF_INET, FibParams, fib_lookup},
+    forward::{AF_INET, AF_INET6, FibParams, fib_lookup},
     maps,
     packet::PacketAccess,
     zero,
@@ -46,6 +46,37 @@ pub fn source<P: PacketAccess>(ctx: &P, config: &Config, client: u32, backend: u
     };
     if source == 0 {
         config.node_addr
+    } else {
+        source
+    }
+}
+
+/// `source` for IPv6: the source address the route from `client` to `backend` selects, else the
+/// IPv6 `--node-ip`.
+#[inline(never)]
+pub fn source6<P: PacketAccess>(
+    ctx: &P,
+    config6: &Config6,
+    client: &Addr6,
+    backend: &Addr6,
+) -> Addr6 {
+    let mut fib = MaybeUninit::<FibParams>::uninit();
+    // SAFETY: bpf_fib_lookup is plain old data; all-zero is its "no options" state.
+    let fib = unsafe { &mut zero::zeroed(&mut fib).0 };
+    fib.family = AF_INET6;
+    fib.__bindgen_anon_3.ipv6_src = [client.w0, client.w1, client.w2, client.w3];
+    fib.__bindgen_anon_4.ipv6_dst = [backend.w0, backend.w1, backend.w2, backend.w3];
+    fib.ifindex = ctx.ingress_ifindex();
+    let source = match fib_lookup(ctx, fib, BPF_FIB_LOOKUP_SRC | BPF_FIB_LOOKUP_SKIP_NEIGH) {
+        // SAFETY: with BPF_FIB_LOOKUP_SRC the FIB wrote the route's IPv6 source into ipv6_src.
+        Some(BPF_FIB_LKUP_RET_SUCCESS | BPF_FIB_LKUP_RET_FRAG_NEEDED) => {
+            let [w0, w1, w2, w3] = unsafe { fib.__bindgen_anon_3.ipv6_src };
+            Addr6 { w0, w1, w2, w3 }
+        }
+        _ => Addr6::default(),
+    };
+    if source == Addr6::default() {
+        config6.node_addr
     } else {
         source
     }

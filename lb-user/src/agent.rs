@@ -1087,8 +1087,8 @@ impl State {
         self.reconciler.compact();
     }
 
-    /// Says how many IPv6 frontends the model holds, of which the datapath serves only
-    /// ClusterIP connections from pods yet (docs/ipv6.md), once per sync that changes the number.
+    /// Says how many IPv6 frontends the model holds, and what of IPv6 the datapath does not
+    /// serve yet (docs/ipv6.md), once per sync that changes the number.
     fn log_ipv6_pending(&mut self, model: &Model) {
         let frontends = model.ipv6_frontends(self.ipv6_node_port_addrs);
         if frontends == self.ipv6_frontends_logged {
@@ -1098,7 +1098,7 @@ impl State {
         info!(
             services = model.services_v6.len(),
             frontends,
-            "IPv6 frontends: only connections from pods to ClusterIPs are served yet (IPv6 datapath partial)"
+            "IPv6 frontends: TCP and UDP served, masquerade included; not yet: source ranges, affinity, fragments, ICMPv6 errors, REJECT (IPv6 datapath partial)"
         );
     }
 

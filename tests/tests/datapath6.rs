@@ -11,9 +11,10 @@ use aya::{
     programs::{SchedClassifier, TestRun, TestRunOptions},
 };
 use lb_common::{
-    Addr6, Backend6, BackendKey, CONFIG_F_READY, CT_F_REPLY, CT_UDP_UNREPLIED, Config,
-    ConntrackEntry6, ConntrackKey6, Counter, Frontend, FrontendKey6, IPPROTO_TCP, IPPROTO_UDP,
-    map_name, port_be, program_name, tcp,
+    Addr6, Backend6, BackendKey, CONFIG_F_READY, CT_F_MASQUERADE, CT_F_REPLY, CT_UDP_UNREPLIED,
+    Config, Config6, ConntrackEntry6, ConntrackKey6, Counter, FRONTEND_F_MASQUERADE, Frontend,
+    FrontendKey6, IPPROTO_TCP, IPPROTO_UDP, SNAT_PORT_MAX, SNAT_PORT_MIN, map_name, port_be,
+    program_name, tcp,
 };
 
 const TC_ACT_OK: u32 = 0;
@@ -51,6 +52,11 @@ const CLUSTER_IP: SocketAddrV6 = SocketAddrV6::new(
     0,
 );
 const CLIENT: SocketAddrV6 = pod(0x10, 40000);
+/// The IPv6 --node-ip: the masquerade address, as the FIB has no answer in a test run.
+const NODE: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x100, 0, 0, 0, 0, 0x10);
+const NODE_PORT: SocketAddrV6 = SocketAddrV6::new(NODE, 30080, 0, 0);
+/// Outside the cluster CIDR.
+const EXTERNAL_CLIENT: SocketAddrV6 = SocketAddrV6::new(addr(7), 50000, 0, 0);
 const ENDPOINTS: [SocketAddrV6; 3] = [pod(0x21, 8080), pod(0x22, 8080), pod(0x23, 8080)];
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -259,6 +265,8 @@ impl Datapath {
         }
         let config = Config {
             flags: CONFIG_F_READY,
+            snat_port_min: SNAT_PORT_MIN,
+            snat_port_max: SNAT_PORT_MAX,
             clock: lb_user::datapath::kernel_clock().unwrap(),
             ..Config::default()
         };
@@ -295,21 +303,40 @@ impl Datapath {
             .unwrap()
             .try_into()
             .unwrap();
-        for proto in [Proto::Tcp, Proto::Udp] {
-            let key = FrontendKey6 {
-                addr: a6(CLUSTER_IP.ip()),
-                port: port_be(CLUSTER_IP.port()),
-                proto: proto.number(),
-                _pad: 0,
-            };
-            let frontend = Frontend {
-                service_id: SERVICE_ID,
-                backend_count: endpoints.len() as u32,
-                ..Frontend::default()
-            };
-            frontends.insert(key, frontend, 0).unwrap();
+        for (frontend, flags) in [(CLUSTER_IP, 0), (NODE_PORT, FRONTEND_F_MASQUERADE)] {
+            for proto in [Proto::Tcp, Proto::Udp] {
+                let key = FrontendKey6 {
+                    addr: a6(frontend.ip()),
+                    port: port_be(frontend.port()),
+                    proto: proto.number(),
+                    _pad: 0,
+                };
+                let frontend = Frontend {
+                    service_id: SERVICE_ID,
+                    backend_count: endpoints.len() as u32,
+                    flags,
+                    ..Frontend::default()
+                };
+                frontends.insert(key, frontend, 0).unwrap();
+            }
         }
         datapath
+    }
+
+    /// The IPv6 --node-ip NODE and --cluster-cidr fd00:10:244::/48, which holds the pods.
+    fn set_node_and_cluster_cidr(&mut self) {
+        let config6 = Config6 {
+            node_addr: a6(&NODE),
+            cluster_cidr_addr: a6(&Ipv6Addr::new(0xfd00, 0x10, 0x244, 0, 0, 0, 0, 0)),
+            cluster_cidr_mask: a6(&Ipv6Addr::new(0xffff, 0xffff, 0xffff, 0, 0, 0, 0, 0)),
+        };
+        let mut array: Array<_, Config6> = self
+            .ebpf
+            .map_mut(map_name::CONFIG6)
+            .unwrap()
+            .try_into()
+            .unwrap();
+        array.set(0, config6, 0).unwrap();
     }
 
     /// Runs `lb_ingress` on `packet`.
@@ -561,6 +588,78 @@ fn cluster_ip_from_pod() {
         assert_eq!(datapath.counter(Counter::NewConnection), 1);
         assert_eq!(datapath.conntrack_len(), 2);
     }
+}
+
+/// Masqueraded connections (hairpin, a client outside the cluster CIDR, a pod to a NodePort):
+/// the backend sees them from the node address and a port of the SNAT range, the reply comes
+/// back from the frontend; both rewrites with checksums right over the new pseudo-header.
+#[test]
+fn masqueraded_connections() {
+    let hairpin = SocketAddrV6::new(*ENDPOINTS[0].ip(), 40000, 0, 0);
+    for proto in [Proto::Tcp, Proto::Udp] {
+        for (client, frontend) in [
+            (hairpin, CLUSTER_IP),
+            (EXTERNAL_CLIENT, CLUSTER_IP),
+            (CLIENT, NODE_PORT),
+        ] {
+            let mut datapath = Datapath::with_cluster_ip(&ENDPOINTS[..1]);
+            datapath.set_node_and_cluster_cidr();
+            let case = format!("{proto:?} {client} → {frontend}");
+            let l4 = ETH_HLEN + IPV6_HLEN;
+            let flags = if proto == Proto::Tcp { TCP_SYN } else { 0 };
+            let first = packet(proto, client, frontend, flags, &[]);
+            let (src, dst) = datapath.translate(&first, proto, l4);
+            assert_eq!(*src.ip(), NODE, "{case}: masqueraded to the node");
+            assert!(
+                (SNAT_PORT_MIN..=SNAT_PORT_MAX).contains(&src.port()),
+                "{case}: a port of the range: {src}"
+            );
+            assert_eq!(dst, ENDPOINTS[0], "{case}");
+            let original = datapath
+                .conntrack(&ct_key(proto, client, frontend))
+                .unwrap();
+            assert_eq!(original.flags, CT_F_MASQUERADE, "{case}");
+            assert_eq!(rewrite_of(&original), (src, dst), "{case}");
+            let reply = datapath.conntrack(&ct_key(proto, dst, src)).unwrap();
+            assert_eq!(reply.flags, CT_F_REPLY | CT_F_MASQUERADE, "{case}");
+
+            assert_eq!(datapath.translate(&first, proto, l4), (src, dst), "{case}");
+            let answer_flags = if proto == Proto::Tcp {
+                TCP_SYN | TCP_ACK
+            } else {
+                0
+            };
+            let answer = packet(proto, dst, src, answer_flags, &[]);
+            assert_eq!(
+                datapath.translate(&answer, proto, l4),
+                (frontend, client),
+                "{case}: reply reverse-translated"
+            );
+            assert_eq!(datapath.counter(Counter::NewConnection), 1, "{case}");
+            assert_eq!(datapath.counter(Counter::Masqueraded), 1, "{case}");
+            assert_eq!(datapath.conntrack_len(), 2, "{case}");
+        }
+    }
+}
+
+/// Two clients reaching one backend through the masquerade address get ports of their own.
+#[test]
+fn masquerade_ports_are_unique() {
+    let mut datapath = Datapath::with_cluster_ip(&ENDPOINTS[..1]);
+    datapath.set_node_and_cluster_cidr();
+    let l4 = ETH_HLEN + IPV6_HLEN;
+    let mut seen = Vec::new();
+    for port in 0..20 {
+        let client = SocketAddrV6::new(*EXTERNAL_CLIENT.ip(), 50000 + port, 0, 0);
+        let (src, _) = datapath.translate(
+            &packet(Proto::Udp, client, CLUSTER_IP, 0, &[]),
+            Proto::Udp,
+            l4,
+        );
+        assert!(!seen.contains(&src), "{src} given twice");
+        seen.push(src);
+    }
+    assert_eq!(datapath.counter(Counter::Masqueraded), 20);
 }
 
 /// A client's SYN on the tuple of a connection the backend reset opens a new connection, which

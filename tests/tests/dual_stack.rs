@@ -2,8 +2,9 @@
 //! `--cluster-cidr` per family and a Service of both families, serves its IPv4 side as an
 //! IPv4-only Service is served, and writes its IPv6 side into the IPv6 maps (which `lb services`
 //! lists); the IPv6 datapath serves a pod's connection to an IPv6 ClusterIP (seed path 1 over
-//! IPv6, TCP and UDP), and the socket hooks a node process's IPv6 socket to an IPv6 ClusterIP or
-//! an IPv4-mapped IPv4 one; the rest of IPv6 is still pending.
+//! IPv6, TCP and UDP), hairpin and an external client's to a NodePort on the node's IPv6 address
+//! (masqueraded), and the socket hooks a node process's IPv6 socket to an IPv6 ClusterIP or an
+//! IPv4-mapped IPv4 one; the rest of IPv6 is still pending.
 use std::{
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     time::Duration,
@@ -18,7 +19,7 @@ use lb_tests::{
     netns::Netns,
     node::{CLUSTER_IP, Node, PORT, TARGET_PORT, vip},
     paths::{check_external_to_node_port, check_pod_to_service},
-    topology::{CLUSTER_CIDR, NODE_IP, POD_GATEWAY},
+    topology::{CLUSTER_CIDR, EXTERNAL_INTERFACE, NODE_IP, POD_GATEWAY},
 };
 
 const NODE_PORT: u16 = 30080;
@@ -27,7 +28,7 @@ const CLUSTER_CIDR_V6: &str = "2001:db8:244::/56";
 const CLUSTER_IP_V6: &str = "2001:db8:96::10";
 const CLUSTER_IP_V6_ONLY: &str = "2001:db8:96::11";
 /// Logged once a sync changes how many IPv6 frontends the model holds.
-const IPV6_PENDING: &str = "IPv6 frontends: only connections from pods to ClusterIPs are served yet (IPv6 datapath partial)";
+const IPV6_PENDING: &str = "IPv6 frontends: TCP and UDP served, masquerade included; not yet: source ranges, affinity, fragments, ICMPv6 errors, REJECT (IPv6 datapath partial)";
 
 /// `service` (an IPv4 Service and its IPv4 slice) made dual-stack: ipFamilies [IPv4, IPv6], a
 /// ClusterIP per family, an IPv6 slice and an FQDN slice (ignored) beside the IPv4 one.
@@ -759,4 +760,130 @@ fn ipv6_node_ports_follow_nodeport_addresses() -> Result<()> {
     let listed = node_ports(&node)?;
     ensure!(listed == [v4], "{listed:?}");
     Ok(())
+}
+
+/// The hairpin path over IPv6: pod-a → an IPv6 ClusterIP whose only endpoint is pod-a. The
+/// connection is masqueraded (else pod-a would answer itself directly): the backend sees the
+/// node address routing picks towards it (the pods' gateway, as over IPv4), the client the
+/// ClusterIP.
+fn ipv6_hairpin(proto: Proto) -> Result<()> {
+    let mut node = dual_stack_node(&[])?;
+    add_pod_ipv6(&mut node)?;
+    let _server = EchoServer::start_v6(node.pod_ns("pod-a"), "pod-a", TARGET_PORT_V6)?;
+    node.agent
+        .update_manifests(&ipv6_only(proto, &[pod_ip_v6(0)]))?;
+    let service: SocketAddr = (CLUSTER_IP_V6_ONLY.parse::<Ipv6Addr>()?, PORT).into();
+    let answers = requests(node.pod_ns("pod-a"), proto, service, 6)?;
+    ensure!(answers.len() == 6, "{answers:?}");
+    for answer in &answers {
+        ensure!(
+            answer.server == "pod-a"
+                && answer.seen_source.ip() == IpAddr::V6(POD_GATEWAY_V6)
+                && answer.peer == service,
+            "{answer:?}"
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn ipv6_hairpin_tcp() -> Result<()> {
+    ipv6_hairpin(Proto::Tcp)
+}
+
+#[test]
+fn ipv6_hairpin_udp() -> Result<()> {
+    ipv6_hairpin(Proto::Udp)
+}
+
+/// The external client's IPv6 address, beside the node's on the external link.
+const CLIENT_IP_V6: &str = "2001:db8:100::2";
+const NODE_PORT_V6: u16 = 30081;
+
+/// Gives the external link IPv6: NODE_IP_V6 on the node's side, CLIENT_IP_V6 on the client's,
+/// with static neighbours, as `add_pod_ipv6` does for the pods.
+fn add_external_ipv6(node: &Node) -> Result<()> {
+    let (host, client) = (&node.topology.node, &node.topology.client);
+    host.ip(&[
+        "-6",
+        "addr",
+        "add",
+        &format!("{NODE_IP_V6}/64"),
+        "dev",
+        EXTERNAL_INTERFACE,
+        "nodad",
+    ])?;
+    client.ip(&[
+        "-6",
+        "addr",
+        "add",
+        &format!("{CLIENT_IP_V6}/64"),
+        "dev",
+        "eth0",
+        "nodad",
+    ])?;
+    let (host_mac, client_mac) = (mac(host, EXTERNAL_INTERFACE)?, mac(client, "eth0")?);
+    host.ip(&[
+        "-6",
+        "neigh",
+        "add",
+        CLIENT_IP_V6,
+        "lladdr",
+        &client_mac,
+        "dev",
+        EXTERNAL_INTERFACE,
+    ])?;
+    client.ip(&[
+        "-6", "neigh", "add", NODE_IP_V6, "lladdr", &host_mac, "dev", "eth0",
+    ])
+}
+
+/// The IPv6-only Service `web6` of `ipv6_only`, of type NodePort on NODE_PORT_V6.
+fn ipv6_node_port(proto: Proto, endpoints: &[Ipv6Addr]) -> Result<String> {
+    let service = ipv6_only(proto, endpoints);
+    let (cluster_ip, port) = ("  type: ClusterIP\n", "      targetPort: app\n");
+    ensure!(
+        service.contains(cluster_ip) && service.contains(port),
+        "{service}"
+    );
+    Ok(service
+        .replacen(cluster_ip, "  type: NodePort\n", 1)
+        .replacen(port, &format!("{port}      nodePort: {NODE_PORT_V6}\n"), 1))
+}
+
+/// External client → NodePort on the node's IPv6 address → pod-b or pod-c, externalTrafficPolicy
+/// Cluster: masqueraded, the backend sees the node address routing picks towards it (the pods'
+/// gateway), the client sees node:NodePort answer.
+fn external_to_ipv6_node_port(proto: Proto) -> Result<()> {
+    let mut node = dual_stack_node(&[])?;
+    add_pod_ipv6(&mut node)?;
+    add_external_ipv6(&node)?;
+    let _servers = ["pod-b", "pod-c"]
+        .iter()
+        .map(|pod| EchoServer::start_v6(node.pod_ns(pod), pod, TARGET_PORT_V6))
+        .collect::<Result<Vec<_>>>()?;
+    node.agent
+        .update_manifests(&ipv6_node_port(proto, &[pod_ip_v6(1), pod_ip_v6(2)])?)?;
+    let node_port: SocketAddr = (NODE_IP_V6.parse::<Ipv6Addr>()?, NODE_PORT_V6).into();
+    let answers = requests(&node.topology.client, proto, node_port, 6)?;
+    ensure!(answers.len() == 6, "{answers:?}");
+    for answer in &answers {
+        ensure!(
+            ["pod-b", "pod-c"].contains(&answer.server.as_str())
+                && answer.seen_source.ip() == IpAddr::V6(POD_GATEWAY_V6)
+                && answer.peer == node_port,
+            "{answer:?}"
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn external_to_ipv6_node_port_tcp() -> Result<()> {
+    external_to_ipv6_node_port(Proto::Tcp)
+}
+
+#[test]
+fn external_to_ipv6_node_port_udp() -> Result<()> {
+    external_to_ipv6_node_port(Proto::Udp)
 }
