@@ -219,7 +219,7 @@ pub fn pod_ip_v6(index: usize) -> Ipv6Addr {
 }
 
 /// The MAC address of `interface` in `ns`.
-fn mac(ns: &Netns, interface: &str) -> Result<String> {
+pub fn mac(ns: &Netns, interface: &str) -> Result<String> {
     let path = format!("/sys/class/net/{interface}/address");
     let out = ns.exec("cat", &[&path])?;
     ensure!(out.status.success(), "{path}: {out:?}");

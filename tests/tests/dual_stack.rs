@@ -19,12 +19,14 @@ use lb_tests::{
     netns::Netns,
     node::{CLUSTER_IP, Node, PORT, TARGET_PORT, vip},
     paths::{check_external_to_node_port, check_pod_to_service},
-    topology::{CLUSTER_CIDR, EXTERNAL_INTERFACE, NODE_IP, POD_GATEWAY},
+    topology::{
+        CLUSTER_CIDR, CLUSTER_CIDR_V6, EXTERNAL_INTERFACE, NODE_IP, POD_GATEWAY, POD_GATEWAY_V6,
+        mac, pod_ip_v6,
+    },
 };
 
 const NODE_PORT: u16 = 30080;
 const NODE_IP_V6: &str = "2001:db8:100::10";
-const CLUSTER_CIDR_V6: &str = "2001:db8:244::/56";
 const CLUSTER_IP_V6: &str = "2001:db8:96::10";
 const CLUSTER_IP_V6_ONLY: &str = "2001:db8:96::11";
 /// Logged once a sync changes how many IPv6 frontends the model holds.
@@ -312,68 +314,15 @@ fn last_line<'a>(log: &'a str, needle: &str) -> &'a str {
         .unwrap_or_default()
 }
 
-/// The node's address on every pod veth: the pods' IPv6 gateway, as the topology's POD_GATEWAY.
-const POD_GATEWAY_V6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x244, 0, 0, 0, 0, 1);
 /// The IPv6 servers' port: the fixture's IPv4 servers hold TARGET_PORT on 0.0.0.0, which a
 /// server on [::] of the same port would clash with.
 const TARGET_PORT_V6: u16 = 8092;
 
-/// Pod `index`'s IPv6 address in CLUSTER_CIDR_V6.
-fn pod_ip_v6(index: usize) -> Ipv6Addr {
-    Ipv6Addr::new(0x2001, 0xdb8, 0x244, 0, 0, 0, 0, 2 + index as u16)
-}
-
-/// The MAC address of `interface` in `ns`.
-fn mac(ns: &Netns, interface: &str) -> Result<String> {
-    let path = format!("/sys/class/net/{interface}/address");
-    let out = ns.exec("cat", &[&path])?;
-    ensure!(out.status.success(), "{path}: {out:?}");
-    Ok(String::from_utf8(out.stdout)?.trim().to_string())
-}
-
-/// Gives every pod an IPv6 address routed as its IPv4 one (a /128 on its veth, the node's
-/// gateway address on every pod veth), with static neighbours so that no packet waits for
-/// neighbour discovery or duplicate address detection. The gateway address is a node address
-/// NodePorts are served on, as IPv4's: waits for the sync it makes, which a later manifest
-/// update must not take for its own.
+/// Gives every pod an IPv6 address (`Topology::add_pod_ipv6`). The gateway address is a node
+/// address NodePorts are served on, as IPv4's: waits for the sync it makes, which a later
+/// manifest update must not take for its own.
 fn add_pod_ipv6(node: &mut Node) -> Result<()> {
-    let host = &node.topology.node;
-    host.sysctl("net.ipv6.conf.all.forwarding", "1")?;
-    let gateway = POD_GATEWAY_V6.to_string();
-    for (index, pod) in node.topology.pods.iter().enumerate() {
-        let ip = pod_ip_v6(index).to_string();
-        let veth = pod.host_interface.as_str();
-        host.ip(&[
-            "-6",
-            "addr",
-            "add",
-            &format!("{gateway}/128"),
-            "dev",
-            veth,
-            "nodad",
-        ])?;
-        host.ip(&["-6", "route", "add", &format!("{ip}/128"), "dev", veth])?;
-        let pod_mac = mac(&pod.ns, "eth0")?;
-        host.ip(&["-6", "neigh", "add", &ip, "lladdr", &pod_mac, "dev", veth])?;
-        pod.ns.ip(&[
-            "-6",
-            "addr",
-            "add",
-            &format!("{ip}/128"),
-            "dev",
-            "eth0",
-            "nodad",
-        ])?;
-        pod.ns
-            .ip(&["-6", "route", "add", &gateway, "dev", "eth0"])?;
-        pod.ns.ip(&[
-            "-6", "route", "add", "default", "via", &gateway, "dev", "eth0",
-        ])?;
-        let veth_mac = mac(host, veth)?;
-        pod.ns.ip(&[
-            "-6", "neigh", "add", &gateway, "lladdr", &veth_mac, "dev", "eth0",
-        ])?;
-    }
+    node.topology.add_pod_ipv6()?;
     let served = format!("{POD_GATEWAY_V6}]");
     node.agent.wait_for_log(&served, Duration::from_secs(5))?;
     node.agent.wait_for_sync(Duration::from_secs(5))?;
