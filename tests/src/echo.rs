@@ -28,6 +28,19 @@ pub struct Answer {
     pub peer: SocketAddr,
 }
 
+impl Answer {
+    /// Ok when one of `servers` answered, having seen `source`, and the client saw `peer`.
+    pub fn check(&self, servers: &[&str], source: IpAddr, peer: SocketAddr) -> Result<()> {
+        anyhow::ensure!(
+            servers.contains(&self.server.as_str())
+                && self.seen_source.ip() == source
+                && self.peer == peer,
+            "{self:?}: expected one of {servers:?}, seeing {source}, seen as {peer}"
+        );
+        Ok(())
+    }
+}
+
 /// What one server of a [`ServerPair`] does until `stop` is set, as the server `name`.
 pub type Serve<S> = fn(&S, &str, &Arc<AtomicBool>);
 
