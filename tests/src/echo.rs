@@ -234,6 +234,30 @@ impl Proto {
     }
 }
 
+/// An unconnected UDP socket in `ns` bound to `bind` (`0.0.0.0:0` or `[::]:0`): every datagram
+/// it sends leaves from the same source port, as a resolver's.
+pub fn udp_socket(ns: &Netns, bind: &str) -> Result<UdpSocket> {
+    let bind = bind.to_string();
+    ns.run(move || -> Result<UdpSocket> {
+        let socket = UdpSocket::bind(bind)?;
+        socket.set_read_timeout(Some(TIMEOUT))?;
+        Ok(socket)
+    })?
+}
+
+/// The name of the server that answers one datagram from `socket` to `to`; the answer must come
+/// from `to`.
+pub fn ask(socket: &UdpSocket, to: SocketAddr) -> Result<String> {
+    socket.send_to(b"hello\n", to)?;
+    let mut buf = [0u8; 512];
+    let (len, peer) = socket
+        .recv_from(&mut buf)
+        .with_context(|| format!("no answer from {to}"))?;
+    anyhow::ensure!(peer == to, "answer from {peer}, asked {to}");
+    let text = std::str::from_utf8(&buf[..len])?;
+    Ok(text.split(' ').next().unwrap_or_default().to_string())
+}
+
 /// The I/O error kind at the root of a failed request, if it was one.
 pub fn error_kind(err: &anyhow::Error) -> Option<ErrorKind> {
     err.root_cause()

@@ -2868,17 +2868,7 @@ fn verifier_cost_is_bounded() {
         .try_into()
         .unwrap();
     lb_user::datapath::load_program(|| egress.load()).expect("verifier accepts lb_egress");
-    let sock_programs = [
-        program_name::CONNECT4,
-        program_name::SENDMSG4,
-        program_name::RECVMSG4,
-        program_name::GETPEERNAME4,
-        program_name::CONNECT6,
-        program_name::SENDMSG6,
-        program_name::RECVMSG6,
-        program_name::GETPEERNAME6,
-    ];
-    for name in sock_programs {
+    for name in lb_user::datapath::cgroup_hooks::PROGRAMS {
         let program: &mut CgroupSockAddr =
             datapath.ebpf.program_mut(name).unwrap().try_into().unwrap();
         lb_user::datapath::load_program(|| program.load())
@@ -2889,7 +2879,10 @@ fn verifier_cost_is_bounded() {
         program_name::EGRESS,
         program_name::XDP,
     ];
-    for name in tc_programs.into_iter().chain(sock_programs) {
+    for name in tc_programs
+        .into_iter()
+        .chain(lb_user::datapath::cgroup_hooks::PROGRAMS)
+    {
         let program = datapath.ebpf.program(name).unwrap();
         let processed = program
             .info()

@@ -15,7 +15,7 @@ use lb_tests::{
     agent::{SYNC_DONE, lb_binary},
     bpffs::Bpffs,
     cgroup::Cgroup,
-    echo::{Answer, EchoServer, Proto, requests},
+    echo::{Answer, EchoServer, Proto, ask, requests, udp_socket},
     netns::Netns,
     node::{CLUSTER_IP, Node, PORT, TARGET_PORT, vip},
     paths::{check_external_to_node_port, check_pod_to_service},
@@ -593,27 +593,6 @@ fn ipv6_endpoints_traffic_is_counted_and_their_service_in_sync() -> Result<()> {
     Ok(())
 }
 
-/// An unconnected UDP socket on [::] in `ns`: every request leaves from the same source port.
-fn udp_client_v6(ns: &Netns) -> Result<std::net::UdpSocket> {
-    ns.run(|| -> Result<std::net::UdpSocket> {
-        let socket = std::net::UdpSocket::bind("[::]:0")?;
-        socket.set_read_timeout(Some(lb_tests::echo::TIMEOUT))?;
-        Ok(socket)
-    })?
-}
-
-/// The name of the server that answers one datagram from `socket` to `to`.
-fn ask(socket: &std::net::UdpSocket, to: SocketAddr) -> Result<String> {
-    socket.send_to(b"hello\n", to)?;
-    let mut buf = [0u8; 512];
-    let (len, peer) = socket
-        .recv_from(&mut buf)
-        .with_context(|| format!("no answer from {to}"))?;
-    ensure!(peer == to, "answer from {peer}, asked {to}");
-    let text = std::str::from_utf8(&buf[..len])?;
-    Ok(text.split(' ').next().unwrap_or_default().to_string())
-}
-
 /// kube-proxy's UDP conntrack flush over IPv6: pod-b's endpoint is removed (pod-b keeps
 /// running, so a stale entry would still get its answer); the next datagram from the same
 /// socket to the IPv6 ClusterIP reaches pod-c.
@@ -628,7 +607,7 @@ fn removed_ipv6_udp_endpoint_loses_its_conntrack() -> Result<()> {
     node.agent
         .update_manifests(&ipv6_only(Proto::Udp, &[pod_ip_v6(1)]))?;
     let service: SocketAddr = (CLUSTER_IP_V6_ONLY.parse::<Ipv6Addr>()?, PORT).into();
-    let socket = udp_client_v6(node.pod_ns("pod-a"))?;
+    let socket = udp_socket(node.pod_ns("pod-a"), "[::]:0")?;
     for _ in 0..3 {
         let server = ask(&socket, service).with_context(|| node.agent.log())?;
         ensure!(server == "pod-b", "answered by {server}");

@@ -1,14 +1,13 @@
 //! kube-proxy's UDP conntrack flush: a UDP client that keeps its source port (a DNS resolver)
 //! moves to a live endpoint as soon as its endpoint is removed, instead of staying on the
 //! old connection's entries until they time out.
-use std::net::{Ipv4Addr, SocketAddr, UdpSocket};
+use std::net::{Ipv4Addr, SocketAddr};
 
 use anyhow::{Context as _, Result, ensure};
 use lb_tests::{
     agent::Agent,
-    echo::{EchoServer, TIMEOUT},
+    echo::{EchoServer, ask, udp_socket},
     manifests::{ServiceManifest, yaml},
-    netns::Netns,
     topology::{NODE_IP, Topology},
 };
 
@@ -16,27 +15,6 @@ const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 53);
 const PORT: u16 = 53;
 const NODE_PORT: u16 = 30053;
 const TARGET_PORT: u16 = 8053;
-
-/// An unconnected socket in `ns`: every request leaves from the same source port.
-fn client_socket(ns: &Netns) -> Result<UdpSocket> {
-    ns.run(|| -> Result<UdpSocket> {
-        let socket = UdpSocket::bind("0.0.0.0:0")?;
-        socket.set_read_timeout(Some(TIMEOUT))?;
-        Ok(socket)
-    })?
-}
-
-/// The name of the server that answers one datagram from `socket` to `to`.
-fn ask(socket: &UdpSocket, to: SocketAddr) -> Result<String> {
-    socket.send_to(b"hello\n", to)?;
-    let mut buf = [0u8; 512];
-    let (len, peer) = socket
-        .recv_from(&mut buf)
-        .with_context(|| format!("no answer from {to}"))?;
-    ensure!(peer == to, "answer from {peer}, asked {to}");
-    let text = std::str::from_utf8(&buf[..len])?;
-    Ok(text.split(' ').next().unwrap_or_default().to_string())
-}
 
 /// The endpoint pod-b is removed (and keeps running, so a stale entry would still get an
 /// answer from it): the next datagram from the same socket reaches pod-c. Both a pod client
@@ -63,11 +41,11 @@ fn removed_udp_endpoint_loses_its_conntrack() -> Result<()> {
     let mut agent = Agent::start(&topology, &service(&["pod-b"]), &[])?;
     let clients = [
         (
-            client_socket(&topology.pod("pod-a").ns)?,
+            udp_socket(&topology.pod("pod-a").ns, "0.0.0.0:0")?,
             SocketAddr::from((CLUSTER_IP, PORT)),
         ),
         (
-            client_socket(&topology.client)?,
+            udp_socket(&topology.client, "0.0.0.0:0")?,
             SocketAddr::from((NODE_IP, NODE_PORT)),
         ),
     ];

@@ -16,7 +16,8 @@ use crate::datapath::link_pins::LinkPins;
 use crate::datapath::{self, Datapath};
 use crate::error_chain;
 
-const PROGRAMS: [&str; 8] = [
+/// The socket hooks, each attached to the cgroup.
+pub const PROGRAMS: [&str; 8] = [
     program_name::CONNECT4,
     program_name::SENDMSG4,
     program_name::RECVMSG4,
