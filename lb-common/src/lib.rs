@@ -8,6 +8,7 @@
 #![no_std]
 
 pub mod masquerade;
+pub mod sticky;
 pub mod tcp;
 pub mod valid;
 
@@ -277,11 +278,37 @@ pub const fn source_hash(addr: u32) -> u32 {
 
 /// The Maglev hash of a connection's 5-tuple as it arrives.
 pub const fn flow_hash(tuple: &ConntrackKey) -> u32 {
-    let ports = ((tuple.src_port as u32) << 16) | tuple.dst_port as u32;
     let h = mix32(tuple.src_addr ^ 0x9e37_79b9);
     let h = mix32(h ^ tuple.dst_addr);
+    mix_ports_and_proto(h, tuple.src_port, tuple.dst_port, tuple.proto)
+}
+
+/// The `sh` hash of an IPv6 client address: [`source_hash`] over its four words, so that
+/// clients differing in any of them (not only the interface identifier) spread.
+pub const fn source_hash6(addr: &Addr6) -> u32 {
+    mix_addr6(0x9e37_79b9, addr)
+}
+
+/// The Maglev hash of an IPv6 connection's 5-tuple as it arrives, as [`flow_hash`].
+pub const fn flow_hash6(tuple: &ConntrackKey6) -> u32 {
+    let h = mix_addr6(0x9e37_79b9, &tuple.src_addr);
+    let h = mix_addr6(h, &tuple.dst_addr);
+    mix_ports_and_proto(h, tuple.src_port, tuple.dst_port, tuple.proto)
+}
+
+/// `h` with the four words of `addr` mixed in, one at a time.
+const fn mix_addr6(h: u32, addr: &Addr6) -> u32 {
+    let h = mix32(h ^ addr.w0);
+    let h = mix32(h ^ addr.w1);
+    let h = mix32(h ^ addr.w2);
+    mix32(h ^ addr.w3)
+}
+
+/// The end of both families' flow hashes: `h` with the ports and the protocol mixed in.
+const fn mix_ports_and_proto(h: u32, src_port: u16, dst_port: u16, proto: u8) -> u32 {
+    let ports = ((src_port as u32) << 16) | dst_port as u32;
     let h = mix32(h ^ ports);
-    mix32(h ^ tuple.proto as u32)
+    mix32(h ^ proto as u32)
 }
 
 /// The frontend is reached from outside the cluster (a NodePort): masquerade new connections
@@ -1754,6 +1781,92 @@ mod user {
 mod tests {
     use super::*;
     use crate::valid::{TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN};
+
+    /// `2001:db8::<last>` with word `word` also set to `extra` (words in the packet's order).
+    fn addr6(last: u8, word: usize, extra: u32) -> Addr6 {
+        let mut octets = [0u8; 16];
+        octets[..4].copy_from_slice(&[0x20, 0x01, 0x0d, 0xb8]);
+        octets[15] = last;
+        let mut addr = Addr6::from_octets(octets);
+        match word {
+            0 => addr.w0 ^= extra,
+            1 => addr.w1 ^= extra,
+            2 => addr.w2 ^= extra,
+            _ => addr.w3 ^= extra,
+        }
+        addr
+    }
+
+    fn tuple6(src: Addr6, src_port: u16) -> ConntrackKey6 {
+        ConntrackKey6 {
+            src_addr: src,
+            dst_addr: addr6(0x10, 0, 0),
+            src_port: port_be(src_port),
+            dst_port: port_be(80),
+            proto: IPPROTO_TCP,
+            _pad0: 0,
+            _pad1: 0,
+        }
+    }
+
+    /// Counts per slot of a table of `N` slots over `hashes`.
+    fn spread<const N: usize>(hashes: impl Iterator<Item = u32>) -> [u32; N] {
+        let mut hits = [0; N];
+        for h in hashes {
+            hits[h as usize % N] += 1;
+        }
+        hits
+    }
+
+    /// One flow always lands on one slot; the flows of one client (other source ports) spread
+    /// evenly over a Maglev table; every part of the 5-tuple counts, each word of both
+    /// addresses included.
+    #[test]
+    fn ipv6_flow_hash_keeps_a_flow_and_spreads_flows() {
+        let client = addr6(0x20, 0, 0);
+        let flow = tuple6(client, 40000);
+        assert_eq!(flow_hash6(&flow), flow_hash6(&tuple6(client, 40000)));
+        let hits: [_; 3] = spread((10_000..13_000).map(|p| flow_hash6(&tuple6(client, p))));
+        assert!(hits.iter().all(|h| (900..=1100).contains(h)), "{hits:?}");
+        let table: [_; 211] = spread((10_000..31_100).map(|p| flow_hash6(&tuple6(client, p))));
+        assert!(table.iter().all(|h| (50..=150).contains(h)), "{table:?}");
+
+        let base = flow_hash6(&flow);
+        for word in 0..4 {
+            let src = tuple6(addr6(0x20, word, 1 << 20), 40000);
+            assert_ne!(flow_hash6(&src), base, "source word {word}");
+            let dst = ConntrackKey6 {
+                dst_addr: addr6(0x10, word, 1 << 20),
+                ..flow
+            };
+            assert_ne!(flow_hash6(&dst), base, "destination word {word}");
+        }
+        let other_port = ConntrackKey6 {
+            dst_port: port_be(81),
+            ..flow
+        };
+        let udp = ConntrackKey6 {
+            proto: IPPROTO_UDP,
+            ..flow
+        };
+        assert_ne!(flow_hash6(&other_port), base);
+        assert_ne!(flow_hash6(&udp), base);
+    }
+
+    /// Clients spread evenly, whichever word they differ in (a /64 of pods differs in the last
+    /// ones, clients of other networks in the first).
+    #[test]
+    fn ipv6_source_hash_spreads_clients_by_every_word() {
+        for word in 0..4 {
+            let hits: [_; 3] = spread(
+                (0..3000u32).map(|i| source_hash6(&addr6(0x20, word, i.wrapping_mul(0x0101)))),
+            );
+            assert!(
+                hits.iter().all(|h| (900..=1100).contains(h)),
+                "word {word}: {hits:?}"
+            );
+        }
+    }
 
     #[test]
     fn a_tcp_connection_is_confirmed_by_the_handshake_s_last_ack_only() {
