@@ -5,7 +5,7 @@
 use crate::{Backend, Backend6, StickyBackend, StickyBackend6};
 
 /// An endpoint of either family ([`Backend`], [`Backend6`]).
-pub trait Endpoint: Copy + PartialEq {
+pub trait Endpoint: Copy + Default + PartialEq {
     /// The endpoint alone, without its counter slot (`Backend::endpoint`).
     fn identity(&self) -> Self;
 }
@@ -38,6 +38,8 @@ pub trait Sticky {
     /// `timeout_ns` before `now` and the slot still holds its endpoint; refreshed to `now`.
     /// `holding` gives the endpoint in a slot of the list the new flow uses, `None` for a slot
     /// outside that list or empty.
+    // Inlined: the datapath's BPF functions cannot return a result larger than a register.
+    #[inline(always)]
     fn reuse(
         &mut self,
         timeout_ns: u64,

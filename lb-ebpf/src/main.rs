@@ -18,6 +18,7 @@ mod affinity;
 mod conntrack;
 mod conntrack6;
 mod egress;
+mod family;
 mod forward;
 mod fragment;
 mod icmp;

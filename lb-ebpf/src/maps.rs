@@ -354,6 +354,18 @@ pub fn affinity_insert(key: &AffinityKey, entry: &StickyBackend) {
     let _ = AFFINITY.insert(key, entry, 0);
 }
 
+pub fn affinity6(key: &AffinityKey6) -> Option<&'static mut StickyBackend6> {
+    // SAFETY: as in `affinity`.
+    AFFINITY6
+        .get_ptr_mut(key)
+        .map(|entry| unsafe { &mut *entry })
+}
+
+pub fn affinity6_insert(key: &AffinityKey6, entry: &StickyBackend6) {
+    // As `affinity_insert`.
+    let _ = AFFINITY6.insert(key, entry, 0);
+}
+
 pub fn sock_backend(key: &SockBackendKey) -> Option<&'static mut StickyBackend> {
     // SAFETY: as in `affinity`.
     SOCK_BACKEND

@@ -11,13 +11,14 @@ use aya_ebpf::{
     programs::SockAddrContext,
 };
 use lb_common::{
-    Backend, CT_UDP_STREAM, Config, ConntrackKey, Counter, FRONTEND_F_PRESERVE_SOURCE, Frontend,
-    FrontendKey, IPPROTO_TCP, IPPROTO_UDP, SockBackendKey, SockRevNat, SockRevNatKey,
-    conntrack_timeout_ns, ipv4_be,
+    Backend, CT_UDP_STREAM, Config, ConntrackKey, Counter, Frontend, IPPROTO_TCP, IPPROTO_UDP,
+    SockRevNat, SockRevNatKey, conntrack_timeout_ns, ipv4_be, sticky::Sticky,
 };
 
 use crate::{
-    affinity, maps,
+    affinity,
+    family::{Family, Ipv4},
+    maps,
     service::{self, Backends},
 };
 
@@ -116,21 +117,7 @@ pub fn ipv4_backend(
         Counter::Passed => Untouched::NotService,
         refused => Untouched::Refused(refused),
     })?;
-    let backends = node_backends(config, &frontend);
-    let now = maps::now_ns(config);
-    if backends.count == 0 {
-        return Err(Untouched::Refused(if frontend.backend_count != 0 {
-            Counter::DropNoLocalBackend
-        } else {
-            Counter::Rejected
-        }));
-    }
-    let backend = if proto == IPPROTO_UDP {
-        udp_flow_backend(cookie, &frontend, &backends, &tuple, now)
-    } else {
-        service::select_backend(&frontend, &backends, &tuple, now).map(|(_, b)| b)
-    }
-    .map_err(Untouched::Refused)?;
+    let backend = node_backend::<Ipv4>(cookie, &frontend, &tuple, maps::now_ns(config))?;
     // The endpoint alone: the reverse hooks look it up by the address they see.
     let key = SockRevNatKey {
         cookie,
@@ -171,38 +158,57 @@ pub fn ipv4_service(ctx: &SockAddrContext, addr: u32, port: u16) -> Option<SockR
     })
 }
 
+/// The backend a node socket's new flow `tuple` (either family) to service port `frontend`
+/// goes to: for UDP the one of the socket's flow ([`udp_flow_backend`]), else a fresh choice,
+/// both by the service's scheduler and sessionAffinity over the list of node-local traffic.
+// Inlined: a BPF function call takes at most five arguments, the result's pointer among them.
+#[inline(always)]
+pub fn node_backend<F: Family>(
+    cookie: u64,
+    frontend: &Frontend,
+    tuple: &F::Tuple,
+    now: u64,
+) -> Result<F::Backend, Untouched> {
+    let backends = Backends::<F>::of_node(frontend);
+    if backends.count == 0 {
+        return Err(Untouched::Refused(if frontend.backend_count != 0 {
+            Counter::DropNoLocalBackend
+        } else {
+            Counter::Rejected
+        }));
+    }
+    if F::proto(tuple) == IPPROTO_UDP {
+        udp_flow_backend(cookie, frontend, &backends, tuple, now)
+    } else {
+        service::select_backend(frontend, &backends, tuple, now).map(|(_, backend)| backend)
+    }
+    .map_err(Untouched::Refused)
+}
+
 /// The backend of a UDP socket's datagram to a service port: the one its previous datagrams went
-/// to while that flow is in use (an unconnected socket passes through sendmsg4 on every send),
+/// to while that flow is in use (an unconnected socket passes through sendmsg on every send),
 /// as conntrack keeps a UDP 5-tuple on one endpoint for kube-proxy.
 // Inlined: a BPF function call takes at most five arguments, the result's pointer among them.
 #[inline(always)]
-fn udp_flow_backend(
+fn udp_flow_backend<F: Family>(
     cookie: u64,
     frontend: &Frontend,
-    backends: &Backends,
-    tuple: &ConntrackKey,
+    backends: &Backends<F>,
+    tuple: &F::Tuple,
     now: u64,
-) -> Result<Backend, Counter> {
-    let key = SockBackendKey {
-        cookie,
-        frontend: FrontendKey {
-            addr: tuple.dst_addr,
-            port: tuple.dst_port,
-            proto: IPPROTO_UDP,
-            _pad: 0,
-        },
-    };
+) -> Result<F::Backend, Counter> {
+    let key = F::sock_flow(cookie, tuple);
     // As long as conntrack keeps a UDP stream: the socket's sends alone tell nothing of replies.
     let timeout = maps::config().map_or(0, |config| {
         conntrack_timeout_ns(IPPROTO_UDP, CT_UDP_STREAM, &config.timeouts)
     });
     let previous =
-        maps::sock_backend(&key).and_then(|entry| affinity::reuse(entry, backends, timeout, now));
+        F::sock_backend(&key).and_then(|entry| affinity::reuse(entry, backends, timeout, now));
     if let Some((_, backend)) = previous {
         return Ok(backend);
     }
     let (slot, backend) = service::select_backend(frontend, backends, tuple, now)?;
-    maps::sock_backend_insert(&key, &affinity::remembered(slot, &backend, now));
+    F::sock_backend_insert(&key, &F::Sticky::new(slot, backend, now));
     Ok(backend)
 }
 
@@ -219,18 +225,4 @@ fn frontend_addr(config: &Config, dst_addr: u32) -> u32 {
     } else {
         dst_addr
     }
-}
-
-/// The endpoint list of node-local traffic: kube-proxy sends it to every endpoint of an
-/// externalTrafficPolicy Local NodePort (its local-traffic short circuit), and to the local
-/// ones of an internalTrafficPolicy Local ClusterIP.
-fn node_backends(config: &Config, frontend: &Frontend) -> Backends {
-    if frontend.flags & FRONTEND_F_PRESERVE_SOURCE != 0 {
-        return Backends {
-            service_id: frontend.service_id,
-            base: 0,
-            count: frontend.backend_count,
-        };
-    }
-    service::backends(config, frontend, config.node_addr)
 }

@@ -10,12 +10,11 @@
 use aya_ebpf::bindings::bpf_sock_addr;
 use aya_ebpf::programs::SockAddrContext;
 use lb_common::{
-    Addr6, Backend6, BackendKey, CT_UDP_STREAM, Config, Config6, ConntrackKey6, Counter,
-    FRONTEND_F_PRESERVE_SOURCE, Frontend, FrontendKey6, IPPROTO_UDP, LOCAL_SLOT, SCHED_ROUND_ROBIN,
-    SockBackendKey6, SockRevNat6, SockRevNatKey6, StickyBackend6, conntrack_timeout_ns, ipv4_be,
+    Addr6, Backend6, Config, ConntrackKey6, Counter, SockRevNat6, SockRevNatKey6, ipv4_be,
 };
 
 use crate::{
+    family::Ipv6,
     maps,
     sock::{self, PROCEED, Untouched},
     translate6,
@@ -101,21 +100,7 @@ fn ipv6_backend(
         _pad1: 0,
     };
     let frontend = translate6::frontend(&tuple).map_err(|_| Untouched::NotService)?;
-    let endpoints = node_endpoints(config6, &frontend);
-    if endpoints.count == 0 {
-        return Err(Untouched::Refused(if frontend.backend_count != 0 {
-            Counter::DropNoLocalBackend
-        } else {
-            Counter::Rejected
-        }));
-    }
-    let now = maps::now_ns(config);
-    let backend = if proto == IPPROTO_UDP {
-        udp_flow_backend(config, cookie, &frontend, &endpoints, &tuple, now)
-    } else {
-        select_backend(&frontend, &endpoints).map(|(_, backend)| backend)
-    }
-    .map_err(Untouched::Refused)?;
+    let backend = sock::node_backend::<Ipv6>(cookie, &frontend, &tuple, maps::now_ns(config))?;
     let key = SockRevNatKey6 {
         cookie,
         backend: backend.endpoint(),
@@ -130,115 +115,6 @@ fn ipv6_backend(
     maps::sock_revnat6_insert(&key, &service);
     maps::count(Counter::NewConnection);
     Ok(backend)
-}
-
-/// One endpoint list of a service port in `BACKENDS6`: slots `base..base + count`.
-struct Endpoints {
-    service_id: u32,
-    base: u32,
-    count: u32,
-}
-
-impl Endpoints {
-    fn contains(&self, slot: u32) -> bool {
-        slot & LOCAL_SLOT == self.base && slot & !LOCAL_SLOT < self.count
-    }
-
-    fn at(&self, slot: u32) -> Option<Backend6> {
-        maps::backend6(&BackendKey {
-            service_id: self.service_id,
-            slot,
-        })
-    }
-}
-
-/// The endpoint list of node-local traffic, as sock.rs's `node_backends`: every endpoint of an
-/// externalTrafficPolicy Local NodePort, the local ones of an internalTrafficPolicy Local
-/// ClusterIP.
-fn node_endpoints(config6: &Config6, frontend: &Frontend) -> Endpoints {
-    let (service_id, base, count) = if frontend.flags & FRONTEND_F_PRESERVE_SOURCE != 0 {
-        (frontend.service_id, 0, frontend.backend_count)
-    } else {
-        translate6::backends(config6, frontend, &config6.node_addr)
-    };
-    Endpoints {
-        service_id,
-        base,
-        count,
-    }
-}
-
-/// A backend of `endpoints` (not empty) and its slot, by the IPv6 datapath's schedulers
-/// (translate6.rs): round-robin, else random.
-fn select_backend(frontend: &Frontend, endpoints: &Endpoints) -> Result<(u32, Backend6), Counter> {
-    let pick = if frontend.scheduler == SCHED_ROUND_ROBIN {
-        maps::round_robin(endpoints.service_id)
-    } else {
-        maps::random()
-    };
-    let slot = endpoints.base
-        | pick
-            .checked_rem(endpoints.count)
-            .ok_or(Counter::DropNoBackend)?;
-    let backend = endpoints.at(slot).ok_or(Counter::DropNoBackend)?;
-    Ok((slot, backend))
-}
-
-/// The backend of a UDP socket's datagram to a service port, as sock.rs's `udp_flow_backend`:
-/// the one its previous datagrams went to while that flow is in use.
-// Inlined: a BPF function call takes at most five arguments, the result's pointer among them.
-#[inline(always)]
-fn udp_flow_backend(
-    config: &Config,
-    cookie: u64,
-    frontend: &Frontend,
-    endpoints: &Endpoints,
-    tuple: &ConntrackKey6,
-    now: u64,
-) -> Result<Backend6, Counter> {
-    let key = SockBackendKey6 {
-        cookie,
-        frontend: FrontendKey6 {
-            addr: tuple.dst_addr,
-            port: tuple.dst_port,
-            proto: IPPROTO_UDP,
-            _pad: 0,
-        },
-        _pad: 0,
-    };
-    let timeout = conntrack_timeout_ns(IPPROTO_UDP, CT_UDP_STREAM, &config.timeouts);
-    let previous =
-        maps::sock_backend6(&key).and_then(|entry| reuse(entry, endpoints, timeout, now));
-    if let Some(backend) = previous {
-        return Ok(backend);
-    }
-    let (slot, backend) = select_backend(frontend, endpoints)?;
-    let entry = StickyBackend6 {
-        last_seen_ns: now,
-        backend,
-        slot,
-    };
-    maps::sock_backend6_insert(&key, &entry);
-    Ok(backend)
-}
-
-/// `entry`'s endpoint if it was used less than `timeout_ns` ago and is still in its slot of
-/// `endpoints`; refreshed. As affinity.rs's `reuse` of an IPv4 entry.
-fn reuse(
-    entry: &mut StickyBackend6,
-    endpoints: &Endpoints,
-    timeout_ns: u64,
-    now: u64,
-) -> Option<Backend6> {
-    if now.saturating_sub(entry.last_seen_ns) > timeout_ns || !endpoints.contains(entry.slot) {
-        return None;
-    }
-    let current = endpoints.at(entry.slot)?;
-    if current.endpoint() != entry.backend.endpoint() {
-        return None;
-    }
-    entry.last_seen_ns = now;
-    Some(current)
 }
 
 /// The IPv4 address of an IPv4-mapped one.

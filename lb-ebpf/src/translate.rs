@@ -8,6 +8,7 @@ use lb_common::{
 
 use crate::{
     conntrack::{self, Claim, Connection},
+    family::Ipv4,
     forward::CachedRoute,
     fragment, intermediate, maps, masquerade,
     packet::PacketAccess,
@@ -101,7 +102,7 @@ fn connect<P: PacketAccess>(
     ctx: &P,
     config: &Config,
     frontend: &Frontend,
-    backends: &Backends,
+    backends: &Backends<Ipv4>,
     packet: &Packet,
     state: u8,
     now: u64,

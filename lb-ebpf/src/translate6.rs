@@ -9,16 +9,19 @@
 //! is dropped (REJECT's ICMPv6 answer is a parity row).
 use aya_ebpf::{macros::map, maps::PerCpuArray};
 use lb_common::{
-    Addr6, BackendKey, CONFIG_F_MASQUERADE_ALL, CONFIG_F_READY, Config, Config6, ConntrackKey6,
-    Counter, FRONTEND_F_LOCAL, FRONTEND_F_MASQUERADE, FRONTEND_F_PRESERVE_SOURCE,
-    FRONTEND_F_SOURCE_RANGES, Frontend, FrontendKey6, LOCAL_SLOT, SCHED_ROUND_ROBIN,
+    Addr6, CONFIG_F_MASQUERADE_ALL, CONFIG_F_READY, Config, Config6, ConntrackKey6, Counter,
+    FRONTEND_F_MASQUERADE, FRONTEND_F_PRESERVE_SOURCE, FRONTEND_F_SOURCE_RANGES, Frontend,
+    FrontendKey6,
 };
 
 use crate::{
-    conntrack6, maps, masquerade, nat6,
+    conntrack6,
+    family::Ipv6,
+    maps, masquerade, nat6,
     packet::PacketAccess,
     parse::Fragment,
     parse6::{self, IPPROTO_ICMPV6, Packet6},
+    service::{self, Backends},
 };
 
 /// This CPU's parsed packet, for `established` and `open`.
@@ -77,7 +80,8 @@ fn established<P: PacketAccess>(ctx: &P) -> Result<bool, Counter> {
 }
 
 /// A packet (`PARSED`) without a live connection: the frontend it is addressed to, its endpoint
-/// list, backend selection, the masquerade source, tracking and the rewrite.
+/// list, backend selection (sessionAffinity and the schedulers, as IPv4's), the masquerade
+/// source, tracking and the rewrite.
 #[inline(never)]
 fn open<P: PacketAccess>(ctx: &P) -> Result<(), Counter> {
     let packet = parsed()?;
@@ -91,24 +95,24 @@ fn open<P: PacketAccess>(ctx: &P) -> Result<(), Counter> {
         return Err(Counter::Passed);
     }
     let state = conntrack6::opening_state(packet)?;
-    let (service_id, base, count) = backends(config6, &frontend, &tuple.src_addr);
-    if count == 0 {
+    let backends = backends(config6, &frontend, &tuple.src_addr);
+    if backends.count == 0 {
         return Err(if frontend.backend_count != 0 {
             Counter::DropNoLocalBackend
         } else {
             Counter::DropNoBackend
         });
     }
-    let pick = if frontend.scheduler == SCHED_ROUND_ROBIN {
-        maps::round_robin(service_id)
-    } else {
-        maps::random()
-    };
-    let slot = base | pick.checked_rem(count).ok_or(Counter::DropNoBackend)?;
-    let backend = maps::backend6(&BackendKey { service_id, slot }).ok_or(Counter::DropNoBackend)?;
+    let (_, backend) = service::select_backend(&frontend, &backends, tuple, maps::now_ns(config))?;
     let masquerade = masquerade_needed(config, config6, &frontend, &tuple.src_addr, &backend.addr)
         .then(|| masquerade::source6(ctx, config6, &tuple.src_addr, &backend.addr));
-    conntrack6::track_new(packet, service_id, &backend, state, masquerade.as_ref())?;
+    conntrack6::track_new(
+        packet,
+        frontend.service_id,
+        &backend,
+        state,
+        masquerade.as_ref(),
+    )?;
     nat6::rewrite(ctx, packet, &conntrack6::rewrite_of_new(tuple.proto)?)
 }
 
@@ -125,16 +129,9 @@ pub fn frontend(tuple: &ConntrackKey6) -> Result<Frontend, Counter> {
     .ok_or(Counter::Passed)
 }
 
-/// The endpoint list a new connection from `client` uses, as service::backends: its service id,
-/// first slot and length.
-pub fn backends(config6: &Config6, frontend: &Frontend, client: &Addr6) -> (u32, u32, u32) {
-    let local = frontend.flags & FRONTEND_F_LOCAL != 0
-        && !(in_cluster(config6, client) && frontend.flags & FRONTEND_F_PRESERVE_SOURCE != 0);
-    if local {
-        (frontend.service_id, LOCAL_SLOT, frontend.local_count)
-    } else {
-        (frontend.service_id, 0, frontend.backend_count)
-    }
+/// The IPv6 list a new connection from `client` uses (`Backends::of`).
+pub fn backends(config6: &Config6, frontend: &Frontend, client: &Addr6) -> Backends<Ipv6> {
+    Backends::of(frontend, in_cluster(config6, client))
 }
 
 /// `client` is in the IPv6 --cluster-cidr (an unset one, all zero, holds every address).

@@ -1,5 +1,8 @@
 //! Kubernetes manifests (Service + EndpointSlice YAML) for the tests.
-use std::{fmt::Write as _, net::Ipv4Addr};
+use std::{
+    fmt::Write as _,
+    net::{Ipv4Addr, Ipv6Addr},
+};
 
 use crate::echo::Proto;
 
@@ -187,9 +190,29 @@ impl ServiceManifest {
     }
 
     pub fn yaml(&self) -> String {
+        let cluster_ip = self.cluster_ip.to_string();
+        self.render(&cluster_ip, "IPv4", &|addr| addr.to_string())
+    }
+
+    /// This Service made IPv6-only: ClusterIP `cluster_ip`, an IPv6 EndpointSlice whose
+    /// endpoints are those of `self` with the addresses `ipv6` gives for their IPv4 ones.
+    pub fn yaml_ipv6(&self, cluster_ip: Ipv6Addr, ipv6: impl Fn(Ipv4Addr) -> Ipv6Addr) -> String {
+        let cluster_ip =
+            format!("\"{cluster_ip}\"\n  clusterIPs: [\"{cluster_ip}\"]\n  ipFamilies: [IPv6]");
+        self.render(&cluster_ip, "IPv6", &|addr| ipv6(addr).to_string())
+    }
+
+    /// The YAML with `cluster_ip` as the value of clusterIP, the slice's `address_type`, and
+    /// `endpoint` writing each endpoint's address.
+    fn render(
+        &self,
+        cluster_ip: &str,
+        address_type: &str,
+        endpoint: &dyn Fn(Ipv4Addr) -> String,
+    ) -> String {
         let ServiceManifest {
             name,
-            cluster_ip,
+            cluster_ip: _,
             proto,
             port,
             node_port,
@@ -277,7 +300,7 @@ metadata:
   namespace: default
   labels:
     kubernetes.io/service-name: {name}
-addressType: IPv4
+addressType: {address_type}
 ports:
   - name: app
     protocol: {proto}
@@ -293,7 +316,10 @@ endpoints:
             let _ = write!(
                 yaml,
                 "  - addresses: [\"{}\"]\n    conditions:\n      ready: {}\n      serving: {}\n      terminating: {}\n",
-                e.addr, e.ready, e.serving, e.terminating
+                endpoint(e.addr),
+                e.ready,
+                e.serving,
+                e.terminating
             );
             if let Some(node) = &e.node_name {
                 let _ = writeln!(yaml, "    nodeName: {node}");

@@ -141,6 +141,12 @@ impl Topology {
         Ok(())
     }
 
+    /// The IPv6 address `add_pod_ipv6` gives the pod whose IPv4 address is `ip`.
+    pub fn pod_ipv6_of(&self, ip: Ipv4Addr) -> Ipv6Addr {
+        let index = self.pods.iter().position(|p| p.ip == ip);
+        pod_ip_v6(index.unwrap_or_else(|| panic!("no pod at {ip}")))
+    }
+
     /// The node as the agent sees it.
     pub fn agent_node(&self) -> AgentNode<'_> {
         AgentNode {

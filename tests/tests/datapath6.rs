@@ -11,10 +11,11 @@ use aya::{
     programs::{SchedClassifier, TestRun, TestRunOptions},
 };
 use lb_common::{
-    Addr6, Backend6, BackendKey, CONFIG_F_READY, CT_F_MASQUERADE, CT_F_REPLY, CT_UDP_UNREPLIED,
-    Config, Config6, ConntrackEntry6, ConntrackKey6, Counter, FRONTEND_F_MASQUERADE, Frontend,
-    FrontendKey6, IPPROTO_TCP, IPPROTO_UDP, SNAT_PORT_MAX, SNAT_PORT_MIN, map_name, port_be,
-    program_name, tcp,
+    Addr6, AffinityKey6, Backend6, BackendKey, CONFIG_F_READY, CT_F_MASQUERADE, CT_F_REPLY,
+    CT_UDP_UNREPLIED, Config, Config6, ConntrackEntry6, ConntrackKey6, Counter,
+    FRONTEND_F_MASQUERADE, Frontend, FrontendKey6, IPPROTO_TCP, IPPROTO_UDP, SCHED_FLOW_HASH,
+    SCHED_ROUND_ROBIN, SCHED_SOURCE_HASH, SNAT_PORT_MAX, SNAT_PORT_MIN, StickyBackend6, flow_hash6,
+    map_name, port_be, program_name, source_hash6, tcp,
 };
 
 const TC_ACT_OK: u32 = 0;
@@ -337,6 +338,39 @@ impl Datapath {
             .try_into()
             .unwrap();
         array.set(0, config6, 0).unwrap();
+    }
+
+    /// Changes the ClusterIP's TCP frontend with `change`.
+    fn change_tcp_cluster_ip(&mut self, change: impl FnOnce(&mut Frontend)) {
+        let mut frontends: HashMap<_, FrontendKey6, Frontend> = self
+            .ebpf
+            .map_mut(map_name::FRONTENDS6)
+            .unwrap()
+            .try_into()
+            .unwrap();
+        let key = FrontendKey6 {
+            addr: a6(CLUSTER_IP.ip()),
+            port: port_be(CLUSTER_IP.port()),
+            proto: IPPROTO_TCP,
+            _pad: 0,
+        };
+        let mut frontend = frontends.get(&key, 0).unwrap();
+        change(&mut frontend);
+        frontends.insert(key, frontend, 0).unwrap();
+    }
+
+    /// The sessionAffinity entry of `key`.
+    fn affinity(&self, key: &AffinityKey6) -> Option<StickyBackend6> {
+        let map = self.ebpf.map(map_name::AFFINITY6).unwrap();
+        let affinity: HashMap<&MapData, AffinityKey6, StickyBackend6> = map.try_into().unwrap();
+        affinity.get(key, 0).ok()
+    }
+
+    fn set_affinity(&mut self, key: AffinityKey6, entry: StickyBackend6) {
+        let map = self.ebpf.map_mut(map_name::AFFINITY6).unwrap();
+        let mut affinity: HashMap<&mut MapData, AffinityKey6, StickyBackend6> =
+            map.try_into().unwrap();
+        affinity.insert(key, entry, 0).unwrap();
     }
 
     /// Runs `lb_ingress` on `packet`.
@@ -686,6 +720,116 @@ fn syn_reopens_a_closed_connection() {
     assert_eq!(datapath.counter(Counter::NewConnection), 2);
     assert_eq!(datapath.counter(Counter::ConntrackTakenOver), 1);
     assert_eq!(datapath.conntrack_len(), 2);
+}
+
+/// A TCP SYN from `client` to the ClusterIP, translated: the endpoint it went to.
+fn connect(datapath: &Datapath, client: SocketAddrV6) -> SocketAddrV6 {
+    let syn = packet(Proto::Tcp, client, CLUSTER_IP, TCP_SYN, &[]);
+    datapath.translate(&syn, Proto::Tcp, ETH_HLEN + IPV6_HLEN).1
+}
+
+/// `pod(last, port)`'s address with another port.
+const fn from(client: &SocketAddrV6, port: u16) -> SocketAddrV6 {
+    SocketAddrV6::new(*client.ip(), port, 0, 0)
+}
+
+/// sessionAffinity ClientIP: a client's new connections (other source ports) stick to its first
+/// backend, remembered under its IPv6 address; other clients still spread; an expired entry, or
+/// one whose slot holds another backend now, gives a fresh choice.
+#[test]
+fn session_affinity_sticks_until_expired_or_moved() {
+    let mut datapath = Datapath::with_cluster_ip(&ENDPOINTS);
+    datapath.change_tcp_cluster_ip(|frontend| frontend.affinity_timeout_s = 10);
+    let first = connect(&datapath, from(&CLIENT, 10_000));
+    for port in 10_001..10_050 {
+        assert_eq!(connect(&datapath, from(&CLIENT, port)), first, "affine");
+    }
+    let others: std::collections::BTreeSet<_> = (0..60)
+        .map(|i| connect(&datapath, pod(0x100 + i, 10_000)))
+        .collect();
+    assert_eq!(others.len(), ENDPOINTS.len(), "other clients spread");
+
+    let key = AffinityKey6 {
+        service_id: SERVICE_ID,
+        client_addr: a6(CLIENT.ip()),
+    };
+    let remembered = datapath.affinity(&key).unwrap();
+    assert_eq!(remembered.backend.addr, a6(first.ip()));
+    assert_eq!(remembered.backend.port, port_be(first.port()));
+    assert!(remembered.slot < ENDPOINTS.len() as u32);
+
+    // Expired: some of 40 fresh choices differ from the first (each is 1/3 likely to match).
+    let mut changed = false;
+    for port in 20_000..20_040 {
+        let ancient = StickyBackend6 {
+            last_seen_ns: 1,
+            ..remembered
+        };
+        datapath.set_affinity(key, ancient);
+        changed |= connect(&datapath, from(&CLIENT, port)) != first;
+    }
+    assert!(changed, "an expired affinity is not used");
+
+    // Moved: the slot the entry names holds another backend now.
+    let gone = pod(0x99, 8080);
+    let stale = StickyBackend6 {
+        backend: Backend6 {
+            addr: a6(gone.ip()),
+            port: port_be(gone.port()),
+            stats_slot: 0,
+        },
+        ..datapath.affinity(&key).unwrap()
+    };
+    datapath.set_affinity(key, stale);
+    let fresh = connect(&datapath, from(&CLIENT, 30_000));
+    assert_ne!(fresh, gone);
+    assert_eq!(
+        datapath.affinity(&key).unwrap().backend.addr,
+        a6(fresh.ip()),
+        "re-remembered"
+    );
+}
+
+/// rr: consecutive new connections take the slots in turn. sh: one client address, one
+/// backend, `source_hash6`'s. Flow hash (maglev): the slot is `flow_hash6(tuple) % count`, the
+/// agent's Maglev table.
+#[test]
+fn schedulers_pick_slots() {
+    let mut datapath = Datapath::with_cluster_ip(&ENDPOINTS);
+    datapath.change_tcp_cluster_ip(|frontend| frontend.scheduler = SCHED_ROUND_ROBIN);
+    let picks: Vec<_> = (10_000..10_030)
+        .map(|port| connect(&datapath, from(&CLIENT, port)))
+        .collect();
+    for (i, pick) in picks.iter().enumerate() {
+        assert_eq!(*pick, picks[i % ENDPOINTS.len()], "round robin: {picks:?}");
+    }
+    let first_three: std::collections::BTreeSet<_> = picks[..3].iter().collect();
+    assert_eq!(first_three.len(), 3);
+
+    datapath.change_tcp_cluster_ip(|frontend| frontend.scheduler = SCHED_SOURCE_HASH);
+    let mut hashed = std::collections::BTreeSet::new();
+    for client in 1..20 {
+        let client = pod(0x200 + client, 0);
+        let slot = source_hash6(&a6(client.ip())) % ENDPOINTS.len() as u32;
+        for port in [20_000, 20_001, 20_002] {
+            let backend = connect(&datapath, from(&client, port));
+            assert_eq!(backend, ENDPOINTS[slot as usize], "source hash");
+        }
+        hashed.insert(slot);
+    }
+    assert_eq!(hashed.len(), ENDPOINTS.len(), "clients spread");
+
+    datapath.change_tcp_cluster_ip(|frontend| frontend.scheduler = SCHED_FLOW_HASH);
+    for port in 30_000..30_050 {
+        let client = from(&CLIENT, port);
+        let tuple = ct_key(Proto::Tcp, client, CLUSTER_IP);
+        let slot = flow_hash6(&tuple) % ENDPOINTS.len() as u32;
+        assert_eq!(
+            connect(&datapath, client),
+            ENDPOINTS[slot as usize],
+            "flow hash"
+        );
+    }
 }
 
 /// Not the ClusterIP's port, or no service at all: passed untouched, untracked.

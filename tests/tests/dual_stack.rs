@@ -17,20 +17,18 @@ use lb_tests::{
     cgroup::Cgroup,
     echo::{Answer, EchoServer, Proto, ask, requests, udp_socket},
     netns::Netns,
-    node::{CLUSTER_IP, Node, PORT, TARGET_PORT, vip},
+    node::{CLUSTER_IP, NODE_IP_V6, Node, PORT, TARGET_PORT, vip},
     paths::{check_external_to_node_port, check_pod_to_service},
     topology::{
-        CLUSTER_CIDR, CLUSTER_CIDR_V6, EXTERNAL_INTERFACE, NODE_IP, POD_GATEWAY, POD_GATEWAY_V6,
-        mac, pod_ip_v6,
+        CLUSTER_CIDR_V6, EXTERNAL_INTERFACE, NODE_IP, POD_GATEWAY, POD_GATEWAY_V6, mac, pod_ip_v6,
     },
 };
 
 const NODE_PORT: u16 = 30080;
-const NODE_IP_V6: &str = "2001:db8:100::10";
 const CLUSTER_IP_V6: &str = "2001:db8:96::10";
 const CLUSTER_IP_V6_ONLY: &str = "2001:db8:96::11";
 /// Logged once a sync changes how many IPv6 frontends the model holds.
-const IPV6_PENDING: &str = "IPv6 frontends: TCP and UDP served, masquerade included; not yet: source ranges, affinity, fragments, ICMPv6 errors, REJECT (IPv6 datapath partial)";
+const IPV6_PENDING: &str = "IPv6 frontends: TCP and UDP served, masquerade included; not yet: source ranges, fragments, ICMPv6 errors, REJECT (IPv6 datapath partial)";
 
 /// `service` (an IPv4 Service and its IPv4 slice) made dual-stack: ipFamilies [IPv4, IPv6], a
 /// ClusterIP per family, an IPv6 slice and an FQDN slice (ignored) beside the IPv4 one.
@@ -126,11 +124,7 @@ endpoints:
 /// A node of three pods whose agent has both families' `--node-ip` and `--cluster-cidr`, and
 /// `extra` flags.
 fn dual_stack_node(extra: &[&str]) -> Result<Node> {
-    let node_ips = format!("{NODE_IP},{NODE_IP_V6}");
-    let cluster_cidrs = format!("{CLUSTER_CIDR},{CLUSTER_CIDR_V6}");
-    let mut args = vec!["--node-ip", &node_ips, "--cluster-cidr", &cluster_cidrs];
-    args.extend(extra);
-    Node::start(3, &[], &args)
+    Node::start_dual_stack(3, extra)
 }
 
 /// Both families given to the agent, the Service dual-stack: its IPv4 ClusterIP and NodePort
@@ -318,17 +312,6 @@ fn last_line<'a>(log: &'a str, needle: &str) -> &'a str {
 /// server on [::] of the same port would clash with.
 const TARGET_PORT_V6: u16 = 8092;
 
-/// Gives every pod an IPv6 address (`Topology::add_pod_ipv6`). The gateway address is a node
-/// address NodePorts are served on, as IPv4's: waits for the sync it makes, which a later
-/// manifest update must not take for its own.
-fn add_pod_ipv6(node: &mut Node) -> Result<()> {
-    node.topology.add_pod_ipv6()?;
-    let served = format!("{POD_GATEWAY_V6}]");
-    node.agent.wait_for_log(&served, Duration::from_secs(5))?;
-    node.agent.wait_for_sync(Duration::from_secs(5))?;
-    Ok(())
-}
-
 /// An IPv6-only Service `web6` with an IPv6 slice of `endpoints` on TARGET_PORT_V6.
 fn ipv6_only(proto: Proto, endpoints: &[Ipv6Addr]) -> String {
     let addresses: Vec<String> = endpoints.iter().map(ToString::to_string).collect();
@@ -339,7 +322,7 @@ fn ipv6_only(proto: Proto, endpoints: &[Ipv6Addr]) -> String {
 /// own address (no masquerade inside the cluster CIDR), the client sees the ClusterIP answer.
 fn pod_to_ipv6_cluster_ip(proto: Proto) -> Result<()> {
     let mut node = dual_stack_node(&[])?;
-    add_pod_ipv6(&mut node)?;
+    node.add_pod_ipv6()?;
     let _servers = ["pod-b", "pod-c"]
         .iter()
         .map(|pod| EchoServer::start_v6(node.pod_ns(pod), pod, TARGET_PORT_V6))
@@ -370,7 +353,7 @@ fn pod_to_ipv6_cluster_ip_udp() -> Result<()> {
 fn dual_stack_node_with_hooks(cgroup: &Cgroup) -> Result<Node> {
     let path = cgroup.agent_path();
     let mut node = dual_stack_node(&["--cgroup", path.to_str().context("cgroup path")?])?;
-    add_pod_ipv6(&mut node)?;
+    node.add_pod_ipv6()?;
     Ok(node)
 }
 
@@ -541,7 +524,7 @@ fn ipv6_endpoints_traffic_is_counted_and_their_service_in_sync() -> Result<()> {
     let bpffs = Bpffs::mount()?;
     let bpffs_arg = bpffs.arg();
     let mut node = dual_stack_node(&["--bpffs", &bpffs_arg])?;
-    add_pod_ipv6(&mut node)?;
+    node.add_pod_ipv6()?;
     let _servers = ["pod-b", "pod-c"]
         .iter()
         .map(|pod| EchoServer::start_v6(node.pod_ns(pod), pod, TARGET_PORT_V6))
@@ -599,7 +582,7 @@ fn ipv6_endpoints_traffic_is_counted_and_their_service_in_sync() -> Result<()> {
 #[test]
 fn removed_ipv6_udp_endpoint_loses_its_conntrack() -> Result<()> {
     let mut node = dual_stack_node(&[])?;
-    add_pod_ipv6(&mut node)?;
+    node.add_pod_ipv6()?;
     let _servers = ["pod-b", "pod-c"]
         .iter()
         .map(|pod| EchoServer::start_v6(node.pod_ns(pod), pod, TARGET_PORT_V6))
@@ -681,7 +664,7 @@ fn ipv6_node_ports_follow_nodeport_addresses() -> Result<()> {
 /// ClusterIP.
 fn ipv6_hairpin(proto: Proto) -> Result<()> {
     let mut node = dual_stack_node(&[])?;
-    add_pod_ipv6(&mut node)?;
+    node.add_pod_ipv6()?;
     let _server = EchoServer::start_v6(node.pod_ns("pod-a"), "pod-a", TARGET_PORT_V6)?;
     node.agent
         .update_manifests(&ipv6_only(proto, &[pod_ip_v6(0)]))?;
@@ -764,7 +747,7 @@ fn ipv6_node_port(proto: Proto, endpoints: &[Ipv6Addr]) -> Result<String> {
 /// gateway), the client sees node:NodePort answer.
 fn external_to_ipv6_node_port(proto: Proto) -> Result<()> {
     let mut node = dual_stack_node(&[])?;
-    add_pod_ipv6(&mut node)?;
+    node.add_pod_ipv6()?;
     add_external_ipv6(&node)?;
     let _servers = ["pod-b", "pod-c"]
         .iter()
