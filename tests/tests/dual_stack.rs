@@ -16,6 +16,7 @@ use lb_tests::{
     bpffs::Bpffs,
     cgroup::Cgroup,
     echo::{Answer, EchoServer, Proto, ask, requests, udp_socket},
+    manifests::ServiceManifest,
     netns::Netns,
     node::{CLUSTER_IP, NODE_IP_V6, Node, PORT, TARGET_PORT, vip},
     paths::{check_external_to_node_port, check_pod_to_service},
@@ -497,6 +498,43 @@ fn node_ipv6_udp_flow_sticks_to_one_backend() -> Result<()> {
         servers.insert(node_answer(&cgroup, &node, Proto::Udp, service)?.server);
     }
     ensure!(servers.len() > 1, "new sockets all went to {servers:?}");
+    Ok(())
+}
+
+/// sessionAffinity and the `sh` scheduler hold for the node's own IPv6 sockets (connect6), as
+/// for IPv4's: keyed by the node's IPv6 address, its 12 connections to an IPv6 Service with
+/// three endpoints all reach one of them, under either.
+#[test]
+fn node_ipv6_sockets_honour_affinity_and_source_hash() -> Result<()> {
+    let cgroup = Cgroup::new()?;
+    let mut node = dual_stack_node_with_hooks(&cgroup)?;
+    let pods = ["pod-a", "pod-b", "pod-c"];
+    let _servers = pods
+        .iter()
+        .map(|pod| EchoServer::start_v6(node.pod_ns(pod), pod, TARGET_PORT_V6))
+        .collect::<Result<Vec<_>>>()?;
+    let cluster_ip: Ipv6Addr = CLUSTER_IP_V6_ONLY.parse()?;
+    let service: SocketAddr = (cluster_ip, PORT).into();
+    let web = ServiceManifest {
+        target_port: TARGET_PORT_V6,
+        ..node.service(Proto::Tcp, &pods)
+    };
+    let sticky = [
+        ("affinity", web.clone().session_affinity(10800)),
+        ("sh", web.annotation("lb.kubernetes.io/scheduler", "sh")),
+    ];
+    for (name, manifest) in sticky {
+        let yaml = manifest.yaml_ipv6(cluster_ip, |ip| node.ipv6_of(ip));
+        node.agent.update_manifests(&yaml)?;
+        let mut servers = std::collections::BTreeSet::new();
+        for _ in 0..12 {
+            let answer = node_answer(&cgroup, &node, Proto::Tcp, service)?;
+            answer.check(&pods, IpAddr::V6(POD_GATEWAY_V6), service)?;
+            servers.insert(answer.server);
+        }
+        // Random choices: all 12 on one of 3 endpoints has p = 3^-11.
+        ensure!(servers.len() == 1, "{name}: {servers:?}");
+    }
     Ok(())
 }
 
