@@ -1,7 +1,8 @@
 //! IPv6 parity of backend selection (issue 22): sessionAffinity ClientIP, keyed by the client's
-//! IPv6 address, and the schedulers by annotation, through a dual-stack node whose pods have
-//! IPv6 addresses, with real sockets, as parity.rs checks them over IPv4. Every answer is also
-//! checked for who answered, the source the backend saw and the peer the client saw.
+//! IPv6 address, the schedulers by annotation, and the endpoint lists (internalTrafficPolicy
+//! Local, terminating endpoints), through a dual-stack node whose pods have IPv6 addresses, with
+//! real sockets, as parity.rs checks them over IPv4. Every answer is also checked for who
+//! answered, the source the backend saw and the peer the client saw.
 use std::{
     collections::BTreeSet,
     net::{IpAddr, Ipv6Addr, SocketAddr},
@@ -11,7 +12,7 @@ use std::{
 use anyhow::{Result, ensure};
 use lb_tests::{
     echo::{Answer, EchoServer, Proto, requests},
-    manifests::ServiceManifest,
+    manifests::{EndpointManifest, ServiceManifest},
     node::{CLUSTER_IP, Node, PORT},
 };
 
@@ -26,9 +27,13 @@ fn service() -> SocketAddr {
     (CLUSTER_IP_V6, PORT).into()
 }
 
-/// A dual-stack node of five pods with IPv6 addresses, SERVERS serving on TARGET_PORT_V6.
+const NODE_NAME: &str = "node-1";
+const OTHER_NODE: &str = "node-2";
+
+/// A dual-stack node `NODE_NAME` of five pods with IPv6 addresses, SERVERS serving on
+/// TARGET_PORT_V6.
 fn ipv6_node() -> Result<(Node, Vec<EchoServer>)> {
-    let mut node = Node::start_dual_stack(5, &[])?;
+    let mut node = Node::start_dual_stack(5, &["--hostname-override", NODE_NAME])?;
     node.add_pod_ipv6()?;
     let servers = SERVERS
         .iter()
@@ -142,5 +147,50 @@ fn ipv6_schedulers_by_annotation() -> Result<()> {
         "maglev spreads flows: {:?}",
         distinct_servers(&answers)
     );
+    Ok(())
+}
+
+/// An endpoint of `pod` that EndpointSlices place on `node_name`.
+fn on(node: &Node, pod: &str, node_name: &str) -> EndpointManifest {
+    EndpointManifest::ready(node.ip(pod)).on_node(node_name)
+}
+
+/// internalTrafficPolicy Local over IPv6: pods reach only the endpoints on their node.
+#[test]
+fn ipv6_internal_traffic_policy_local() -> Result<()> {
+    let (mut node, _servers) = ipv6_node()?;
+    apply(&mut node, |n| {
+        ServiceManifest::new("web", CLUSTER_IP, Proto::Udp, PORT, TARGET_PORT_V6)
+            .internal_local()
+            .endpoint(on(n, "pod-b", NODE_NAME))
+            .endpoint(on(n, "pod-c", OTHER_NODE))
+    })?;
+    let answers = ask(&node, "pod-a", Proto::Udp, 20)?;
+    ensure!(
+        distinct_servers(&answers) == BTreeSet::from(["pod-b"]),
+        "{:?}",
+        distinct_servers(&answers)
+    );
+    Ok(())
+}
+
+/// Terminating endpoints over IPv6: while none is ready, serving terminating ones get the
+/// traffic (not the terminating ones that stopped serving); a ready one takes over at once.
+#[test]
+fn ipv6_terminating_endpoints_are_a_fallback() -> Result<()> {
+    let (mut node, _servers) = ipv6_node()?;
+    let terminating = |n: &Node| {
+        ServiceManifest::new("web", CLUSTER_IP, Proto::Tcp, PORT, TARGET_PORT_V6)
+            .endpoint(EndpointManifest::terminating(n.ip("pod-b"), true))
+            .endpoint(EndpointManifest::terminating(n.ip("pod-c"), false))
+    };
+    apply(&mut node, terminating)?;
+    let answers = ask(&node, "pod-a", Proto::Tcp, 20)?;
+    ensure!(distinct_servers(&answers) == BTreeSet::from(["pod-b"]));
+    apply(&mut node, |n| {
+        terminating(n).endpoint(EndpointManifest::ready(n.ip("pod-d")))
+    })?;
+    let answers = ask(&node, "pod-a", Proto::Tcp, 20)?;
+    ensure!(distinct_servers(&answers) == BTreeSet::from(["pod-d"]));
     Ok(())
 }

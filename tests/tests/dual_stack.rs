@@ -16,7 +16,7 @@ use lb_tests::{
     bpffs::Bpffs,
     cgroup::Cgroup,
     echo::{Answer, EchoServer, Proto, ask, requests, udp_socket},
-    manifests::ServiceManifest,
+    manifests::{EndpointManifest, ServiceManifest},
     netns::Netns,
     node::{CLUSTER_IP, NODE_IP_V6, Node, PORT, TARGET_PORT, vip},
     paths::{check_external_to_node_port, check_pod_to_service},
@@ -498,6 +498,37 @@ fn node_ipv6_udp_flow_sticks_to_one_backend() -> Result<()> {
         servers.insert(node_answer(&cgroup, &node, Proto::Udp, service)?.server);
     }
     ensure!(servers.len() > 1, "new sockets all went to {servers:?}");
+    Ok(())
+}
+
+/// externalTrafficPolicy Local over IPv6: the external client reaches only this node's endpoint
+/// through the NodePort on the node's IPv6 address, its own address kept; pods use every
+/// endpoint.
+#[test]
+fn ipv6_external_traffic_policy_local() -> Result<()> {
+    let mut node = dual_stack_node(&["--hostname-override", "node-1"])?;
+    node.add_pod_ipv6()?;
+    add_external_ipv6(&node)?;
+    let _servers = ["pod-b", "pod-c"]
+        .iter()
+        .map(|pod| EchoServer::start_v6(node.pod_ns(pod), pod, TARGET_PORT_V6))
+        .collect::<Result<Vec<_>>>()?;
+    let on = |pod: &str, node_name: &str| EndpointManifest::ready(node.ip(pod)).on_node(node_name);
+    let service = ServiceManifest::new("web", CLUSTER_IP, Proto::Tcp, PORT, TARGET_PORT_V6)
+        .node_port(NODE_PORT_V6)
+        .external_local(31000)
+        .endpoint(on("pod-b", "node-1"))
+        .endpoint(on("pod-c", "node-2"));
+    let yaml = service.yaml_ipv6(CLUSTER_IP_V6_ONLY.parse()?, |ip| node.ipv6_of(ip));
+    node.agent.update_manifests(&yaml)?;
+    let node_port: SocketAddr = (NODE_IP_V6.parse::<Ipv6Addr>()?, NODE_PORT_V6).into();
+    let client: IpAddr = CLIENT_IP_V6.parse()?;
+    for answer in requests(&node.topology.client, Proto::Tcp, node_port, 20)? {
+        answer.check(&["pod-b"], client, node_port)?;
+    }
+    let from_pod = requests(node.pod_ns("pod-a"), Proto::Tcp, node_port, 30)?;
+    let servers: std::collections::BTreeSet<_> = from_pod.iter().map(|a| &a.server).collect();
+    ensure!(servers.len() == 2, "pods use every endpoint: {servers:?}");
     Ok(())
 }
 
