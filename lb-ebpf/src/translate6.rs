@@ -1,6 +1,9 @@
 //! The IPv6 translation of `lb_ingress6`, as translate.rs's for IPv4: parse, conntrack lookup,
 //! and for a new connection the frontend, its endpoint list, backend selection and tracking.
 //!
+//! Backend selection (sessionAffinity, the schedulers) is IPv4's: service.rs's, generic over
+//! the family (docs/ipv6.md, step 3).
+//!
 //! Done so far (docs/ipv6.md, step 2): new TCP/UDP connections to a frontend, masqueraded
 //! (kube-proxy's KUBE-MARK-MASQ cases: hairpin, NodePorts, clients outside the cluster CIDR)
 //! or not, both directions rewritten here in full and handed to the stack to route. IPv6 has no
