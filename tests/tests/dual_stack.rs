@@ -838,3 +838,35 @@ fn ipv6_trace_names_the_backend_and_changes_nothing() -> Result<()> {
     );
     Ok(())
 }
+
+/// A container on the docker bridge (outside the cluster CIDR) → an IPv6 ClusterIP: masqueraded,
+/// as kube-proxy masquerades sources outside --cluster-cidr; the backend sees the node's address
+/// towards the pods, the container the ClusterIP.
+fn container_to_ipv6_cluster_ip(proto: Proto) -> Result<()> {
+    let mut node = dual_stack_node(&[])?;
+    add_pod_ipv6(&mut node)?;
+    node.topology.add_container_ipv6()?;
+    let _servers = ["pod-b", "pod-c"]
+        .iter()
+        .map(|pod| EchoServer::start_v6(node.pod_ns(pod), pod, TARGET_PORT_V6))
+        .collect::<Result<Vec<_>>>()?;
+    node.agent
+        .update_manifests(&ipv6_only(proto, &[pod_ip_v6(1), pod_ip_v6(2)]))?;
+    let service: SocketAddr = (CLUSTER_IP_V6_ONLY.parse::<Ipv6Addr>()?, PORT).into();
+    let answers = requests(&node.topology.container, proto, service, 6)?;
+    ensure!(answers.len() == 6, "{answers:?}");
+    for answer in &answers {
+        answer.check(&["pod-b", "pod-c"], IpAddr::V6(POD_GATEWAY_V6), service)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn container_to_ipv6_cluster_ip_tcp() -> Result<()> {
+    container_to_ipv6_cluster_ip(Proto::Tcp)
+}
+
+#[test]
+fn container_to_ipv6_cluster_ip_udp() -> Result<()> {
+    container_to_ipv6_cluster_ip(Proto::Udp)
+}
