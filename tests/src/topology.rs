@@ -121,29 +121,9 @@ impl Topology {
     /// static neighbours so that no packet waits for neighbour discovery or duplicate address
     /// detection.
     pub fn add_pod_ipv6(&self) -> Result<()> {
-        let node = &self.node;
-        node.sysctl("net.ipv6.conf.all.forwarding", "1")?;
-        let gateway = POD_GATEWAY_V6.to_string();
+        self.node.sysctl("net.ipv6.conf.all.forwarding", "1")?;
         for (index, pod) in self.pods.iter().enumerate() {
-            let ip = pod_ip_v6(index).to_string();
-            let veth = pod.host_interface.as_str();
-            let gateway_on_veth = format!("{gateway}/128");
-            node.ip(&["-6", "addr", "add", &gateway_on_veth, "dev", veth, "nodad"])?;
-            node.ip(&["-6", "route", "add", &format!("{ip}/128"), "dev", veth])?;
-            let pod_mac = mac(&pod.ns, "eth0")?;
-            node.ip(&["-6", "neigh", "add", &ip, "lladdr", &pod_mac, "dev", veth])?;
-            let pod_addr = format!("{ip}/128");
-            pod.ns
-                .ip(&["-6", "addr", "add", &pod_addr, "dev", "eth0", "nodad"])?;
-            pod.ns
-                .ip(&["-6", "route", "add", &gateway, "dev", "eth0"])?;
-            pod.ns.ip(&[
-                "-6", "route", "add", "default", "via", &gateway, "dev", "eth0",
-            ])?;
-            let veth_mac = mac(node, veth)?;
-            pod.ns.ip(&[
-                "-6", "neigh", "add", &gateway, "lladdr", &veth_mac, "dev", "eth0",
-            ])?;
+            add_pod_ipv6(&self.node, pod, pod_ip_v6(index), POD_GATEWAY_V6)?;
         }
         Ok(())
     }
@@ -235,6 +215,31 @@ pub(crate) fn add_pod(
         host_interface,
         ns,
     })
+}
+
+/// Gives `pod` of `node` the IPv6 address `ip` (a /128 on the pod, a /128 route on the node),
+/// its gateway `gateway` an address the node holds on the pod's veth, with static neighbours
+/// both ways.
+pub(crate) fn add_pod_ipv6(node: &Netns, pod: &Pod, ip: Ipv6Addr, gateway: Ipv6Addr) -> Result<()> {
+    let (ip, gateway) = (ip.to_string(), gateway.to_string());
+    let veth = pod.host_interface.as_str();
+    let gateway_on_veth = format!("{gateway}/128");
+    node.ip(&["-6", "addr", "add", &gateway_on_veth, "dev", veth, "nodad"])?;
+    node.ip(&["-6", "route", "add", &format!("{ip}/128"), "dev", veth])?;
+    let pod_mac = mac(&pod.ns, "eth0")?;
+    node.ip(&["-6", "neigh", "add", &ip, "lladdr", &pod_mac, "dev", veth])?;
+    let pod_addr = format!("{ip}/128");
+    pod.ns
+        .ip(&["-6", "addr", "add", &pod_addr, "dev", "eth0", "nodad"])?;
+    pod.ns
+        .ip(&["-6", "route", "add", &gateway, "dev", "eth0"])?;
+    pod.ns.ip(&[
+        "-6", "route", "add", "default", "via", &gateway, "dev", "eth0",
+    ])?;
+    let veth_mac = mac(node, veth)?;
+    pod.ns.ip(&[
+        "-6", "neigh", "add", &gateway, "lladdr", &veth_mac, "dev", "eth0",
+    ])
 }
 
 /// Puts the two ends of a link (namespace, interface, address) in one /64, each with the other
