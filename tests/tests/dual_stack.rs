@@ -756,7 +756,8 @@ fn external_to_ipv6_node_port_udp() -> Result<()> {
 
 /// `lb trace` over IPv6: the UDP flow pod-a has open to an IPv6 ClusterIP is traced to the
 /// backend that answered it, a new flow from another port is a new connection choosing among
-/// both endpoints, and tracing changes no connection (`lb conntrack`).
+/// both endpoints, and tracing changes no connection (`lb conntrack`, whose filters select the
+/// flow by its IPv6 service, backend and client).
 #[test]
 fn ipv6_trace_names_the_backend_and_changes_nothing() -> Result<()> {
     let bpffs = Bpffs::mount()?;
@@ -835,6 +836,23 @@ fn ipv6_trace_names_the_backend_and_changes_nothing() -> Result<()> {
     ensure!(
         flows(&before)? == flows(&after)?,
         "tracing changed the connections: {before} then {after}"
+    );
+    // `lb conntrack`'s filters take IPv6 too: the open flow, by its service and its client.
+    let client_ip = client.ip().to_string();
+    let (service_arg, backend_arg) = (service.to_string(), backend.clone());
+    let filters = [
+        "conntrack",
+        "--service",
+        &service_arg,
+        "--backend",
+        &backend_arg,
+        "--client",
+        &client_ip,
+    ];
+    let (_, selected) = lb_json(ns, &filters, &bpffs_arg)?;
+    ensure!(
+        flows(&selected)? == [format!("\"{client}\" \"{service}\" \"{backend}\"")],
+        "lb conntrack {filters:?}: {selected}"
     );
     Ok(())
 }

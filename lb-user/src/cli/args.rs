@@ -1,6 +1,6 @@
 //! Command line.
 use std::ffi::OsString;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::ops::RangeInclusive;
 use std::path::PathBuf;
 use std::str::FromStr;
@@ -399,15 +399,16 @@ pub enum ConntrackCommand {
 
 #[derive(Debug, Args)]
 pub struct ConntrackQuery {
-    /// Only connections to this frontend (a ClusterIP's, or a node address and nodePort).
+    /// Only connections to this frontend (a ClusterIP's, or a node address and nodePort);
+    /// IPv6 as `[2001:db8:96::10]:80`.
     #[arg(long, value_name = "IP:PORT")]
-    pub service: Option<SocketAddrV4>,
+    pub service: Option<SocketAddr>,
     /// Only connections to this backend.
     #[arg(long, value_name = "IP:PORT")]
-    pub backend: Option<SocketAddrV4>,
+    pub backend: Option<SocketAddr>,
     /// Only connections from this client.
     #[arg(long, value_name = "IP")]
-    pub client: Option<Ipv4Addr>,
+    pub client: Option<IpAddr>,
     /// bpffs directory of the agent's pinned maps.
     #[arg(long, value_name = "DIR", default_value = DEFAULT_BPFFS)]
     pub bpffs: PathBuf,
