@@ -113,14 +113,18 @@ pub struct EchoServer {
 impl EchoServer {
     /// Serves TCP and UDP on 0.0.0.0:`port` inside `ns`, answering `"<name> <source>"`.
     pub fn start(ns: &Netns, name: &str, port: u16) -> Result<Self> {
-        let servers = ServerPair::start(ns, name, port, POLL * 10, serve_tcp, serve_udp)?;
-        Ok(EchoServer { _servers: servers })
+        Self::start_on(ns, name, (IpAddr::from(Ipv4Addr::UNSPECIFIED), port).into())
     }
 
     /// [`EchoServer::start`] on [::]:`port` (IPv4 too, as IPv4-mapped addresses, unless a
     /// server holds 0.0.0.0:`port`).
     pub fn start_v6(ns: &Netns, name: &str, port: u16) -> Result<Self> {
-        let addr = (IpAddr::from(Ipv6Addr::UNSPECIFIED), port).into();
+        Self::start_on(ns, name, (IpAddr::from(Ipv6Addr::UNSPECIFIED), port).into())
+    }
+
+    /// [`EchoServer::start`] on `addr` only: beside a server on 0.0.0.0 of the same port when
+    /// `addr` is a (not IPv4-mapped) IPv6 address.
+    pub fn start_on(ns: &Netns, name: &str, addr: SocketAddr) -> Result<Self> {
         let servers = ServerPair::start_on(ns, name, addr, POLL * 10, serve_tcp, serve_udp)?;
         Ok(EchoServer { _servers: servers })
     }

@@ -6,18 +6,24 @@
 //!                    └─ c0 ──eth0── client (198.51.100.100)
 //! ```
 //!
+//! `Cluster::add_ipv6` gives it a second family: the nodes 2001:db8:100::1 and ::11, the client
+//! ::100, node N's pods in 2001:db8:244:N::/64, routed the same way.
+//!
 //! The bridge namespace stands for the network between the nodes. Each node routes the other's
 //! pod CIDR via the other's address, as a CNI in direct-routing mode does. Pods are wired as in
 //! the single-node [`Topology`](crate::topology::Topology). Nothing in it has a path to the
 //! machine's real interfaces.
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, Ipv6Addr};
 
 use anyhow::Result;
 
 use crate::netns::{Netns, unique_prefix};
-use crate::topology::{AgentNode, EXTERNAL_INTERFACE, Pod, add_pod, node_sysctls};
+use crate::topology::{AgentNode, EXTERNAL_INTERFACE, Pod, add_pod, add_pod_ipv6, node_sysctls};
 
 pub const CLIENT_IP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 100);
+pub const CLIENT_IP_V6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x100, 0, 0, 0, 0, 0x100);
+/// `--cluster-cidr` of a dual-stack cluster: every node's pod CIDR of each family.
+pub const CLUSTER_CIDRS: &str = "10.244.0.0/16,2001:db8:244::/56";
 /// `--pod-interfaces` of every node.
 pub const POD_INTERFACES: &str = "lbp*";
 
@@ -94,6 +100,54 @@ impl Cluster {
     pub fn pod(&self, name: &str) -> &Pod {
         pod_named(self.nodes.iter().flat_map(|n| &n.pods), name)
     }
+
+    /// Gives the cluster IPv6 (see the module's doc): addresses on the segment, every pod an
+    /// IPv6 address (`pod_ip_v6`), each node a route to the other's IPv6 pod CIDR via its
+    /// address on the segment.
+    pub fn add_ipv6(&self) -> Result<()> {
+        let on_segment = |ns: &Netns, interface: &str, ip: Ipv6Addr| {
+            ns.ip(&[
+                "-6",
+                "addr",
+                "add",
+                &format!("{ip}/64"),
+                "dev",
+                interface,
+                "nodad",
+            ])
+        };
+        on_segment(&self.client, "eth0", CLIENT_IP_V6)?;
+        for (i, node) in self.nodes.iter().enumerate() {
+            let n = i as u8 + 1;
+            node.ns.sysctl("net.ipv6.conf.all.forwarding", "1")?;
+            on_segment(&node.ns, EXTERNAL_INTERFACE, node_ip_v6(n))?;
+            for (k, pod) in node.pods.iter().enumerate() {
+                add_pod_ipv6(&node.ns, pod, pod_ip_v6(n, k), pod_ip_v6_gateway(n))?;
+            }
+        }
+        for (node, other) in [(0, 1), (1, 0)] {
+            let via = node_ip_v6(other as u8 + 1).to_string();
+            let cidr = format!("2001:db8:244:{}::/64", other + 1);
+            self.nodes[node]
+                .ns
+                .ip(&["-6", "route", "add", &cidr, "via", &via])?;
+        }
+        Ok(())
+    }
+}
+
+/// Node `n`'s IPv6 address on the segment (`Cluster::add_ipv6`).
+pub const fn node_ip_v6(n: u8) -> Ipv6Addr {
+    Ipv6Addr::new(0x2001, 0xdb8, 0x100, 0, 0, 0, 0, 1 + 0x10 * (n as u16 - 1))
+}
+
+/// The IPv6 address of node `n`'s pod `k` (counted on that node from 0).
+pub const fn pod_ip_v6(n: u8, k: usize) -> Ipv6Addr {
+    Ipv6Addr::new(0x2001, 0xdb8, 0x244, n as u16, 0, 0, 0, 2 + k as u16)
+}
+
+const fn pod_ip_v6_gateway(n: u8) -> Ipv6Addr {
+    Ipv6Addr::new(0x2001, 0xdb8, 0x244, n as u16, 0, 0, 0, 1)
 }
 
 /// A network segment between namespaces: a bridge in a namespace of its own.

@@ -12,7 +12,7 @@ use crate::{
     echo::{EchoServer, Proto},
     manifests::{ServiceManifest, yaml},
     netns::Netns,
-    topology::{CLUSTER_CIDR, CLUSTER_CIDR_V6, NODE_IP, POD_GATEWAY_V6, Topology},
+    topology::{CLUSTER_CIDR, CLUSTER_CIDR_V6, NODE_IP, NODE_IP_V6, POD_GATEWAY_V6, Topology},
 };
 
 pub const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
@@ -21,7 +21,6 @@ pub const PORT: u16 = 80;
 pub const TARGET_PORT: u16 = 8080;
 
 /// The node's IPv6 `--node-ip` on a dual-stack node.
-pub const NODE_IP_V6: &str = "2001:db8:100::10";
 
 /// CLUSTER_IP:PORT.
 pub fn vip() -> SocketAddr {

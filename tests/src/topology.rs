@@ -25,6 +25,13 @@ pub const DOCKER_BRIDGE: &str = "docker0";
 /// The IPv6 pod network of `Topology::add_pod_ipv6`, and the pods' IPv6 gateway in it.
 pub const CLUSTER_CIDR_V6: &str = "2001:db8:244::/56";
 pub const POD_GATEWAY_V6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x244, 0, 0, 0, 0, 1);
+/// The node's and the client's IPv6 addresses on the external link (`add_external_ipv6`).
+pub const NODE_IP_V6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x100, 0, 0, 0, 0, 0x10);
+pub const CLIENT_IP_V6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x100, 0, 0, 0, 0, 2);
+/// The docker bridge's and the container's IPv6 addresses (`add_container_ipv6`), outside
+/// CLUSTER_CIDR_V6.
+pub const DOCKER_GATEWAY_V6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x172, 0, 0, 0, 0, 1);
+pub const CONTAINER_IP_V6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x172, 0, 0, 0, 0, 2);
 /// `--pod-interfaces` for this topology: the pod veths and the docker bridge.
 pub const POD_INTERFACES: &str = "lbp*,docker0";
 
@@ -114,29 +121,9 @@ impl Topology {
     /// static neighbours so that no packet waits for neighbour discovery or duplicate address
     /// detection.
     pub fn add_pod_ipv6(&self) -> Result<()> {
-        let node = &self.node;
-        node.sysctl("net.ipv6.conf.all.forwarding", "1")?;
-        let gateway = POD_GATEWAY_V6.to_string();
+        self.node.sysctl("net.ipv6.conf.all.forwarding", "1")?;
         for (index, pod) in self.pods.iter().enumerate() {
-            let ip = pod_ip_v6(index).to_string();
-            let veth = pod.host_interface.as_str();
-            let gateway_on_veth = format!("{gateway}/128");
-            node.ip(&["-6", "addr", "add", &gateway_on_veth, "dev", veth, "nodad"])?;
-            node.ip(&["-6", "route", "add", &format!("{ip}/128"), "dev", veth])?;
-            let pod_mac = mac(&pod.ns, "eth0")?;
-            node.ip(&["-6", "neigh", "add", &ip, "lladdr", &pod_mac, "dev", veth])?;
-            let pod_addr = format!("{ip}/128");
-            pod.ns
-                .ip(&["-6", "addr", "add", &pod_addr, "dev", "eth0", "nodad"])?;
-            pod.ns
-                .ip(&["-6", "route", "add", &gateway, "dev", "eth0"])?;
-            pod.ns.ip(&[
-                "-6", "route", "add", "default", "via", &gateway, "dev", "eth0",
-            ])?;
-            let veth_mac = mac(node, veth)?;
-            pod.ns.ip(&[
-                "-6", "neigh", "add", &gateway, "lladdr", &veth_mac, "dev", "eth0",
-            ])?;
+            add_pod_ipv6(&self.node, pod, pod_ip_v6(index), POD_GATEWAY_V6)?;
         }
         Ok(())
     }
@@ -145,6 +132,23 @@ impl Topology {
     pub fn pod_ipv6_of(&self, ip: Ipv4Addr) -> Ipv6Addr {
         let index = self.pods.iter().position(|p| p.ip == ip);
         pod_ip_v6(index.unwrap_or_else(|| panic!("no pod at {ip}")))
+    }
+
+    /// Gives the external link IPv6: NODE_IP_V6 on the node's side, CLIENT_IP_V6 on the
+    /// client's, as `add_pod_ipv6` does for the pods.
+    pub fn add_external_ipv6(&self) -> Result<()> {
+        let node_side = (&self.node, EXTERNAL_INTERFACE, NODE_IP_V6);
+        link_ipv6(node_side, (&self.client, "eth0", CLIENT_IP_V6))
+    }
+
+    /// Gives the docker bridge DOCKER_GATEWAY_V6 and the container CONTAINER_IP_V6, its default
+    /// route through the bridge.
+    pub fn add_container_ipv6(&self) -> Result<()> {
+        let node_side = (&self.node, DOCKER_BRIDGE, DOCKER_GATEWAY_V6);
+        link_ipv6(node_side, (&self.container, "eth0", CONTAINER_IP_V6))?;
+        let gateway = DOCKER_GATEWAY_V6.to_string();
+        self.container
+            .ip(&["-6", "route", "add", "default", "via", &gateway])
     }
 
     /// The node as the agent sees it.
@@ -219,8 +223,49 @@ pub(crate) fn add_pod(
     })
 }
 
+/// Gives `pod` of `node` the IPv6 address `ip` (a /128 on the pod, a /128 route on the node),
+/// its gateway `gateway` an address the node holds on the pod's veth, with static neighbours
+/// both ways.
+pub(crate) fn add_pod_ipv6(node: &Netns, pod: &Pod, ip: Ipv6Addr, gateway: Ipv6Addr) -> Result<()> {
+    let (ip, gateway) = (ip.to_string(), gateway.to_string());
+    let veth = pod.host_interface.as_str();
+    let gateway_on_veth = format!("{gateway}/128");
+    node.ip(&["-6", "addr", "add", &gateway_on_veth, "dev", veth, "nodad"])?;
+    node.ip(&["-6", "route", "add", &format!("{ip}/128"), "dev", veth])?;
+    let pod_mac = mac(&pod.ns, "eth0")?;
+    node.ip(&["-6", "neigh", "add", &ip, "lladdr", &pod_mac, "dev", veth])?;
+    let pod_addr = format!("{ip}/128");
+    pod.ns
+        .ip(&["-6", "addr", "add", &pod_addr, "dev", "eth0", "nodad"])?;
+    pod.ns
+        .ip(&["-6", "route", "add", &gateway, "dev", "eth0"])?;
+    pod.ns.ip(&[
+        "-6", "route", "add", "default", "via", &gateway, "dev", "eth0",
+    ])?;
+    let veth_mac = mac(node, veth)?;
+    pod.ns.ip(&[
+        "-6", "neigh", "add", &gateway, "lladdr", &veth_mac, "dev", "eth0",
+    ])
+}
+
+/// Puts the two ends of a link (namespace, interface, address) in one /64, each with the other
+/// as a static neighbour, so that no packet waits for neighbour discovery or duplicate address
+/// detection.
+fn link_ipv6(a: (&Netns, &str, Ipv6Addr), b: (&Netns, &str, Ipv6Addr)) -> Result<()> {
+    for ((ns, interface, addr), (peer_ns, peer_interface, peer_addr)) in [(a, b), (b, a)] {
+        let cidr = format!("{addr}/64");
+        ns.ip(&["-6", "addr", "add", &cidr, "dev", interface, "nodad"])?;
+        let peer_mac = mac(peer_ns, peer_interface)?;
+        let peer = peer_addr.to_string();
+        ns.ip(&[
+            "-6", "neigh", "add", &peer, "lladdr", &peer_mac, "dev", interface,
+        ])?;
+    }
+    Ok(())
+}
+
 /// Pod `index`'s IPv6 address in CLUSTER_CIDR_V6 (`pod-a` 2001:db8:244::2, ...).
-pub fn pod_ip_v6(index: usize) -> Ipv6Addr {
+pub const fn pod_ip_v6(index: usize) -> Ipv6Addr {
     Ipv6Addr::new(0x2001, 0xdb8, 0x244, 0, 0, 0, 0, 2 + index as u16)
 }
 

@@ -18,10 +18,10 @@ use lb_tests::{
     echo::{Answer, EchoServer, Proto, ask, requests, udp_socket},
     manifests::{EndpointManifest, ServiceManifest},
     netns::Netns,
-    node::{CLUSTER_IP, NODE_IP_V6, Node, PORT, TARGET_PORT, vip},
+    node::{CLUSTER_IP, Node, PORT, TARGET_PORT, vip},
     paths::{check_external_to_node_port, check_pod_to_service},
     topology::{
-        CLUSTER_CIDR_V6, EXTERNAL_INTERFACE, NODE_IP, POD_GATEWAY, POD_GATEWAY_V6, mac, pod_ip_v6,
+        CLUSTER_CIDR_V6, NODE_IP, NODE_IP_V6, POD_GATEWAY, POD_GATEWAY_V6, pod_ip_v6,
     },
 };
 
@@ -180,7 +180,12 @@ fn ipv6_only_node_starts_and_counts_its_ipv6_frontends() -> Result<()> {
     let mut node = Node::start(
         1,
         &[],
-        &["--node-ip", NODE_IP_V6, "--cluster-cidr", CLUSTER_CIDR_V6],
+        &[
+            "--node-ip",
+            &NODE_IP_V6.to_string(),
+            "--cluster-cidr",
+            CLUSTER_CIDR_V6,
+        ],
     )?;
     let stale = [node.ip("pod-a")];
     node.agent
@@ -508,7 +513,7 @@ fn node_ipv6_udp_flow_sticks_to_one_backend() -> Result<()> {
 fn ipv6_external_traffic_policy_local() -> Result<()> {
     let mut node = dual_stack_node(&["--hostname-override", "node-1"])?;
     node.add_pod_ipv6()?;
-    add_external_ipv6(&node)?;
+    node.topology.add_external_ipv6()?;
     let _servers = ["pod-b", "pod-c"]
         .iter()
         .map(|pod| EchoServer::start_v6(node.pod_ns(pod), pod, TARGET_PORT_V6))
@@ -521,7 +526,7 @@ fn ipv6_external_traffic_policy_local() -> Result<()> {
         .endpoint(on("pod-c", "node-2"));
     let yaml = service.yaml_ipv6(CLUSTER_IP_V6_ONLY.parse()?, |ip| node.ipv6_of(ip));
     node.agent.update_manifests(&yaml)?;
-    let node_port: SocketAddr = (NODE_IP_V6.parse::<Ipv6Addr>()?, NODE_PORT_V6).into();
+    let node_port: SocketAddr = (NODE_IP_V6, NODE_PORT_V6).into();
     let client: IpAddr = CLIENT_IP_V6.parse()?;
     for answer in requests(&node.topology.client, Proto::Tcp, node_port, 20)? {
         answer.check(&["pod-b"], client, node_port)?;
@@ -756,47 +761,7 @@ fn ipv6_hairpin_udp() -> Result<()> {
     ipv6_hairpin(Proto::Udp)
 }
 
-/// The external client's IPv6 address, beside the node's on the external link.
-const CLIENT_IP_V6: &str = "2001:db8:100::2";
 const NODE_PORT_V6: u16 = 30081;
-
-/// Gives the external link IPv6: NODE_IP_V6 on the node's side, CLIENT_IP_V6 on the client's,
-/// with static neighbours, as `add_pod_ipv6` does for the pods.
-fn add_external_ipv6(node: &Node) -> Result<()> {
-    let (host, client) = (&node.topology.node, &node.topology.client);
-    host.ip(&[
-        "-6",
-        "addr",
-        "add",
-        &format!("{NODE_IP_V6}/64"),
-        "dev",
-        EXTERNAL_INTERFACE,
-        "nodad",
-    ])?;
-    client.ip(&[
-        "-6",
-        "addr",
-        "add",
-        &format!("{CLIENT_IP_V6}/64"),
-        "dev",
-        "eth0",
-        "nodad",
-    ])?;
-    let (host_mac, client_mac) = (mac(host, EXTERNAL_INTERFACE)?, mac(client, "eth0")?);
-    host.ip(&[
-        "-6",
-        "neigh",
-        "add",
-        CLIENT_IP_V6,
-        "lladdr",
-        &client_mac,
-        "dev",
-        EXTERNAL_INTERFACE,
-    ])?;
-    client.ip(&[
-        "-6", "neigh", "add", NODE_IP_V6, "lladdr", &host_mac, "dev", "eth0",
-    ])
-}
 
 /// The IPv6-only Service `web6` of `ipv6_only`, of type NodePort on NODE_PORT_V6.
 fn ipv6_node_port(proto: Proto, endpoints: &[Ipv6Addr]) -> Result<String> {
@@ -817,14 +782,14 @@ fn ipv6_node_port(proto: Proto, endpoints: &[Ipv6Addr]) -> Result<String> {
 fn external_to_ipv6_node_port(proto: Proto) -> Result<()> {
     let mut node = dual_stack_node(&[])?;
     node.add_pod_ipv6()?;
-    add_external_ipv6(&node)?;
+    node.topology.add_external_ipv6()?;
     let _servers = ["pod-b", "pod-c"]
         .iter()
         .map(|pod| EchoServer::start_v6(node.pod_ns(pod), pod, TARGET_PORT_V6))
         .collect::<Result<Vec<_>>>()?;
     node.agent
         .update_manifests(&ipv6_node_port(proto, &[pod_ip_v6(1), pod_ip_v6(2)])?)?;
-    let node_port: SocketAddr = (NODE_IP_V6.parse::<Ipv6Addr>()?, NODE_PORT_V6).into();
+    let node_port: SocketAddr = (NODE_IP_V6, NODE_PORT_V6).into();
     let answers = requests(&node.topology.client, proto, node_port, 6)?;
     ensure!(answers.len() == 6, "{answers:?}");
     for answer in &answers {
@@ -841,4 +806,139 @@ fn external_to_ipv6_node_port_tcp() -> Result<()> {
 #[test]
 fn external_to_ipv6_node_port_udp() -> Result<()> {
     external_to_ipv6_node_port(Proto::Udp)
+}
+
+/// `lb trace` over IPv6: the UDP flow pod-a has open to an IPv6 ClusterIP is traced to the
+/// backend that answered it, a new flow from another port is a new connection choosing among
+/// both endpoints, and tracing changes no connection (`lb conntrack`, whose filters select the
+/// flow by its IPv6 service, backend and client).
+#[test]
+fn ipv6_trace_names_the_backend_and_changes_nothing() -> Result<()> {
+    let bpffs = Bpffs::mount()?;
+    let bpffs_arg = bpffs.arg();
+    let mut node = dual_stack_node(&["--bpffs", &bpffs_arg])?;
+    node.add_pod_ipv6()?;
+    let _servers = ["pod-b", "pod-c"]
+        .iter()
+        .map(|pod| EchoServer::start_v6(node.pod_ns(pod), pod, TARGET_PORT_V6))
+        .collect::<Result<Vec<_>>>()?;
+    node.agent
+        .update_manifests(&ipv6_only(Proto::Udp, &[pod_ip_v6(1), pod_ip_v6(2)]))?;
+    let service: SocketAddr = (CLUSTER_IP_V6_ONLY.parse::<Ipv6Addr>()?, PORT).into();
+    let client: SocketAddr = (pod_ip_v6(0), 40_100).into();
+    let socket = udp_socket(node.pod_ns("pod-a"), &client.to_string())?;
+    let server = ask(&socket, service)?;
+    let backend_ip = if server == "pod-b" {
+        pod_ip_v6(1)
+    } else {
+        pod_ip_v6(2)
+    };
+    let backend = SocketAddr::from((backend_ip, TARGET_PORT_V6)).to_string();
+    let candidates: Vec<String> = [pod_ip_v6(1), pod_ip_v6(2)]
+        .iter()
+        .map(|&ip| SocketAddr::from((ip, TARGET_PORT_V6)).to_string())
+        .collect();
+
+    let ns = &node.topology.node;
+    let (_, before) = lb_json(ns, &["conntrack"], &bpffs_arg)?;
+    let interface = node.topology.pod("pod-a").host_interface.clone();
+    let trace = |from: SocketAddr| -> Result<serde_json::Value> {
+        let (from, to) = (from.to_string(), service.to_string());
+        let args = [
+            "trace",
+            "--proto",
+            "udp",
+            "--from",
+            &from,
+            "--to",
+            &to,
+            "--in-interface",
+            &interface,
+        ];
+        Ok(lb_json(ns, &args, &bpffs_arg)?.1)
+    };
+    let open = trace(client)?;
+    ensure!(
+        open["verdict"] == "forwarded"
+            && open["conntrack"] == "existing"
+            && open["frontend"] == service.to_string()
+            && open["backend"] == backend.as_str()
+            && open["translation"]["dnat"] == backend.as_str()
+            && open["translation"]["masquerade"].is_null(),
+        "the open flow, answered by {server}: {open:#}"
+    );
+    let new = trace((pod_ip_v6(0), 40_101).into())?;
+    let listed: Vec<String> = new["candidates"]
+        .as_array()
+        .context("candidates")?
+        .iter()
+        .filter_map(|c| c.as_str().map(str::to_owned))
+        .collect();
+    ensure!(
+        new["verdict"] == "forwarded" && new["conntrack"] == "new" && listed == candidates,
+        "a new flow: {new:#}"
+    );
+    let (_, after) = lb_json(ns, &["conntrack"], &bpffs_arg)?;
+    let flows = |rows: &serde_json::Value| -> Result<Vec<String>> {
+        Ok(rows
+            .as_array()
+            .context("a list")?
+            .iter()
+            .map(|row| format!("{} {} {}", row["client"], row["service"], row["backend"]))
+            .collect())
+    };
+    ensure!(
+        flows(&before)? == flows(&after)?,
+        "tracing changed the connections: {before} then {after}"
+    );
+    // `lb conntrack`'s filters take IPv6 too: the open flow, by its service and its client.
+    let client_ip = client.ip().to_string();
+    let (service_arg, backend_arg) = (service.to_string(), backend.clone());
+    let filters = [
+        "conntrack",
+        "--service",
+        &service_arg,
+        "--backend",
+        &backend_arg,
+        "--client",
+        &client_ip,
+    ];
+    let (_, selected) = lb_json(ns, &filters, &bpffs_arg)?;
+    ensure!(
+        flows(&selected)? == [format!("\"{client}\" \"{service}\" \"{backend}\"")],
+        "lb conntrack {filters:?}: {selected}"
+    );
+    Ok(())
+}
+
+/// A container on the docker bridge (outside the cluster CIDR) → an IPv6 ClusterIP: masqueraded,
+/// as kube-proxy masquerades sources outside --cluster-cidr; the backend sees the node's address
+/// towards the pods, the container the ClusterIP.
+fn container_to_ipv6_cluster_ip(proto: Proto) -> Result<()> {
+    let mut node = dual_stack_node(&[])?;
+    node.add_pod_ipv6()?;
+    node.topology.add_container_ipv6()?;
+    let _servers = ["pod-b", "pod-c"]
+        .iter()
+        .map(|pod| EchoServer::start_v6(node.pod_ns(pod), pod, TARGET_PORT_V6))
+        .collect::<Result<Vec<_>>>()?;
+    node.agent
+        .update_manifests(&ipv6_only(proto, &[pod_ip_v6(1), pod_ip_v6(2)]))?;
+    let service: SocketAddr = (CLUSTER_IP_V6_ONLY.parse::<Ipv6Addr>()?, PORT).into();
+    let answers = requests(&node.topology.container, proto, service, 6)?;
+    ensure!(answers.len() == 6, "{answers:?}");
+    for answer in &answers {
+        answer.check(&["pod-b", "pod-c"], IpAddr::V6(POD_GATEWAY_V6), service)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn container_to_ipv6_cluster_ip_tcp() -> Result<()> {
+    container_to_ipv6_cluster_ip(Proto::Tcp)
+}
+
+#[test]
+fn container_to_ipv6_cluster_ip_udp() -> Result<()> {
+    container_to_ipv6_cluster_ip(Proto::Udp)
 }

@@ -1,9 +1,9 @@
 //! Two nodes, one agent on each, real sockets: service traffic that enters one node and is
 //! served by a pod on the other, and its replies, which come back through the first node's
-//! external interface.
+//! external interface; in IPv4 and in IPv6.
 use std::{
     io::ErrorKind,
-    net::{Ipv4Addr, SocketAddr},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
 };
 
 use anyhow::{Result, bail, ensure};
@@ -11,7 +11,8 @@ use lb_tests::{
     agent::Agent,
     echo::{EchoServer, Proto, error_kind, request, requests},
     manifests::{EndpointManifest, ServiceManifest, yaml},
-    multinode::{CLIENT_IP, Cluster},
+    multinode::{CLIENT_IP, CLIENT_IP_V6, CLUSTER_CIDRS, Cluster, node_ip_v6, pod_ip_v6},
+    netns::Netns,
 };
 
 const PORT: u16 = 80;
@@ -56,6 +57,99 @@ impl Setup {
             _servers: servers,
             cluster,
         })
+    }
+
+    /// `pods` per node in a dual-stack cluster (`Cluster::add_ipv6`), a server on every pod's
+    /// IPv6 address, and a dual-stack agent on every node on `manifests`.
+    fn start_ipv6(pods: [usize; 2], manifests: &str) -> Result<Self> {
+        let cluster = Cluster::new(pods)?;
+        cluster.add_ipv6()?;
+        let mut servers = Vec::new();
+        let mut agents = Vec::new();
+        for (i, node) in cluster.nodes.iter().enumerate() {
+            let n = i as u8 + 1;
+            for (k, pod) in node.pods.iter().enumerate() {
+                let addr = (pod_ip_v6(n, k), TARGET_PORT).into();
+                servers.push(EchoServer::start_on(&pod.ns, &pod.name, addr)?);
+            }
+            let node_ips = format!("{},{}", node.ip, node_ip_v6(n));
+            let args = [
+                "--hostname-override",
+                &node.name,
+                "--node-ip",
+                &node_ips,
+                "--cluster-cidr",
+                CLUSTER_CIDRS,
+            ];
+            agents.push(Agent::start_on(node.agent_node(), manifests, &args)?);
+        }
+        Ok(Setup {
+            _agents: agents,
+            _servers: servers,
+            cluster,
+        })
+    }
+}
+
+/// One IPv6-only NodePort Service per protocol (ClusterIP 2001:db8:96::10 for TCP, ::11 for
+/// UDP, the NodePorts of `node_port`), served by node-2's first pod (pod-b of `[1, 1]`);
+/// `external_local`: with externalTrafficPolicy Local.
+fn ipv6_on_pod_b(external_local: bool) -> String {
+    PROTOS
+        .map(|proto| {
+            let name = format!("web6-{}", proto.manifest_name().to_lowercase());
+            let (cluster_ip, node_port) = (ipv6_cluster_ip(proto), node_port(proto));
+            let (proto, pod) = (proto.manifest_name(), pod_ip_v6(2, 0));
+            let policy = if external_local {
+                format!(
+                    "  externalTrafficPolicy: Local\n  healthCheckNodePort: {}\n",
+                    node_port + 2000
+                )
+            } else {
+                String::new()
+            };
+            format!(
+                "---
+apiVersion: v1
+kind: Service
+metadata:
+  name: {name}
+  namespace: default
+spec:
+  type: NodePort
+  clusterIP: \"{cluster_ip}\"
+  clusterIPs: [\"{cluster_ip}\"]
+  ipFamilies: [IPv6]
+{policy}  ports:
+    - protocol: {proto}
+      port: {PORT}
+      targetPort: {TARGET_PORT}
+      nodePort: {node_port}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: {name}-1
+  namespace: default
+  labels:
+    kubernetes.io/service-name: {name}
+addressType: IPv6
+ports:
+  - protocol: {proto}
+    port: {TARGET_PORT}
+endpoints:
+  - addresses: [\"{pod}\"]
+    nodeName: node-2
+"
+            )
+        })
+        .concat()
+}
+
+fn ipv6_cluster_ip(proto: Proto) -> Ipv6Addr {
+    match proto {
+        Proto::Tcp => Ipv6Addr::new(0x2001, 0xdb8, 0x96, 0, 0, 0, 0, 0x10),
+        Proto::Udp => Ipv6Addr::new(0x2001, 0xdb8, 0x96, 0, 0, 0, 0, 0x11),
     }
 }
 
@@ -152,18 +246,70 @@ fn external_traffic_policy_local_across_nodes() -> Result<()> {
                 "{proto:?} via node-2: {answer:?}"
             );
         }
-        let to: SocketAddr = (node_1, node_port(proto)).into();
-        // Dropped, not rejected (nor refused by node-1's stack): no answer at all.
-        match request(client, proto, to) {
-            Ok(answer) => bail!("{proto:?} via node-1 answered: {answer:?}"),
-            Err(err) => {
-                let kind = error_kind(&err);
-                ensure!(
-                    matches!(kind, Some(ErrorKind::TimedOut | ErrorKind::WouldBlock)),
-                    "{proto:?} via node-1: {err:#}, expected no answer"
-                );
-            }
+        no_answer(client, proto, (node_1, node_port(proto)).into())?;
+    }
+    Ok(())
+}
+
+/// `cluster_ip_on_node_1_reaches_a_pod_on_node_2` over IPv6: not masqueraded, pod-b sees
+/// pod-a's IPv6 address, pod-a the ClusterIP it called.
+#[test]
+fn ipv6_cluster_ip_on_node_1_reaches_a_pod_on_node_2() -> Result<()> {
+    let setup = Setup::start_ipv6([1, 1], &ipv6_on_pod_b(false))?;
+    let pod_a = setup.cluster.pod("pod-a");
+    for proto in PROTOS {
+        let vip: SocketAddr = (ipv6_cluster_ip(proto), PORT).into();
+        for answer in requests(&pod_a.ns, proto, vip, 3)? {
+            answer.check(&["pod-b"], IpAddr::V6(pod_ip_v6(1, 0)), vip)?;
         }
     }
     Ok(())
+}
+
+/// `node_port_on_node_1_reaches_a_pod_on_node_2_masqueraded` over IPv6: node-1 masquerades to
+/// its IPv6 address towards node-2, so pod-b's replies come back through it, and the client
+/// sees node-1's IPv6 NodePort answer.
+#[test]
+fn ipv6_node_port_on_node_1_reaches_a_pod_on_node_2_masqueraded() -> Result<()> {
+    let setup = Setup::start_ipv6([1, 1], &ipv6_on_pod_b(false))?;
+    let node_1 = node_ip_v6(1);
+    for proto in PROTOS {
+        let to: SocketAddr = (node_1, node_port(proto)).into();
+        for answer in requests(&setup.cluster.client, proto, to, 3)? {
+            answer.check(&["pod-b"], IpAddr::V6(node_1), to)?;
+        }
+    }
+    Ok(())
+}
+
+/// `external_traffic_policy_local_across_nodes` over IPv6: node-2 serves its NodePort with the
+/// client's own IPv6 address; node-1, without an endpoint of its own, gives no answer.
+#[test]
+fn ipv6_external_traffic_policy_local_across_nodes() -> Result<()> {
+    let setup = Setup::start_ipv6([1, 1], &ipv6_on_pod_b(true))?;
+    let client = &setup.cluster.client;
+    for proto in PROTOS {
+        let to: SocketAddr = (node_ip_v6(2), node_port(proto)).into();
+        for answer in requests(client, proto, to, 3)? {
+            answer.check(&["pod-b"], IpAddr::V6(CLIENT_IP_V6), to)?;
+        }
+        no_answer(client, proto, (node_ip_v6(1), node_port(proto)).into())?;
+    }
+    Ok(())
+}
+
+/// A request from `client` to `to` is dropped, not rejected (nor refused by the node's stack):
+/// no answer at all.
+fn no_answer(client: &Netns, proto: Proto, to: SocketAddr) -> Result<()> {
+    match request(client, proto, to) {
+        Ok(answer) => bail!("{proto:?} to {to} answered: {answer:?}"),
+        Err(err) => {
+            let kind = error_kind(&err);
+            ensure!(
+                matches!(kind, Some(ErrorKind::TimedOut | ErrorKind::WouldBlock)),
+                "{proto:?} to {to}: {err:#}, expected no answer"
+            );
+            Ok(())
+        }
+    }
 }

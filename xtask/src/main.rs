@@ -32,7 +32,7 @@ enum Task {
         args: Vec<String>,
     },
     /// Build a test topology in network namespaces, run the agent on examples/manifests, drive
-    /// the four Service paths and print what answered.
+    /// the four Service paths in both families and print what answered.
     Demo,
     /// Check formatting and lints, then run every test: unit, BPF_PROG_TEST_RUN and
     /// network-namespace integration tests (as root).

@@ -1,6 +1,6 @@
 //! Command line.
 use std::ffi::OsString;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::ops::RangeInclusive;
 use std::path::PathBuf;
 use std::str::FromStr;
@@ -399,15 +399,16 @@ pub enum ConntrackCommand {
 
 #[derive(Debug, Args)]
 pub struct ConntrackQuery {
-    /// Only connections to this frontend (a ClusterIP's, or a node address and nodePort).
+    /// Only connections to this frontend (a ClusterIP's, or a node address and nodePort);
+    /// IPv6 as `[2001:db8:96::10]:80`.
     #[arg(long, value_name = "IP:PORT")]
-    pub service: Option<SocketAddrV4>,
+    pub service: Option<SocketAddr>,
     /// Only connections to this backend.
     #[arg(long, value_name = "IP:PORT")]
-    pub backend: Option<SocketAddrV4>,
+    pub backend: Option<SocketAddr>,
     /// Only connections from this client.
     #[arg(long, value_name = "IP")]
-    pub client: Option<Ipv4Addr>,
+    pub client: Option<IpAddr>,
     /// bpffs directory of the agent's pinned maps.
     #[arg(long, value_name = "DIR", default_value = DEFAULT_BPFFS)]
     pub bpffs: PathBuf,
@@ -425,11 +426,12 @@ pub enum Proto {
 pub struct TraceArgs {
     #[arg(long, value_enum)]
     pub proto: Proto,
-    /// The packet's source; without a port, an unprivileged one.
+    /// The packet's source, IPv4 or IPv6 (`[IPV6]:PORT`); without a port, an unprivileged one.
     #[arg(long, value_name = "IP[:PORT]", value_parser = parse_source)]
-    pub from: SocketAddrV4,
+    pub from: SocketAddr,
+    /// The packet's destination, of the source's family.
     #[arg(long, value_name = "IP:PORT")]
-    pub to: SocketAddrV4,
+    pub to: SocketAddr,
     /// The interface the packet arrives on (the FIB lookup's input); default: the loopback.
     #[arg(long, value_name = "IFNAME")]
     pub in_interface: Option<String>,
@@ -443,13 +445,13 @@ pub struct TraceArgs {
 /// The source port of a `--from` without one.
 pub const TRACE_SOURCE_PORT: u16 = 40_000;
 
-fn parse_source(s: &str) -> Result<SocketAddrV4, String> {
-    s.parse::<SocketAddrV4>()
+fn parse_source(s: &str) -> Result<SocketAddr, String> {
+    s.parse::<SocketAddr>()
         .or_else(|_| {
-            s.parse::<Ipv4Addr>()
-                .map(|ip| SocketAddrV4::new(ip, TRACE_SOURCE_PORT))
+            s.parse::<IpAddr>()
+                .map(|ip| SocketAddr::new(ip, TRACE_SOURCE_PORT))
         })
-        .map_err(|_| format!("{s}: not an IPv4 address[:port]"))
+        .map_err(|_| format!("{s}: not an IP address[:port] ([IPV6]:PORT)"))
 }
 
 #[derive(Debug, Args)]
@@ -990,7 +992,7 @@ oomScoreAdj: -999
         assert_eq!(a.proto, Proto::Udp);
         assert_eq!(
             a.from,
-            SocketAddrV4::new(Ipv4Addr::new(198, 51, 100, 2), TRACE_SOURCE_PORT)
+            SocketAddr::new(Ipv4Addr::new(198, 51, 100, 2).into(), TRACE_SOURCE_PORT)
         );
         assert_eq!(a.to, "10.96.0.10:53".parse().unwrap());
         assert_eq!(a.in_interface.as_deref(), Some("ext0"));
@@ -998,5 +1000,7 @@ oomScoreAdj: -999
         assert_eq!(a.output, Output::Json);
         assert!(parse_source("198.51.100.2:1234").is_ok_and(|s| s.port() == 1234));
         assert!(parse_source("example").is_err());
+        assert!(parse_source("2001:db8::7").is_ok_and(|s| s.port() == TRACE_SOURCE_PORT));
+        assert!(parse_source("[2001:db8::7]:1234").is_ok_and(|s| s.port() == 1234));
     }
 }

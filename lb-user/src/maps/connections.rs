@@ -175,21 +175,16 @@ pub fn join<T: Into<Tracked>>(
 /// Which connections to show or delete; `None` matches any.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Filter {
-    pub service: Option<SocketAddrV4>,
-    pub backend: Option<SocketAddrV4>,
-    pub client: Option<Ipv4Addr>,
+    pub service: Option<SocketAddr>,
+    pub backend: Option<SocketAddr>,
+    pub client: Option<IpAddr>,
 }
 
 impl Filter {
     pub fn matches(&self, connection: &Connection) -> bool {
-        self.service
-            .is_none_or(|s| SocketAddr::from(s) == connection.service)
-            && self
-                .backend
-                .is_none_or(|b| SocketAddr::from(b) == connection.backend)
-            && self
-                .client
-                .is_none_or(|c| IpAddr::from(c) == connection.client.ip())
+        self.service.is_none_or(|s| s == connection.service)
+            && self.backend.is_none_or(|b| b == connection.backend)
+            && self.client.is_none_or(|c| c == connection.client.ip())
     }
 }
 
@@ -575,8 +570,8 @@ mod tests {
                 .collect()
         };
         assert_eq!(clients(Filter::default()).len(), 3);
-        let service = Some(addr("10.96.0.10:80"));
-        let backend = Some(addr("10.244.1.3:8080"));
+        let service = Some(at("10.96.0.10:80"));
+        let backend = Some(at("10.244.1.3:8080"));
         assert_eq!(
             clients(Filter {
                 service,
@@ -606,7 +601,7 @@ mod tests {
             }),
             ["198.51.100.2:40000"]
         );
-        let wrong_port = Some(addr("10.244.1.3:8081"));
+        let wrong_port = Some(at("10.244.1.3:8081"));
         assert!(
             clients(Filter {
                 backend: wrong_port,
