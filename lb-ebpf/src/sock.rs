@@ -37,6 +37,16 @@ pub enum Untouched {
     Refused(Counter),
 }
 
+impl Untouched {
+    /// Why a frontend lookup (service::frontend, translate6::frontend) found none to use.
+    pub fn of_frontend_lookup(reason: Counter) -> Self {
+        match reason {
+            Counter::Passed => Untouched::NotService,
+            refused => Untouched::Refused(refused),
+        }
+    }
+}
+
 /// connect4 and sendmsg4: a service address becomes a backend of that service.
 pub fn translate(ctx: &SockAddrContext) -> i32 {
     verdict(try_translate(ctx))
@@ -112,10 +122,7 @@ pub fn ipv4_backend(
         _pad0: 0,
         _pad1: 0,
     };
-    let frontend = service::frontend(&tuple).map_err(|reason| match reason {
-        Counter::Passed => Untouched::NotService,
-        refused => Untouched::Refused(refused),
-    })?;
+    let frontend = service::frontend(&tuple).map_err(Untouched::of_frontend_lookup)?;
     let backends = node_backends(config, &frontend);
     let now = maps::now_ns(config);
     if backends.count == 0 {

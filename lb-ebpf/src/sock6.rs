@@ -100,7 +100,7 @@ fn ipv6_backend(
         _pad0: 0,
         _pad1: 0,
     };
-    let frontend = translate6::frontend(&tuple).map_err(|_| Untouched::NotService)?;
+    let frontend = translate6::frontend(&tuple).map_err(Untouched::of_frontend_lookup)?;
     let endpoints = node_endpoints(config6, &frontend);
     if endpoints.count == 0 {
         return Err(Untouched::Refused(if frontend.backend_count != 0 {
