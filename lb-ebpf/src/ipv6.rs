@@ -10,7 +10,10 @@ use aya_ebpf::{
 };
 use lb_common::{Counter, tc_ipv6_slot};
 
-use crate::{maps, packet, translate6};
+use crate::{
+    maps, packet, reject, reject6,
+    translate6::{self, Translation6},
+};
 
 const ETH_P_IPV6: u16 = 0x86dd;
 
@@ -43,9 +46,8 @@ pub fn tail_call(ctx: &TcContext, slot: u32) -> i32 {
 #[classifier]
 pub fn lb_ingress6(ctx: TcContext) -> i32 {
     packet::pull_headers(&ctx);
-    match translate6::translation(&ctx) {
-        // Handed to the stack, which routes the rewritten packet.
-        Ok(()) => TC_ACT_OK as i32,
+    match try_ingress6(&ctx) {
+        Ok(action) => action,
         Err(reason) => {
             maps::count(reason);
             if passes(reason) {
@@ -53,6 +55,17 @@ pub fn lb_ingress6(ctx: TcContext) -> i32 {
             } else {
                 TC_ACT_SHOT as i32
             }
+        }
+    }
+}
+
+fn try_ingress6(ctx: &TcContext) -> Result<i32, Counter> {
+    match translate6::translation(ctx)? {
+        // Handed to the stack, which routes the rewritten packet.
+        Translation6::Translated => Ok(TC_ACT_OK as i32),
+        Translation6::Reject => {
+            reject::allowed()?;
+            reject6::port_unreachable(ctx, translate6::parsed()?)
         }
     }
 }

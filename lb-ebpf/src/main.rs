@@ -32,6 +32,7 @@ mod packet;
 mod parse;
 mod parse6;
 mod reject;
+mod reject6;
 mod service;
 mod sock;
 mod sock6;
@@ -103,12 +104,7 @@ fn try_ingress(ctx: &TcContext) -> Result<i32, Counter> {
             forward::send_tc(ctx, &packet, hop)
         }
         Translation::Reject(packet) => {
-            // As the kernel's REJECT: the packet is dropped, the error sent within the rate.
-            let config = maps::config().ok_or(Counter::Passed)?;
-            if !maps::reject_allowed(config) {
-                return Err(Counter::DropRejectRateLimited);
-            }
-            maps::count(Counter::Rejected);
+            reject::allowed()?;
             reject::port_unreachable(ctx, &packet)
         }
         Translation::Icmp(packet) => {

@@ -10,13 +10,13 @@ use aya_ebpf::{
     maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, lpm_trie::Key},
 };
 use lb_common::{
+    Addr6, AffinityKey6, Backend6, Config6, ConntrackEntry6, ConntrackKey6, FrontendKey6,
+    SourceRangeKey6, StickyBackend6,
+};
+use lb_common::{
     AffinityKey, Backend, BackendKey, BackendStats, Config, ConntrackEntry, ConntrackKey, Counter,
     FirstFragment, FragmentKey, Frontend, FrontendKey, FrontendOrigin, RejectLimit, SockBackendKey,
     SockRevNat, SockRevNatKey, SourceRangeKey, StickyBackend, default_size,
-};
-use lb_common::{
-    AffinityKey6, Backend6, Config6, ConntrackEntry6, ConntrackKey6, FrontendKey6, SourceRangeKey6,
-    StickyBackend6,
 };
 use lb_common::{AgentInfo, ServiceStatus};
 use lb_common::{SockBackendKey6, SockRevNat6, SockRevNatKey6};
@@ -255,6 +255,19 @@ pub fn source_range_contains(service_id: u32, addr: u32) -> bool {
         .get(Key::new(
             SourceRangeKey::FULL_PREFIX,
             SourceRangeKey { service_id, addr },
+        ))
+        .is_some()
+}
+
+/// Some loadBalancerSourceRanges prefix of `service_id` holds the IPv6 `addr`.
+pub fn source_range6_contains(service_id: u32, addr: &Addr6) -> bool {
+    SOURCE_RANGES6
+        .get(Key::new(
+            SourceRangeKey6::FULL_PREFIX,
+            SourceRangeKey6 {
+                service_id,
+                addr: *addr,
+            },
         ))
         .is_some()
 }

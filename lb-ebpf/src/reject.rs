@@ -7,6 +7,9 @@
 //!   unreachable; connect() fails with ECONNREFUSED, a connected UDP socket reports it.
 //! - Fragmentation needed (RFC 1191), as a router answers a DF packet too big for the egress
 //!   link: the client's kernel lowers its path MTU to the service address and resends.
+//!
+//! The rate limit, the checksum, the resize and the send back serve ICMPv6's REJECT too
+//! (reject6.rs).
 use core::ptr;
 
 use aya_ebpf::{
@@ -19,6 +22,7 @@ use aya_ebpf::{
 use lb_common::{Counter, IPPROTO_ICMP};
 
 use crate::{
+    maps,
     packet::{PacketAccess, folded},
     parse::{
         ETH_HLEN, ICMP_CHECK, ICMP_DEST_UNREACH, ICMP_HLEN, ICMP_QUOTED_PAYLOAD, IP_CHECK, IP_DST,
@@ -32,9 +36,23 @@ const ICMP_FRAG_NEEDED: u8 = 4;
 const QUOTE_MAX: usize = 60 + ICMP_QUOTED_PAYLOAD;
 /// Internetwork control precedence, as the kernel's own ICMP errors carry.
 const TOS_INTERNETWORK_CONTROL: u8 = 0xc0;
-const TTL: u8 = 64;
+/// The TTL (IPv4) or hop limit (IPv6) of the errors: the kernel's default.
+pub const TTL: u8 = 64;
 /// Every store keeps `skb->csum` of a CHECKSUM_COMPLETE packet right.
 const STORE_FLAGS: u64 = BPF_F_RECOMPUTE_CSUM as u64;
+/// The most `bpf_csum_diff` sums in one call (its scratch space, before Linux 6.13).
+pub const CSUM_CHUNK: usize = 512;
+
+/// As the kernel's REJECT, within the node's ICMP error rate: `Ok` (counted `Rejected`) when the
+/// error may be sent now, else `Err(DropRejectRateLimited)`; either way the packet is dropped.
+pub fn allowed() -> Result<(), Counter> {
+    let config = maps::config().ok_or(Counter::Passed)?;
+    if !maps::reject_allowed(config) {
+        return Err(Counter::DropRejectRateLimited);
+    }
+    maps::count(Counter::Rejected);
+    Ok(())
+}
 
 /// Rewrites `packet` into the port unreachable about it and redirects it back to its sender.
 pub fn port_unreachable(ctx: &TcContext, packet: &Packet) -> Result<i32, Counter> {
@@ -83,56 +101,78 @@ fn unreachable(
     if loaded != 0 {
         return Err(Counter::DropRewriteFailed);
     }
-    // SAFETY: `icmp` is initialised stack memory of at least `icmp_len` bytes, a multiple of 4
-    // (IHL * 4 + 16); the helper only reads it.
-    let sum = unsafe {
-        bpf_csum_diff(
-            ptr::null_mut(),
-            0,
-            icmp.as_mut_ptr().cast(),
-            icmp_len as u32,
-            0,
-        )
-    };
-    let sum = u32::try_from(sum).map_err(|_| Counter::DropRewriteFailed)?;
+    // SAFETY: `icmp` holds at least `icmp_len` initialised bytes, a multiple of 4 (IHL * 4 + 16)
+    // and within `CSUM_CHUNK`.
+    let sum = unsafe { sum(icmp.as_ptr(), icmp_len, 0) }?;
     icmp[ICMP_CHECK..ICMP_CHECK + 2].copy_from_slice(&folded(sum).to_ne_bytes());
-
-    let macs: [u8; 12] = ctx.load(0).map_err(|_| Counter::DropRewriteFailed)?;
-    let mut swapped = [0u8; 12];
-    swapped[..6].copy_from_slice(&macs[6..]);
-    swapped[6..].copy_from_slice(&macs[..6]);
     let ip = ip_header(
         (IPV4_MIN_HLEN + icmp_len) as u16,
         packet.tuple.dst_addr,
         packet.tuple.src_addr,
     );
-
-    // SAFETY: the context's skb, resized to exactly the error's length; the quote was read
-    // before.
-    if unsafe { bpf_skb_change_tail(skb, (ETH_HLEN + IPV4_MIN_HLEN + icmp_len) as u32, 0) } != 0 {
-        return Err(Counter::DropRewriteFailed);
-    }
-    ctx.store(0, &swapped, STORE_FLAGS)
-        .and_then(|()| ctx.store(ETH_HLEN, &ip, STORE_FLAGS))
+    // The quote was read before.
+    turn_around(ctx, ETH_HLEN + IPV4_MIN_HLEN + icmp_len)?;
+    ctx.store(ETH_HLEN, &ip, STORE_FLAGS)
         .map_err(|_| Counter::DropRewriteFailed)?;
     // SAFETY: `icmp` holds `icmp_len` initialised bytes and the packet is that long past the IP
     // header.
-    if unsafe { store(skb, ETH_HLEN + IPV4_MIN_HLEN, &icmp, icmp_len) } != 0 {
+    if unsafe { store(ctx, ETH_HLEN + IPV4_MIN_HLEN, icmp.as_ptr(), icmp_len) } != 0 {
         return Err(Counter::DropRewriteFailed);
     }
-    // SAFETY: the helper only records the target; flags 0 means egress.
-    Ok(unsafe { bpf_redirect(ctx.ingress_ifindex(), 0) } as i32)
+    Ok(send_back(ctx))
 }
 
+/// The 32-bit ones' complement sum of the `len` bytes at `bytes`, added to `seed`.
+///
 /// # Safety
-/// `len` must not exceed `from.len()`.
-unsafe fn store(skb: *mut __sk_buff, offset: usize, from: &[u8], len: usize) -> i64 {
-    // SAFETY: per the contract, `from` has `len` readable bytes.
+/// `bytes` must point to `len` readable bytes; `len` a multiple of 4, at most `CSUM_CHUNK`.
+pub unsafe fn sum(bytes: *const u8, len: usize, seed: u32) -> Result<u32, Counter> {
+    // SAFETY: per the contract; the helper only reads `bytes`.
+    let sum = unsafe {
+        bpf_csum_diff(
+            ptr::null_mut(),
+            0,
+            bytes.cast_mut().cast(),
+            len as u32,
+            seed,
+        )
+    };
+    u32::try_from(sum).map_err(|_| Counter::DropRewriteFailed)
+}
+
+/// Resizes the packet to `len` bytes from the Ethernet header on and turns its Ethernet header
+/// around, towards the hop it came from; what follows is the caller's to write. Whatever the
+/// caller quotes it reads before.
+pub fn turn_around(ctx: &TcContext, len: usize) -> Result<(), Counter> {
+    let macs: [u8; 12] = ctx.load(0).map_err(|_| Counter::DropRewriteFailed)?;
+    let mut swapped = [0u8; 12];
+    swapped[..6].copy_from_slice(&macs[6..]);
+    swapped[6..].copy_from_slice(&macs[..6]);
+    // SAFETY: the context's skb, resized to exactly the error's length.
+    if unsafe { bpf_skb_change_tail(ctx.skb.skb, len as u32, 0) } != 0 {
+        return Err(Counter::DropRewriteFailed);
+    }
+    ctx.store(0, &swapped, STORE_FLAGS)
+        .map_err(|_| Counter::DropRewriteFailed)
+}
+
+/// Sends the packet back out the interface it came in on: the verdict.
+pub fn send_back(ctx: &TcContext) -> i32 {
+    // SAFETY: the helper only records the target; flags 0 means egress.
+    unsafe { bpf_redirect(ctx.ingress_ifindex(), 0) as i32 }
+}
+
+/// Writes the `len` bytes at `from` into the packet at `offset`; non-zero on failure.
+///
+/// # Safety
+/// `from` must point to `len` readable bytes.
+pub unsafe fn store(ctx: &TcContext, offset: usize, from: *const u8, len: usize) -> i64 {
+    // SAFETY: per the contract; the helper only reads `from`.
     unsafe {
         bpf_skb_store_bytes(
-            skb,
+            ctx.skb.skb.cast::<__sk_buff>(),
             offset as u32,
-            from.as_ptr().cast(),
+            from.cast(),
             len as u32,
             STORE_FLAGS,
         )

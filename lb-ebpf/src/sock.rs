@@ -38,6 +38,16 @@ pub enum Untouched {
     Refused(Counter),
 }
 
+impl Untouched {
+    /// Why a frontend lookup (service::frontend, translate6::frontend) found none to use.
+    pub fn of_frontend_lookup(reason: Counter) -> Self {
+        match reason {
+            Counter::Passed => Untouched::NotService,
+            refused => Untouched::Refused(refused),
+        }
+    }
+}
+
 /// connect4 and sendmsg4: a service address becomes a backend of that service.
 pub fn translate(ctx: &SockAddrContext) -> i32 {
     verdict(try_translate(ctx))
@@ -113,10 +123,7 @@ pub fn ipv4_backend(
         _pad0: 0,
         _pad1: 0,
     };
-    let frontend = service::frontend(&tuple).map_err(|reason| match reason {
-        Counter::Passed => Untouched::NotService,
-        refused => Untouched::Refused(refused),
-    })?;
+    let frontend = service::frontend(&tuple).map_err(Untouched::of_frontend_lookup)?;
     let backend = node_backend::<Ipv4>(cookie, &frontend, &tuple, maps::now_ns(config))?;
     // The endpoint alone: the reverse hooks look it up by the address they see.
     let key = SockRevNatKey {

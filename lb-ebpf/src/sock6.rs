@@ -99,7 +99,7 @@ fn ipv6_backend(
         _pad0: 0,
         _pad1: 0,
     };
-    let frontend = translate6::frontend(&tuple).map_err(|_| Untouched::NotService)?;
+    let frontend = translate6::frontend(&tuple).map_err(Untouched::of_frontend_lookup)?;
     let backend = sock::node_backend::<Ipv6>(cookie, &frontend, &tuple, maps::now_ns(config))?;
     let key = SockRevNatKey6 {
         cookie,

@@ -8,8 +8,9 @@
 //! (kube-proxy's KUBE-MARK-MASQ cases: hairpin, NodePorts, clients outside the cluster CIDR)
 //! or not, both directions rewritten here in full and handed to the stack to route. IPv6 has no
 //! martian source check, so unlike IPv4 (intermediate.rs) the masquerade source is written
-//! before routing too. Passed untouched: fragments, ICMPv6 errors; a service without endpoints
-//! is dropped (REJECT's ICMPv6 answer is a parity row).
+//! before routing too. A service without endpoints is rejected (reject6.rs), a source outside a
+//! LoadBalancer IP's loadBalancerSourceRanges dropped, as over IPv4. Passed untouched: fragments,
+//! ICMPv6 errors.
 use aya_ebpf::{macros::map, maps::PerCpuArray};
 use lb_common::{
     Addr6, CONFIG_F_MASQUERADE_ALL, CONFIG_F_READY, Config, Config6, ConntrackKey6, Counter,
@@ -31,15 +32,24 @@ use crate::{
 #[map(name = "LB_PACKET6_SCRATCH_V1")]
 static PARSED: PerCpuArray<Packet6> = PerCpuArray::with_max_entries(1, 0);
 
-/// Translates the packet in place (handed to the stack to route); `Err` carries the counter of
-/// why it is not.
+/// What `translation` made of a packet.
+pub enum Translation6 {
+    /// Translated in place: handed to the stack to route.
+    Translated,
+    /// A new connection to a service without endpoints (the packet `parsed`): kube-proxy
+    /// answers it with REJECT.
+    Reject,
+}
+
+/// Translates the packet in place, or tells it is to be rejected; `Err` carries the counter of
+/// why it is neither.
 ///
 /// The parsed packet goes to a per-CPU scratch entry, and the translation proper runs in frames
 /// of their own that read it from there: the verifier then follows them once rather than once
 /// per shape of the packet the parser's extension header walk tells apart, and their frames do
 /// not stack on the parser's.
 #[inline(always)]
-pub fn translation<P: PacketAccess>(ctx: &P) -> Result<(), Counter> {
+pub fn translation<P: PacketAccess>(ctx: &P) -> Result<Translation6, Counter> {
     let packet = parse6::packet(ctx)?;
     if packet.tuple.proto == IPPROTO_ICMPV6 {
         return Err(Counter::Passed);
@@ -56,13 +66,13 @@ pub fn translation<P: PacketAccess>(ctx: &P) -> Result<(), Counter> {
     // preempted while they run, and `established` and `open` read it only after this write.
     unsafe { *parsed = packet };
     if established(ctx)? {
-        return Ok(());
+        return Ok(Translation6::Translated);
     }
     open(ctx)
 }
 
 /// The packet parsed (`PARSED`).
-fn parsed() -> Result<&'static Packet6, Counter> {
+pub fn parsed() -> Result<&'static Packet6, Counter> {
     // SAFETY: as in `translation`, which wrote it.
     Ok(unsafe { &*PARSED.get_ptr(0).ok_or(Counter::Passed)? })
 }
@@ -86,25 +96,21 @@ fn established<P: PacketAccess>(ctx: &P) -> Result<bool, Counter> {
 /// list, backend selection (sessionAffinity and the schedulers, as IPv4's), the masquerade
 /// source, tracking and the rewrite.
 #[inline(never)]
-fn open<P: PacketAccess>(ctx: &P) -> Result<(), Counter> {
+fn open<P: PacketAccess>(ctx: &P) -> Result<Translation6, Counter> {
     let packet = parsed()?;
     let config = maps::config().ok_or(Counter::Passed)?;
     let config6 = maps::config6().ok_or(Counter::Passed)?;
     let tuple = &packet.tuple;
     let frontend = frontend(tuple)?;
-    // Source ranges are not checked over IPv6 yet: such a frontend is not served rather than
-    // served to every source.
-    if frontend.flags & FRONTEND_F_SOURCE_RANGES != 0 {
-        return Err(Counter::Passed);
-    }
     let state = conntrack6::opening_state(packet)?;
     let backends = backends(config6, &frontend, &tuple.src_addr);
     if backends.count == 0 {
-        return Err(if frontend.backend_count != 0 {
-            Counter::DropNoLocalBackend
-        } else {
-            Counter::DropNoBackend
-        });
+        // As over IPv4: kube-proxy rejects when the service has no endpoints at all, and drops
+        // when traffic policy Local finds none on this node.
+        if frontend.backend_count != 0 {
+            return Err(Counter::DropNoLocalBackend);
+        }
+        return Ok(Translation6::Reject);
     }
     let (_, backend) = service::select_backend(&frontend, &backends, tuple, maps::now_ns(config))?;
     let masquerade = masquerade_needed(config, config6, &frontend, &tuple.src_addr, &backend.addr)
@@ -116,20 +122,28 @@ fn open<P: PacketAccess>(ctx: &P) -> Result<(), Counter> {
         state,
         masquerade.as_ref(),
     )?;
-    nat6::rewrite(ctx, packet, &conntrack6::rewrite_of_new(tuple.proto)?)
+    nat6::rewrite(ctx, packet, &conntrack6::rewrite_of_new(tuple.proto)?)?;
+    Ok(Translation6::Translated)
 }
 
 /// The frontend a new connection `tuple` is addressed to: its exact port, else the catch-all of
-/// a ClusterIP.
+/// a ClusterIP. As service::frontend: `Err(Passed)` when there is none, `Err(DropSourceRange)`
+/// when it is a LoadBalancer IP whose loadBalancerSourceRanges do not hold the source.
 pub fn frontend(tuple: &ConntrackKey6) -> Result<Frontend, Counter> {
-    maps::frontend6(&FrontendKey6 {
+    let frontend = maps::frontend6(&FrontendKey6 {
         addr: tuple.dst_addr,
         port: tuple.dst_port,
         proto: tuple.proto,
         _pad: 0,
     })
     .or_else(|| maps::frontend6(&FrontendKey6::any_port(tuple.dst_addr)))
-    .ok_or(Counter::Passed)
+    .ok_or(Counter::Passed)?;
+    if frontend.flags & FRONTEND_F_SOURCE_RANGES != 0
+        && !maps::source_range6_contains(frontend.service_id, &tuple.src_addr)
+    {
+        return Err(Counter::DropSourceRange);
+    }
+    Ok(frontend)
 }
 
 /// The IPv6 list a new connection from `client` uses (`Backends::of`).

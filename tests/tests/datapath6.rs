@@ -2,23 +2,30 @@
 //! BPF_PROG_TEST_RUN, as datapath.rs does for IPv4: no interface, no pinned map, a private copy
 //! of the object per test. The packets are built here byte by byte, extension headers included,
 //! and the TCP/UDP checksums of what comes out are computed here over the IPv6 pseudo-header
-//! (RFC 8200 8.1), independently of the datapath's incremental updates. Run as root.
+//! (RFC 8200 8.1), independently of the datapath's incremental updates, as is the ICMPv6 checksum
+//! of the errors it answers (REJECT). Run as root.
 use std::net::{Ipv6Addr, SocketAddrV6};
 
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{Array, HashMap, MapData, PerCpuArray},
+    maps::{
+        Array, HashMap, MapData, PerCpuArray, PerCpuValues,
+        lpm_trie::{Key, LpmTrie},
+    },
     programs::{SchedClassifier, TestRun, TestRunOptions},
 };
 use lb_common::{
     Addr6, AffinityKey6, Backend6, BackendKey, CONFIG_F_READY, CT_F_MASQUERADE, CT_F_REPLY,
-    CT_UDP_UNREPLIED, Config, Config6, ConntrackEntry6, ConntrackKey6, Counter,
-    FRONTEND_F_MASQUERADE, Frontend, FrontendKey6, IPPROTO_TCP, IPPROTO_UDP, SCHED_FLOW_HASH,
-    SCHED_ROUND_ROBIN, SCHED_SOURCE_HASH, SNAT_PORT_MAX, SNAT_PORT_MIN, StickyBackend6, flow_hash6,
-    map_name, port_be, program_name, source_hash6, tcp,
+    CT_UDP_UNREPLIED, Config, Config6, ConntrackEntry6, ConntrackKey6, Counter, FRONTEND_F_LOCAL,
+    FRONTEND_F_MASQUERADE, FRONTEND_F_SOURCE_RANGES, Frontend, FrontendKey6, IPPROTO_TCP,
+    IPPROTO_UDP, RejectLimit, SCHED_FLOW_HASH, SCHED_ROUND_ROBIN, SCHED_SOURCE_HASH, SNAT_PORT_MAX,
+    SNAT_PORT_MIN, SourceRangeKey6, StickyBackend6, flow_hash6, map_name, port_be, program_name,
+    source_hash6, tcp,
 };
 
 const TC_ACT_OK: u32 = 0;
+const TC_ACT_SHOT: u32 = 2;
+const TC_ACT_REDIRECT: u32 = 7;
 const ETH_HLEN: usize = 14;
 const IPV6_HLEN: usize = 40;
 const IPPROTO_ICMPV6: u8 = 58;
@@ -840,6 +847,252 @@ fn other_traffic_passes_untouched() {
     datapath.assert_untouched(&packet(Proto::Tcp, CLIENT, other_port, TCP_SYN, &[]));
     datapath.assert_untouched(&packet(Proto::Udp, CLIENT, pod(0x99, 53), 0, &[]));
     assert_eq!(datapath.conntrack_len(), 0);
+}
+
+/// The ICMPv6 error's limits (RFC 4443 2.4): the quote fills what the IPv6 minimum MTU leaves.
+const IPV6_MIN_MTU: usize = 1280;
+const ICMPV6_HLEN: usize = 8;
+
+/// `output` is the ICMPv6 port unreachable about `input` (Ethernet on), bounced back to its
+/// sender: MACs swapped, from the address the client tried, the client's packet quoted from its
+/// IPv6 header on as far as the error stays within 1280 bytes, the checksum right over the
+/// pseudo-header.
+fn assert_port_unreachable(input: &[u8], verdict: u32, output: &[u8]) {
+    assert_eq!(verdict, TC_ACT_REDIRECT, "sent back out");
+    assert_eq!(output[..6], input[6..12], "to the sender's MAC");
+    assert_eq!(output[6..12], input[..6], "from the MAC it was sent to");
+    assert_eq!(output[12..ETH_HLEN], [0x86, 0xdd]);
+    let quote_len = (input.len() - ETH_HLEN).min(IPV6_MIN_MTU - IPV6_HLEN - ICMPV6_HLEN);
+    let ip = &output[ETH_HLEN..ETH_HLEN + IPV6_HLEN];
+    let icmp = &output[ETH_HLEN + IPV6_HLEN..];
+    assert_eq!(icmp.len(), ICMPV6_HLEN + quote_len, "trimmed");
+    assert_eq!(ip[..4], [0x60, 0, 0, 0], "version 6");
+    assert_eq!(usize::from(u16::from_be_bytes([ip[4], ip[5]])), icmp.len());
+    assert_eq!(ip[6], IPPROTO_ICMPV6, "next header");
+    assert!(ip[7] > 1, "hop limit {}", ip[7]);
+    let addr = |bytes: &[u8]| Ipv6Addr::from(<[u8; 16]>::try_from(bytes).unwrap());
+    let (src, dst) = (addr(&ip[8..24]), addr(&ip[24..40]));
+    let (client, frontend) = (
+        addr(&input[ETH_HLEN + 8..ETH_HLEN + 24]),
+        addr(&input[ETH_HLEN + 24..ETH_HLEN + 40]),
+    );
+    assert_eq!((src, dst), (frontend, client), "from the address tried");
+    assert_eq!(
+        icmp[..2],
+        [1, 4],
+        "destination unreachable, port unreachable"
+    );
+    assert_eq!(icmp[4..8], [0; 4]);
+    assert_eq!(
+        icmp[ICMPV6_HLEN..],
+        input[ETH_HLEN..ETH_HLEN + quote_len],
+        "quote"
+    );
+    assert_eq!(
+        pseudo_header_sum(&src, &dst, IPPROTO_ICMPV6, icmp),
+        0xffff,
+        "ICMPv6 checksum over the IPv6 pseudo-header"
+    );
+}
+
+/// A UDP datagram from `src` to `dst` carrying `payload`.
+fn datagram(src: SocketAddrV6, dst: SocketAddrV6, payload: &[u8]) -> Vec<u8> {
+    let mut l4 = Vec::new();
+    l4.extend_from_slice(&src.port().to_be_bytes());
+    l4.extend_from_slice(&dst.port().to_be_bytes());
+    l4.extend_from_slice(&((8 + payload.len()) as u16).to_be_bytes());
+    l4.extend_from_slice(&[0, 0]);
+    l4.extend_from_slice(payload);
+    frame(src.ip(), dst.ip(), &[], IPPROTO_UDP, &l4)
+}
+
+/// A service without endpoints answers a new connection with ICMPv6 port unreachable: a SYN, a
+/// datagram, one after extension headers, one too long to quote whole (1400 bytes of payload:
+/// the error stops at 1280 bytes), then one of odd length (its quote padded with zeros for the
+/// checksum, not with what the long one left). Dropped, not tracked.
+#[test]
+fn service_without_endpoints_rejects() {
+    let datapath = Datapath::with_cluster_ip(&[]);
+    let long: Vec<u8> = (0..1400u32).map(|i| i as u8).collect();
+    let packets = [
+        packet(Proto::Tcp, CLIENT, CLUSTER_IP, TCP_SYN, &[]),
+        packet(Proto::Udp, CLIENT, CLUSTER_IP, 0, &[]),
+        packet(
+            Proto::Udp,
+            CLIENT,
+            CLUSTER_IP,
+            0,
+            &[IPPROTO_HOPOPTS, IPPROTO_DSTOPTS],
+        ),
+        datagram(CLIENT, CLUSTER_IP, &long),
+        datagram(CLIENT, CLUSTER_IP, b"odd"),
+    ];
+    for input in &packets {
+        let (verdict, output) = datapath.run(input);
+        assert_port_unreachable(input, verdict, &output);
+    }
+    let (_, long_error) = datapath.run(&packets[3]);
+    assert_eq!(
+        long_error.len(),
+        ETH_HLEN + IPV6_MIN_MTU,
+        "within the minimum MTU"
+    );
+    assert_eq!(
+        datapath.counter(Counter::Rejected),
+        packets.len() as u64 + 1
+    );
+    assert_eq!(datapath.counter(Counter::NewConnection), 0);
+    assert_eq!(datapath.conntrack_len(), 0);
+}
+
+/// A ClusterIP's catch-all frontend rejects the ports the service does not define (TCP and UDP),
+/// while its defined port is served.
+#[test]
+fn undefined_cluster_ip_port_rejects() {
+    let mut datapath = Datapath::with_cluster_ip(&ENDPOINTS);
+    let mut frontends: HashMap<_, FrontendKey6, Frontend> = datapath
+        .ebpf
+        .map_mut(map_name::FRONTENDS6)
+        .unwrap()
+        .try_into()
+        .unwrap();
+    frontends
+        .insert(
+            FrontendKey6::any_port(a6(CLUSTER_IP.ip())),
+            Frontend::default(),
+            0,
+        )
+        .unwrap();
+    let other_port = SocketAddrV6::new(*CLUSTER_IP.ip(), 81, 0, 0);
+    for proto in [Proto::Tcp, Proto::Udp] {
+        let input = packet(proto, CLIENT, other_port, TCP_SYN, &[]);
+        let (verdict, output) = datapath.run(&input);
+        assert_port_unreachable(&input, verdict, &output);
+    }
+    let syn = packet(Proto::Tcp, CLIENT, CLUSTER_IP, TCP_SYN, &[]);
+    let (_, backend) = datapath.translate(&syn, Proto::Tcp, ETH_HLEN + IPV6_HLEN);
+    assert!(ENDPOINTS.contains(&backend), "{backend}");
+    assert_eq!(datapath.counter(Counter::Rejected), 2);
+}
+
+/// Traffic policy Local without an endpoint on this node drops (as IPv4 and kube-proxy do), it
+/// does not reject.
+#[test]
+fn local_policy_without_local_endpoint_drops() {
+    let mut datapath = Datapath::with_cluster_ip(&ENDPOINTS);
+    let mut frontends: HashMap<_, FrontendKey6, Frontend> = datapath
+        .ebpf
+        .map_mut(map_name::FRONTENDS6)
+        .unwrap()
+        .try_into()
+        .unwrap();
+    let key = FrontendKey6 {
+        addr: a6(CLUSTER_IP.ip()),
+        port: port_be(CLUSTER_IP.port()),
+        proto: IPPROTO_TCP,
+        _pad: 0,
+    };
+    let local = Frontend {
+        service_id: SERVICE_ID,
+        backend_count: ENDPOINTS.len() as u32,
+        local_count: 0,
+        flags: FRONTEND_F_LOCAL,
+        ..Frontend::default()
+    };
+    frontends.insert(key, local, 0).unwrap();
+    let syn = packet(Proto::Tcp, CLIENT, CLUSTER_IP, TCP_SYN, &[]);
+    assert_eq!(datapath.run(&syn).0, TC_ACT_SHOT);
+    assert_eq!(datapath.counter(Counter::DropNoLocalBackend), 1);
+    assert_eq!(datapath.counter(Counter::Rejected), 0);
+}
+
+/// REJECT replies share IPv4's rate limit (`LB_REJECT_LIMIT_V1`): with no tokens the packet is
+/// dropped and no error sent.
+#[test]
+fn rejects_over_the_rate_are_dropped() {
+    let mut datapath = Datapath::with_cluster_ip(&[]);
+    let cpus = aya::util::nr_cpus().unwrap();
+    let mut limits: PerCpuArray<_, RejectLimit> = datapath
+        .ebpf
+        .map_mut(map_name::REJECT_LIMIT)
+        .unwrap()
+        .try_into()
+        .unwrap();
+    let none = PerCpuValues::try_from(vec![RejectLimit::new(0, 0, cpus as u32); cpus]).unwrap();
+    limits.set(0, none, 0).unwrap();
+    let syn = packet(Proto::Tcp, CLIENT, CLUSTER_IP, TCP_SYN, &[]);
+    let (verdict, output) = datapath.run(&syn);
+    assert_eq!((verdict, output), (TC_ACT_SHOT, syn));
+    for c in Counter::ALL {
+        let n = datapath.counter(c);
+        if n != 0 {}
+    }
+    assert_eq!(datapath.counter(Counter::DropRejectRateLimited), 1);
+    assert_eq!(datapath.counter(Counter::Rejected), 0);
+}
+
+/// loadBalancerSourceRanges over IPv6: a LoadBalancer IP with an allowed prefix serves a source
+/// inside it (masqueraded, as external traffic with policy Cluster) and drops any other, counted
+/// and without a conntrack entry.
+#[test]
+fn source_outside_load_balancer_source_ranges_is_dropped() {
+    let mut datapath = Datapath::with_cluster_ip(&ENDPOINTS);
+    datapath.set_node_and_cluster_cidr();
+    let lb_ip = SocketAddrV6::new(addr(0x50), 80, 0, 0);
+    let mut frontends: HashMap<_, FrontendKey6, Frontend> = datapath
+        .ebpf
+        .map_mut(map_name::FRONTENDS6)
+        .unwrap()
+        .try_into()
+        .unwrap();
+    let key = FrontendKey6 {
+        addr: a6(lb_ip.ip()),
+        port: port_be(lb_ip.port()),
+        proto: IPPROTO_TCP,
+        _pad: 0,
+    };
+    let frontend = Frontend {
+        service_id: SERVICE_ID,
+        backend_count: ENDPOINTS.len() as u32,
+        flags: FRONTEND_F_MASQUERADE | FRONTEND_F_SOURCE_RANGES,
+        ..Frontend::default()
+    };
+    frontends.insert(key, frontend, 0).unwrap();
+    let mut ranges: LpmTrie<_, SourceRangeKey6, u8> = datapath
+        .ebpf
+        .map_mut(map_name::SOURCE_RANGES6)
+        .unwrap()
+        .try_into()
+        .unwrap();
+    // 2001:db8:7::/48.
+    let allowed = SourceRangeKey6 {
+        service_id: SERVICE_ID,
+        addr: a6(&Ipv6Addr::new(0x2001, 0xdb8, 7, 0, 0, 0, 0, 0)),
+    };
+    ranges
+        .insert(
+            &Key::new(SourceRangeKey6::SERVICE_ID_BITS + 48, allowed),
+            1,
+            0,
+        )
+        .unwrap();
+
+    let l4 = ETH_HLEN + IPV6_HLEN;
+    let inside = SocketAddrV6::new(Ipv6Addr::new(0x2001, 0xdb8, 7, 1, 0, 0, 0, 1), 50_000, 0, 0);
+    let syn = packet(Proto::Tcp, inside, lb_ip, TCP_SYN, &[]);
+    let (src, dst) = datapath.translate(&syn, Proto::Tcp, l4);
+    assert_eq!(*src.ip(), NODE, "masqueraded");
+    assert!(ENDPOINTS.contains(&dst), "{dst}");
+
+    let outside = SocketAddrV6::new(Ipv6Addr::new(0x2001, 0xdb8, 8, 0, 0, 0, 0, 1), 50_000, 0, 0);
+    let syn = packet(Proto::Tcp, outside, lb_ip, TCP_SYN, &[]);
+    assert_eq!(datapath.run(&syn).0, TC_ACT_SHOT);
+    assert_eq!(datapath.counter(Counter::DropSourceRange), 1);
+    assert_eq!(
+        datapath.conntrack_len(),
+        2,
+        "only the allowed connection's two entries"
+    );
 }
 
 /// Below the kernel's 1M limit, with room: the IPv6 programs are verified on their own.
