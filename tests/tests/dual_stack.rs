@@ -21,7 +21,7 @@ use lb_tests::{
     node::{CLUSTER_IP, Node, PORT, TARGET_PORT, vip},
     paths::{check_external_to_node_port, check_pod_to_service},
     topology::{
-        CLUSTER_CIDR_V6, NODE_IP, NODE_IP_V6, POD_GATEWAY, POD_GATEWAY_V6, pod_ip_v6,
+        CLIENT_IP_V6, CLUSTER_CIDR_V6, NODE_IP, NODE_IP_V6, POD_GATEWAY, POD_GATEWAY_V6, pod_ip_v6,
     },
 };
 
@@ -527,7 +527,7 @@ fn ipv6_external_traffic_policy_local() -> Result<()> {
     let yaml = service.yaml_ipv6(CLUSTER_IP_V6_ONLY.parse()?, |ip| node.ipv6_of(ip));
     node.agent.update_manifests(&yaml)?;
     let node_port: SocketAddr = (NODE_IP_V6, NODE_PORT_V6).into();
-    let client: IpAddr = CLIENT_IP_V6.parse()?;
+    let client = IpAddr::V6(CLIENT_IP_V6);
     for answer in requests(&node.topology.client, Proto::Tcp, node_port, 20)? {
         answer.check(&["pod-b"], client, node_port)?;
     }
