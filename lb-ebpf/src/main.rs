@@ -21,6 +21,7 @@ mod egress;
 mod forward;
 mod fragment;
 mod icmp;
+mod icmp6;
 mod intermediate;
 mod ipv6;
 mod maps;

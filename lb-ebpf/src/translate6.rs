@@ -5,8 +5,9 @@
 //! (kube-proxy's KUBE-MARK-MASQ cases: hairpin, NodePorts, clients outside the cluster CIDR)
 //! or not, both directions rewritten here in full and handed to the stack to route. IPv6 has no
 //! martian source check, so unlike IPv4 (intermediate.rs) the masquerade source is written
-//! before routing too. Passed untouched: fragments, ICMPv6 errors; a service without endpoints
-//! is dropped (REJECT's ICMPv6 answer is a parity row).
+//! before routing too. ICMPv6 errors about tracked connections are reverse-translated
+//! (icmp6.rs). Passed untouched: fragments; a service without endpoints is dropped (REJECT's
+//! ICMPv6 answer is a parity row).
 use aya_ebpf::{macros::map, maps::PerCpuArray};
 use lb_common::{
     Addr6, BackendKey, CONFIG_F_MASQUERADE_ALL, CONFIG_F_READY, Config, Config6, ConntrackKey6,
@@ -15,7 +16,7 @@ use lb_common::{
 };
 
 use crate::{
-    conntrack6, maps, masquerade, nat6,
+    conntrack6, icmp6, maps, masquerade, nat6,
     packet::PacketAccess,
     parse::Fragment,
     parse6::{self, IPPROTO_ICMPV6, Packet6},
@@ -35,9 +36,6 @@ static PARSED: PerCpuArray<Packet6> = PerCpuArray::with_max_entries(1, 0);
 #[inline(always)]
 pub fn translation<P: PacketAccess>(ctx: &P) -> Result<(), Counter> {
     let packet = parse6::packet(ctx)?;
-    if packet.tuple.proto == IPPROTO_ICMPV6 {
-        return Err(Counter::Passed);
-    }
     if packet.fragment != Fragment::Whole {
         return Err(Counter::PassedFragment);
     }
@@ -45,10 +43,14 @@ pub fn translation<P: PacketAccess>(ctx: &P) -> Result<(), Counter> {
     if packet.hop_limit <= 1 {
         return Err(Counter::Passed);
     }
+    let icmp = packet.tuple.proto == IPPROTO_ICMPV6;
     let parsed = PARSED.get_ptr_mut(0).ok_or(Counter::Passed)?;
     // SAFETY: this CPU's own entry, valid until the program returns; tc programs are not
-    // preempted while they run, and `established` and `open` read it only after this write.
+    // preempted while they run, and its readers read it only after this write.
     unsafe { *parsed = packet };
+    if icmp {
+        return icmp6::reverse_error(ctx);
+    }
     if established(ctx)? {
         return Ok(());
     }
@@ -56,7 +58,7 @@ pub fn translation<P: PacketAccess>(ctx: &P) -> Result<(), Counter> {
 }
 
 /// The packet parsed (`PARSED`).
-fn parsed() -> Result<&'static Packet6, Counter> {
+pub fn parsed() -> Result<&'static Packet6, Counter> {
     // SAFETY: as in `translation`, which wrote it.
     Ok(unsafe { &*PARSED.get_ptr(0).ok_or(Counter::Passed)? })
 }

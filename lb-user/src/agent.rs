@@ -1098,7 +1098,7 @@ impl State {
         info!(
             services = model.services_v6.len(),
             frontends,
-            "IPv6 frontends: TCP and UDP served, masquerade included; not yet: source ranges, affinity, fragments, ICMPv6 errors, REJECT (IPv6 datapath partial)"
+            "IPv6 frontends: TCP and UDP served, masquerade included; not yet: source ranges, affinity, fragments, REJECT (IPv6 datapath partial)"
         );
     }
 
