@@ -35,8 +35,7 @@ pub fn lookup(packet: &Packet6, config: &Config, now: u64) -> Option<ConntrackKe
     let proto = packet.tuple.proto;
     let entry = maps::conntrack6(&packet.tuple)?;
     let reply = entry.flags & CT_F_REPLY != 0;
-    if now.saturating_sub(entry.last_seen_ns)
-        > conntrack_timeout_ns(proto, entry.state, &config.timeouts)
+    if expired(entry, proto, config, now)
         || proto == IPPROTO_TCP && tcp::reopens(entry.state, reply, packet.tcp_flags)
     {
         // Its peer is left to `track_new`: building the peer's key here takes stack the program
@@ -63,6 +62,23 @@ pub fn lookup(packet: &Packet6, config: &Config, now: u64) -> Option<ConntrackKe
     }
     maps::count_backend(entry.stats_slot, entry.stats_owner, packet.len);
     Some(to)
+}
+
+/// The packet the quote `quoted` of an ICMPv6 error is of, as its sender sent it, if `quoted`
+/// is of a live connection, as conntrack::related: the quote turned around is the tuple a reply
+/// to it arrives with, whose entry's rewrite turned around is the packet before translation.
+pub fn related(quoted: &ConntrackKey6, config: &Config, now: u64) -> Option<ConntrackKey6> {
+    let entry = maps::conntrack6(&reversed(quoted))?;
+    if expired(entry, quoted.proto, config, now) {
+        return None;
+    }
+    Some(reversed(&rewrite_of(entry, quoted.proto)))
+}
+
+fn expired(entry: &ConntrackEntry6, proto: u8, config: &Config, now: u64) -> bool {
+    // Saturating: another CPU may have stored a later timestamp than our `now`.
+    now.saturating_sub(entry.last_seen_ns)
+        > conntrack_timeout_ns(proto, entry.state, &config.timeouts)
 }
 
 fn update(entry: &mut ConntrackEntry6, state: u8, refresh: bool, now: u64) {

@@ -73,26 +73,12 @@ pub fn reverse_error<P: PacketAccess>(
     }
     let original = original_of(&quoted).ok_or(Counter::Passed)?;
 
-    let l4_check = if quoted.proto == IPPROTO_UDP {
-        l4 + UDP_CHECK
-    } else {
-        l4 + TCP_CHECK
-    };
-    let quote_at = QuoteOffsets {
-        icmp_check: outer.l4 + ICMP_CHECK,
-        ip: quote,
-        l4,
-        // A TCP checksum is beyond the 8 bytes a router must quote; Linux quotes more.
-        l4_check: (l4_check + 2 <= end).then_some(l4_check),
-    };
-    rewrite_quote(ctx, &quote_at, &quoted, &original)?;
+    let mut sums = QuoteSums::load(ctx, outer.l4 + ICMP_CHECK, l4, quoted.proto, end)?;
+    rewrite_quote(ctx, quote, &mut sums, &quoted, &original)?;
+    sums.store_sums(ctx)?;
 
     let to = ConntrackKey {
-        src_addr: if original.dst_addr != quoted.dst_addr {
-            original.dst_addr
-        } else {
-            outer.tuple.src_addr
-        },
+        src_addr: error_source(outer.tuple.src_addr, quoted.dst_addr, original.dst_addr),
         dst_addr: original.src_addr,
         src_port: 0,
         dst_port: 0,
@@ -110,121 +96,175 @@ pub fn reverse_error<P: PacketAccess>(
     Ok(to)
 }
 
-/// Where the quote's fields are: absolute offsets.
-struct QuoteOffsets {
-    icmp_check: usize,
-    /// The quoted IPv4 header.
-    ip: usize,
-    /// The quoted TCP/UDP header.
-    l4: usize,
-    /// The quoted TCP/UDP checksum, if the quote holds it.
-    l4_check: Option<usize>,
+/// The reverse-translated error's source, as Linux's: the quoted packet's destination as its
+/// sender sent it (`original_dst`) when that was translated (so the client sees an error about
+/// the service address from the service address), else the hop that sent the error.
+pub fn error_source<A: PartialEq>(outer_src: A, quoted_dst: A, original_dst: A) -> A {
+    if original_dst != quoted_dst {
+        original_dst
+    } else {
+        outer_src
+    }
 }
 
-/// The checksums covering the quote, as they are updated.
-struct Checksums {
-    icmp: u16,
-    ip: u16,
-    /// `None`: not quoted, or a UDP checksum of zero (none).
-    l4: Option<u16>,
-}
-
-/// Rewrites the quoted packet from `from` to `to`, keeping its checksums and the ICMP checksum
-/// right.
+/// Rewrites the quoted IPv4 header and ports from `from` to `to`, the quoted IPv4 header's
+/// checksum with them; `sums` follow every change.
 fn rewrite_quote<P: PacketAccess>(
     ctx: &P,
-    at: &QuoteOffsets,
+    ip: usize,
+    sums: &mut QuoteSums,
     from: &ConntrackKey,
     to: &ConntrackKey,
 ) -> Result<(), Counter> {
-    let udp = from.proto == IPPROTO_UDP;
-    let load = |offset| {
-        ctx.load::<u16>(offset)
-            .map_err(|_| Counter::DropRewriteFailed)
+    let ip_check: u16 = ctx
+        .load(ip + IP_CHECK)
+        .map_err(|_| Counter::DropRewriteFailed)?;
+    let mut new_ip_check = ip_check;
+    // The addresses are in the quoted IP header and, through the pseudo-header, the TCP/UDP
+    // checksum. One at a time, not in a loop over both: an array of them takes stack that
+    // `lb_ingress` has not got.
+    let src = Change {
+        old: from.src_addr,
+        new: to.src_addr,
+        size: 4,
     };
-    let ip_check = load(at.ip + IP_CHECK)?;
-    let l4_check = match at.l4_check {
-        Some(offset) => Some(load(offset)?).filter(|&check| !udp || check != 0),
-        None => None,
+    if sums.store(ctx, ip + IP_SRC, src)? {
+        new_ip_check = updated(new_ip_check, src);
+    }
+    let dst = Change {
+        old: from.dst_addr,
+        new: to.dst_addr,
+        size: 4,
     };
-    let mut sums = Checksums {
-        icmp: load(at.icmp_check)?,
-        ip: ip_check,
-        l4: l4_check,
-    };
-    let addr = |old: u32, new: u32| Change { old, new, size: 4 };
-    let port = |old: u16, new: u16| Change {
+    if sums.store(ctx, ip + IP_DST, dst)? {
+        new_ip_check = updated(new_ip_check, dst);
+    }
+    sums.store_ports(
+        ctx,
+        (from.src_port, from.dst_port),
+        (to.src_port, to.dst_port),
+    )?;
+    ctx.store(ip + IP_CHECK, &new_ip_check)
+        .map_err(|_| Counter::DropRewriteFailed)?;
+    sums.icmp = updated(sums.icmp, halfword(ip_check, new_ip_check));
+    Ok(())
+}
+
+fn halfword(old: u16, new: u16) -> Change {
+    Change {
         old: old.into(),
         new: new.into(),
         size: 2,
-    };
-    // The addresses are in the quoted IP header and, through the pseudo-header, the TCP/UDP
-    // checksum; the ports only in the latter.
-    store_field(
-        ctx,
-        at.ip + IP_SRC,
-        addr(from.src_addr, to.src_addr),
-        true,
-        &mut sums,
-    )?;
-    store_field(
-        ctx,
-        at.ip + IP_DST,
-        addr(from.dst_addr, to.dst_addr),
-        true,
-        &mut sums,
-    )?;
-    store_field(
-        ctx,
-        at.l4,
-        port(from.src_port, to.src_port),
-        false,
-        &mut sums,
-    )?;
-    store_field(
-        ctx,
-        at.l4 + 2,
-        port(from.dst_port, to.dst_port),
-        false,
-        &mut sums,
-    )?;
-
-    let store = |offset, check: &u16| {
-        ctx.store(offset, check)
-            .map_err(|_| Counter::DropRewriteFailed)
-    };
-    store(at.ip + IP_CHECK, &sums.ip)?;
-    sums.icmp = updated(sums.icmp, port(ip_check, sums.ip));
-    if let (Some(offset), Some(old), Some(new)) = (at.l4_check, l4_check, sums.l4) {
-        let new = if udp { udp_sent(new) } else { new };
-        store(offset, &new)?;
-        sums.icmp = updated(sums.icmp, port(old, new));
     }
-    store(at.icmp_check, &sums.icmp)
 }
 
-/// Stores `change` at `offset` of the quote and updates the sums that cover it: the ICMP one
-/// always, the quoted IP header's for an address (`in_ip_header`), the TCP/UDP one for both.
-fn store_field<P: PacketAccess>(
-    ctx: &P,
-    offset: usize,
-    change: Change,
-    in_ip_header: bool,
-    sums: &mut Checksums,
-) -> Result<(), Counter> {
-    if change.old == change.new {
-        return Ok(());
+/// The checksums covering a quoted TCP/UDP packet (the error's ICMP or ICMPv6 checksum, the
+/// quoted TCP/UDP checksum), updated as the quote is rewritten (`store`, `store_ports`) with
+/// RFC 1624 arithmetic and stored at the end (`store_sums`). Shared by both families: the
+/// quoted IP header is the family's own.
+pub struct QuoteSums {
+    // Offsets as u16 (all are below `packet::MAX_HEADER_OFFSET`): the sums live on the stack of
+    // `lb_ingress`, which has little to spare.
+    icmp_at: u16,
+    /// The quoted TCP/UDP header.
+    l4: u16,
+    /// The quoted TCP/UDP checksum's offset; 0 where the quote ends before it (a TCP checksum is
+    /// beyond the 8 bytes a router must quote; Linux quotes more), or for a UDP checksum of zero
+    /// (none).
+    l4_check_at: u16,
+    /// The quoted TCP/UDP checksum as loaded.
+    l4_check: u16,
+    /// The quoted TCP/UDP checksum as updated.
+    l4_sum: u16,
+    icmp: u16,
+    udp: bool,
+}
+
+impl QuoteSums {
+    /// The sums of an error whose ICMP checksum is at `icmp_at`, quoting a `proto` (TCP or UDP)
+    /// header at `l4`, the message ending at `end`.
+    pub fn load<P: PacketAccess>(
+        ctx: &P,
+        icmp_at: usize,
+        l4: usize,
+        proto: u8,
+        end: usize,
+    ) -> Result<Self, Counter> {
+        let udp = proto == IPPROTO_UDP;
+        let load = |offset| {
+            ctx.load::<u16>(offset)
+                .map_err(|_| Counter::DropRewriteFailed)
+        };
+        let mut l4_check_at = l4 + if udp { UDP_CHECK } else { TCP_CHECK };
+        let mut l4_check = 0;
+        if l4_check_at + 2 <= end {
+            l4_check = load(l4_check_at)?;
+        }
+        if l4_check_at + 2 > end || udp && l4_check == 0 {
+            l4_check_at = 0;
+        }
+        Ok(Self {
+            icmp_at: icmp_at as u16,
+            l4: l4 as u16,
+            l4_check_at: l4_check_at as u16,
+            l4_check,
+            l4_sum: l4_check,
+            icmp: load(icmp_at)?,
+            udp,
+        })
     }
-    let stored = if change.size == 4 {
-        ctx.store(offset, &change.new)
-    } else {
-        ctx.store(offset, &(change.new as u16))
-    };
-    stored.map_err(|_| Counter::DropRewriteFailed)?;
-    sums.icmp = updated(sums.icmp, change);
-    if in_ip_header {
-        sums.ip = updated(sums.ip, change);
+
+    /// Stores `change` at `offset` of the quote (an address word, covered by the TCP/UDP
+    /// checksum through its pseudo-header, or a port) and updates the sums. `Ok(false)`: no
+    /// change.
+    pub fn store<P: PacketAccess>(
+        &mut self,
+        ctx: &P,
+        offset: usize,
+        change: Change,
+    ) -> Result<bool, Counter> {
+        if change.old == change.new {
+            return Ok(false);
+        }
+        let stored = if change.size == 4 {
+            ctx.store(offset, &change.new)
+        } else {
+            ctx.store(offset, &(change.new as u16))
+        };
+        stored.map_err(|_| Counter::DropRewriteFailed)?;
+        self.icmp = updated(self.icmp, change);
+        self.l4_sum = updated(self.l4_sum, change);
+        Ok(true)
     }
-    sums.l4 = sums.l4.map(|check| updated(check, change));
-    Ok(())
+
+    /// Rewrites the quoted ports (source, destination; network order) from `from` to `to`.
+    pub fn store_ports<P: PacketAccess>(
+        &mut self,
+        ctx: &P,
+        from: (u16, u16),
+        to: (u16, u16),
+    ) -> Result<(), Counter> {
+        let l4 = usize::from(self.l4);
+        self.store(ctx, l4, halfword(from.0, to.0))?;
+        self.store(ctx, l4 + 2, halfword(from.1, to.1))?;
+        Ok(())
+    }
+
+    /// Stores the quoted TCP/UDP checksum (if quoted) and the ICMP checksum, which covers it.
+    pub fn store_sums<P: PacketAccess>(mut self, ctx: &P) -> Result<(), Counter> {
+        let store = |offset, check: &u16| {
+            ctx.store(offset, check)
+                .map_err(|_| Counter::DropRewriteFailed)
+        };
+        if self.l4_check_at != 0 {
+            let new = if self.udp {
+                udp_sent(self.l4_sum)
+            } else {
+                self.l4_sum
+            };
+            store(usize::from(self.l4_check_at), &new)?;
+            self.icmp = updated(self.icmp, halfword(self.l4_check, new));
+        }
+        store(usize::from(self.icmp_at), &self.icmp)
+    }
 }

@@ -22,6 +22,7 @@ mod family;
 mod forward;
 mod fragment;
 mod icmp;
+mod icmp6;
 mod intermediate;
 mod ipv6;
 mod maps;

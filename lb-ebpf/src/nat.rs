@@ -9,7 +9,9 @@ use lb_common::{ConntrackKey, Counter, IPPROTO_UDP};
 
 use crate::{
     packet::{Change, L4Checksum, PacketAccess},
-    parse::{ETH_HLEN, Fragment, IP_CHECK, IP_DST, IP_SRC, Packet, TCP_CHECK, UDP_CHECK},
+    parse::{
+        ETH_HLEN, Fragment, ICMP_CHECK, IP_CHECK, IP_DST, IP_SRC, Packet, TCP_CHECK, UDP_CHECK,
+    },
 };
 
 pub const IP_CHECK_OFFSET: usize = ETH_HLEN + IP_CHECK;
@@ -29,6 +31,14 @@ impl L4 {
         Self {
             check_offset: l4 + if udp { UDP_CHECK } else { TCP_CHECK },
             udp,
+        }
+    }
+
+    /// The ICMPv6 header at offset `l4`: its checksum covers a pseudo-header as TCP's does.
+    pub fn icmpv6(l4: usize) -> Self {
+        Self {
+            check_offset: l4 + ICMP_CHECK,
+            udp: false,
         }
     }
 

@@ -11,8 +11,8 @@ use crate::{
     parse6::{IPV6_DST, IPV6_SRC, Packet6},
 };
 
-const IPV6_SRC_OFFSET: usize = ETH_HLEN + IPV6_SRC;
-const IPV6_DST_OFFSET: usize = ETH_HLEN + IPV6_DST;
+pub const IPV6_SRC_OFFSET: usize = ETH_HLEN + IPV6_SRC;
+pub const IPV6_DST_OFFSET: usize = ETH_HLEN + IPV6_DST;
 
 /// Rewrites `packet` (whose header fields are `packet.tuple`) to carry `to`.
 #[inline(always)]
@@ -54,8 +54,9 @@ pub fn rewrite<P: PacketAccess>(
     Ok(())
 }
 
-/// `l4`: the TCP/UDP checksum; `None` for a later fragment.
-fn replace_addr<P: PacketAccess>(
+/// `l4`: the checksum whose pseudo-header covers the address (TCP, UDP, ICMPv6); `None` for a
+/// later fragment.
+pub fn replace_addr<P: PacketAccess>(
     ctx: &P,
     offset: usize,
     l4: Option<&L4>,

@@ -29,7 +29,7 @@ pub const IPV6_SRC: usize = 8;
 pub const IPV6_DST: usize = 24;
 const TCP_MIN_HLEN: usize = 20;
 const UDP_HLEN: usize = 8;
-const ICMPV6_HLEN: usize = 8;
+pub const ICMPV6_HLEN: usize = 8;
 /// ICMPv6 types from 128 on are informational (RFC 4443), neighbour discovery (133-137) included.
 const ICMPV6_INFORMATIONAL: u8 = 128;
 /// The data offset (high nibble) and the flags byte after it.
@@ -42,13 +42,28 @@ const FRAG_MORE: u16 = 0x0001;
 /// The fixed IPv6 header, fields in network order.
 #[repr(C)]
 #[derive(Clone, Copy)]
-struct Ipv6Header {
+pub struct Ipv6Header {
     version_class_flow: u32,
     payload_len: u16,
-    next_header: u8,
+    pub next_header: u8,
     hop_limit: u8,
-    src_addr: Addr6,
-    dst_addr: Addr6,
+    pub src_addr: Addr6,
+    pub dst_addr: Addr6,
+}
+
+impl Ipv6Header {
+    /// The 5-tuple of this header with the `proto` header carrying `ports` after it.
+    pub fn tuple(&self, proto: u8, ports: Ports) -> ConntrackKey6 {
+        ConntrackKey6 {
+            src_addr: self.src_addr,
+            dst_addr: self.dst_addr,
+            src_port: ports.src,
+            dst_port: ports.dst,
+            proto,
+            _pad0: 0,
+            _pad1: 0,
+        }
+    }
 }
 
 /// The fragment extension header (RFC 8200 4.5).
@@ -102,15 +117,7 @@ pub fn packet<P: PacketAccess>(ctx: &P) -> Result<Packet6, Counter> {
         .checked_sub(chain.l4)
         .ok_or(Counter::PassedIpv6ExtensionHeader)?;
     let len = (IPV6_HLEN + payload_len) as u16;
-    let tuple = |ports: Ports| ConntrackKey6 {
-        src_addr: ip.src_addr,
-        dst_addr: ip.dst_addr,
-        src_port: ports.src,
-        dst_port: ports.dst,
-        proto: chain.proto,
-        _pad0: 0,
-        _pad1: 0,
-    };
+    let tuple = |ports: Ports| ip.tuple(chain.proto, ports);
     let no_ports = Ports { src: 0, dst: 0 };
     if chain.fragment == Fragment::Later {
         if chain.proto == IPPROTO_ICMPV6 {

@@ -9,8 +9,8 @@
 //! or not, both directions rewritten here in full and handed to the stack to route. IPv6 has no
 //! martian source check, so unlike IPv4 (intermediate.rs) the masquerade source is written
 //! before routing too. A service without endpoints is rejected (reject6.rs), a source outside a
-//! LoadBalancer IP's loadBalancerSourceRanges dropped, as over IPv4. Passed untouched: fragments,
-//! ICMPv6 errors.
+//! LoadBalancer IP's loadBalancerSourceRanges dropped, as over IPv4. ICMPv6 errors about tracked
+//! connections are reverse-translated (icmp6.rs). Passed untouched: fragments.
 use aya_ebpf::{macros::map, maps::PerCpuArray};
 use lb_common::{
     Addr6, CONFIG_F_MASQUERADE_ALL, CONFIG_F_READY, Config, Config6, ConntrackKey6, Counter,
@@ -21,7 +21,7 @@ use lb_common::{
 use crate::{
     conntrack6,
     family::Ipv6,
-    maps, masquerade, nat6,
+    icmp6, maps, masquerade, nat6,
     packet::PacketAccess,
     parse::Fragment,
     parse6::{self, IPPROTO_ICMPV6, Packet6},
@@ -51,9 +51,6 @@ pub enum Translation6 {
 #[inline(always)]
 pub fn translation<P: PacketAccess>(ctx: &P) -> Result<Translation6, Counter> {
     let packet = parse6::packet(ctx)?;
-    if packet.tuple.proto == IPPROTO_ICMPV6 {
-        return Err(Counter::Passed);
-    }
     if packet.fragment != Fragment::Whole {
         return Err(Counter::PassedFragment);
     }
@@ -61,10 +58,14 @@ pub fn translation<P: PacketAccess>(ctx: &P) -> Result<Translation6, Counter> {
     if packet.hop_limit <= 1 {
         return Err(Counter::Passed);
     }
+    let icmp = packet.tuple.proto == IPPROTO_ICMPV6;
     let parsed = PARSED.get_ptr_mut(0).ok_or(Counter::Passed)?;
     // SAFETY: this CPU's own entry, valid until the program returns; tc programs are not
-    // preempted while they run, and `established` and `open` read it only after this write.
+    // preempted while they run, and its readers read it only after this write.
     unsafe { *parsed = packet };
+    if icmp {
+        return icmp6::reverse_error(ctx).map(|()| Translation6::Translated);
+    }
     if established(ctx)? {
         return Ok(Translation6::Translated);
     }

@@ -16,3 +16,4 @@ pub mod overlay;
 pub mod paths;
 pub mod raw;
 pub mod topology;
+pub mod transfer;

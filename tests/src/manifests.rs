@@ -350,3 +350,54 @@ pub fn yaml(services: &[ServiceManifest]) -> String {
         .collect::<Vec<_>>()
         .join("---\n")
 }
+
+/// An IPv6-only Service `name` on `frontend` (its ClusterIP and port, named `app`, targetPort
+/// `app`) and its EndpointSlice `slice` (name, addressType, port) of `addresses`.
+pub fn ipv6_only_service(
+    name: &str,
+    frontend: (Ipv6Addr, u16),
+    proto: Proto,
+    slice: (&str, &str, u16),
+    addresses: &[String],
+) -> String {
+    let (cluster_ip, port) = frontend;
+    let proto = proto.manifest_name();
+    let (slice_name, address_type, slice_port) = slice;
+    let endpoints: String = addresses
+        .iter()
+        .map(|a| format!("  - addresses: [\"{a}\"]\n"))
+        .collect();
+    format!(
+        "---
+apiVersion: v1
+kind: Service
+metadata:
+  name: {name}
+  namespace: default
+spec:
+  type: ClusterIP
+  clusterIP: \"{cluster_ip}\"
+  clusterIPs: [\"{cluster_ip}\"]
+  ipFamilies: [IPv6]
+  ports:
+    - name: app
+      protocol: {proto}
+      port: {port}
+      targetPort: app
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: {slice_name}
+  namespace: default
+  labels:
+    kubernetes.io/service-name: {name}
+addressType: {address_type}
+ports:
+  - name: app
+    protocol: {proto}
+    port: {slice_port}
+endpoints:
+{endpoints}"
+    )
+}

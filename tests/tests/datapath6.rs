@@ -1095,6 +1095,252 @@ fn source_outside_load_balancer_source_ranges_is_dropped() {
     );
 }
 
+const ICMPV6_DEST_UNREACH: u8 = 1;
+const ICMPV6_PACKET_TOO_BIG: u8 = 2;
+const ICMPV6_TIME_EXCEEDED: u8 = 3;
+/// Where an error's quote starts, and the quoted transport header, in a frame without
+/// extension headers.
+const QUOTE: usize = ETH_HLEN + IPV6_HLEN + ICMPV6_HLEN;
+const QUOTED_L4: usize = QUOTE + IPV6_HLEN;
+/// A router on the way, which sends errors from an address of its own.
+const ROUTER: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x200, 0, 0, 0, 0, 1);
+
+/// An ICMPv6 error of `icmp_type` (code 0; for Packet Too Big, MTU 1280) from `src` to `dst`
+/// quoting the IPv6 packet of `frame_quoted` (an Ethernet frame), its checksum computed here.
+fn icmp6_error(src: &Ipv6Addr, dst: &Ipv6Addr, icmp_type: u8, frame_quoted: &[u8]) -> Vec<u8> {
+    let mut l4 = vec![icmp_type, 0, 0, 0];
+    l4.extend_from_slice(&1280u32.to_be_bytes());
+    l4.extend_from_slice(&frame_quoted[ETH_HLEN..]);
+    frame(src, dst, &[], IPPROTO_ICMPV6, &l4)
+}
+
+/// What a reverse-translated error says: its outer source and destination, and the quoted
+/// packet's source and destination.
+#[derive(Debug, PartialEq)]
+struct Error6 {
+    src: Ipv6Addr,
+    dst: Ipv6Addr,
+    quoted_src: SocketAddrV6,
+    quoted_dst: SocketAddrV6,
+}
+
+/// The error `output`, which must be `input` with only the outer and quoted addresses, the
+/// quoted ports and the checksums rewritten, its ICMPv6 checksum right over the new outer
+/// pseudo-header and, when the quote holds the whole `proto` packet, the quoted checksum right
+/// over the quoted pseudo-header.
+fn verify_error(input: &[u8], output: &[u8], proto: Proto, whole_quote: bool) -> Error6 {
+    assert_eq!(output.len(), input.len());
+    let check = QUOTED_L4 + proto.check_offset();
+    let unchanged = |range: std::ops::Range<usize>| {
+        assert_eq!(
+            output[range.clone()],
+            input[range.clone()],
+            "bytes {range:?}"
+        );
+    };
+    let icmp = ETH_HLEN + IPV6_HLEN;
+    unchanged(0..ETH_HLEN + 8);
+    unchanged(icmp..icmp + 2);
+    unchanged(icmp + 4..QUOTE + 8);
+    unchanged(QUOTED_L4 + 4..check.min(input.len()));
+    if check + 2 < input.len() {
+        unchanged(check + 2..input.len());
+    }
+    let ip = |at: usize| Ipv6Addr::from(<[u8; 16]>::try_from(&output[at..at + 16]).unwrap());
+    let (src, dst) = (ip(ETH_HLEN + 8), ip(ETH_HLEN + 24));
+    assert_eq!(
+        pseudo_header_sum(&src, &dst, IPPROTO_ICMPV6, &output[icmp..]),
+        0xffff,
+        "ICMPv6 checksum over the IPv6 pseudo-header"
+    );
+    let (quoted_src, quoted_dst) = (ip(QUOTE + 8), ip(QUOTE + 24));
+    if whole_quote {
+        assert_eq!(
+            pseudo_header_sum(
+                &quoted_src,
+                &quoted_dst,
+                proto.number(),
+                &output[QUOTED_L4..]
+            ),
+            0xffff,
+            "quoted {proto:?} checksum over the quoted pseudo-header"
+        );
+    }
+    let port = |at: usize| u16::from_be_bytes([output[at], output[at + 1]]);
+    Error6 {
+        src,
+        dst,
+        quoted_src: SocketAddrV6::new(quoted_src, port(QUOTED_L4), 0, 0),
+        quoted_dst: SocketAddrV6::new(quoted_dst, port(QUOTED_L4 + 2), 0, 0),
+    }
+}
+
+/// Opens a connection from `client` to `frontend` and returns the first packet as translated,
+/// and the reply to it as the backend sends it, translated back.
+fn translated_flow(
+    datapath: &Datapath,
+    proto: Proto,
+    client: SocketAddrV6,
+    frontend: SocketAddrV6,
+) -> (Vec<u8>, Vec<u8>) {
+    let flags = if proto == Proto::Tcp { TCP_SYN } else { 0 };
+    let (verdict, translated) = datapath.run(&packet(proto, client, frontend, flags, &[]));
+    assert_eq!(verdict, TC_ACT_OK);
+    let l4 = ETH_HLEN + IPV6_HLEN;
+    let first = packet(proto, client, frontend, flags, &[]);
+    let (src, backend) = verify(&first, &translated, proto, l4);
+    let reply_flags = if proto == Proto::Tcp {
+        TCP_SYN | TCP_ACK
+    } else {
+        0
+    };
+    let (verdict, reply) = datapath.run(&packet(proto, backend, src, reply_flags, &[]));
+    assert_eq!(verdict, TC_ACT_OK);
+    (translated, reply)
+}
+
+/// The source and destination of `frame`'s TCP/UDP packet.
+fn endpoints_of(frame: &[u8]) -> (SocketAddrV6, SocketAddrV6) {
+    let ip = |at: usize| Ipv6Addr::from(<[u8; 16]>::try_from(&frame[at..at + 16]).unwrap());
+    let l4 = ETH_HLEN + IPV6_HLEN;
+    let port = |at: usize| u16::from_be_bytes([frame[at], frame[at + 1]]);
+    (
+        SocketAddrV6::new(ip(ETH_HLEN + 8), port(l4), 0, 0),
+        SocketAddrV6::new(ip(ETH_HLEN + 24), port(l4 + 2), 0, 0),
+    )
+}
+
+/// ICMPv6 errors about a translated connection's packets reach their sender as about the packet
+/// it sent: a Packet Too Big, a destination unreachable and a time exceeded about the client's
+/// packet as translated (from the backend, or a router on the way), and a Packet Too Big from a
+/// router on the client's side about the backend's reply as translated. The outer destination
+/// becomes the quoted packet's sender, the outer source the service address when the quoted
+/// destination was translated, the quote the packet as sent; the ICMPv6 and quoted checksums
+/// verified here over the pseudo-headers. Also masqueraded (an external client to a NodePort).
+#[test]
+fn icmpv6_errors_about_translated_flows_are_reverse_translated() {
+    for proto in [Proto::Tcp, Proto::Udp] {
+        for (client, frontend) in [(CLIENT, CLUSTER_IP), (EXTERNAL_CLIENT, NODE_PORT)] {
+            let mut datapath = Datapath::with_cluster_ip(&ENDPOINTS[..1]);
+            datapath.set_node_and_cluster_cidr();
+            let case = format!("{proto:?} {client} → {frontend}");
+            let (translated, reply) = translated_flow(&datapath, proto, client, frontend);
+            let (sent_from, backend) = endpoints_of(&translated);
+            // About the client's packet: sent to where it came from (the masquerade address or
+            // the client itself).
+            for (from, icmp_type) in [
+                (backend.ip(), ICMPV6_PACKET_TOO_BIG),
+                (&ROUTER, ICMPV6_PACKET_TOO_BIG),
+                (backend.ip(), ICMPV6_DEST_UNREACH),
+                (&ROUTER, ICMPV6_TIME_EXCEEDED),
+            ] {
+                let error = icmp6_error(from, sent_from.ip(), icmp_type, &translated);
+                let (verdict, output) = datapath.run(&error);
+                assert_eq!(verdict, TC_ACT_OK, "{case}");
+                assert_eq!(
+                    verify_error(&error, &output, proto, true),
+                    Error6 {
+                        src: *frontend.ip(),
+                        dst: *client.ip(),
+                        quoted_src: client,
+                        quoted_dst: frontend,
+                    },
+                    "{case}: type {icmp_type} from {from}"
+                );
+            }
+            // About the backend's reply, from a router on the client's side.
+            let error = icmp6_error(&ROUTER, frontend.ip(), ICMPV6_PACKET_TOO_BIG, &reply);
+            let (verdict, output) = datapath.run(&error);
+            assert_eq!(verdict, TC_ACT_OK, "{case}");
+            let masqueraded = sent_from.ip() != client.ip();
+            assert_eq!(
+                verify_error(&error, &output, proto, true),
+                Error6 {
+                    src: if masqueraded { *sent_from.ip() } else { ROUTER },
+                    dst: *backend.ip(),
+                    quoted_src: backend,
+                    quoted_dst: sent_from,
+                },
+                "{case}: about the reply"
+            );
+            assert_eq!(datapath.counter(Counter::IcmpErrorTranslated), 5, "{case}");
+            assert_eq!(datapath.conntrack_len(), 2, "{case}");
+        }
+    }
+}
+
+/// Errors that are not about a translated connection, or cannot be read, pass untouched: every
+/// truncation of a Packet Too Big (its payload length as sent, and fitting the cut while the
+/// quote is shorter than the 8 transport bytes the ports need), one about an untracked flow,
+/// one sent to another host than the quoted packet's sender, one whose quote has an extension
+/// header. A quote of just the 8 bytes (no quoted checksum) is translated, its ICMPv6 checksum
+/// right.
+#[test]
+fn malformed_icmpv6_errors_are_not_mistranslated() {
+    let mut datapath = Datapath::with_cluster_ip(&ENDPOINTS[..1]);
+    datapath.set_node_and_cluster_cidr();
+    let (translated, _) = translated_flow(&datapath, Proto::Tcp, CLIENT, CLUSTER_IP);
+    let (_, backend) = endpoints_of(&translated);
+    let whole = icmp6_error(
+        backend.ip(),
+        CLIENT.ip(),
+        ICMPV6_PACKET_TOO_BIG,
+        &translated,
+    );
+    for len in ETH_HLEN + IPV6_HLEN..whole.len() {
+        datapath.assert_untouched(&whole[..len]);
+        let quoted_len = len.saturating_sub(QUOTE);
+        if (QUOTE..QUOTED_L4 + 8).contains(&len) {
+            let cut = icmp6_error(
+                backend.ip(),
+                CLIENT.ip(),
+                ICMPV6_PACKET_TOO_BIG,
+                &translated[..ETH_HLEN + quoted_len],
+            );
+            datapath.assert_untouched(&cut);
+        }
+    }
+    assert_eq!(datapath.counter(Counter::IcmpErrorTranslated), 0);
+
+    let other_client = pod(0x11, 40001);
+    let untracked = packet(Proto::Tcp, other_client, backend, TCP_SYN, &[]);
+    datapath.assert_untouched(&icmp6_error(
+        backend.ip(),
+        other_client.ip(),
+        ICMPV6_PACKET_TOO_BIG,
+        &untracked,
+    ));
+    datapath.assert_untouched(&icmp6_error(
+        backend.ip(),
+        other_client.ip(),
+        ICMPV6_PACKET_TOO_BIG,
+        &translated,
+    ));
+    let (client, _) = endpoints_of(&translated);
+    let with_extension = packet(Proto::Tcp, client, backend, TCP_SYN, &[IPPROTO_DSTOPTS]);
+    datapath.assert_untouched(&icmp6_error(
+        backend.ip(),
+        CLIENT.ip(),
+        ICMPV6_PACKET_TOO_BIG,
+        &with_extension,
+    ));
+    assert_eq!(datapath.counter(Counter::IcmpErrorTranslated), 0);
+
+    let shortest = icmp6_error(
+        backend.ip(),
+        CLIENT.ip(),
+        ICMPV6_PACKET_TOO_BIG,
+        &translated[..ETH_HLEN + IPV6_HLEN + 8],
+    );
+    let (verdict, output) = datapath.run(&shortest);
+    assert_eq!(verdict, TC_ACT_OK);
+    let error = verify_error(&shortest, &output, Proto::Tcp, false);
+    assert_eq!((error.src, error.dst), (*CLUSTER_IP.ip(), *CLIENT.ip()));
+    assert_eq!((error.quoted_src, error.quoted_dst), (CLIENT, CLUSTER_IP));
+    assert_eq!(datapath.counter(Counter::IcmpErrorTranslated), 1);
+    assert_eq!(datapath.conntrack_len(), 2);
+}
+
 /// Below the kernel's 1M limit, with room: the IPv6 programs are verified on their own.
 #[test]
 fn verifier_cost_is_bounded() {

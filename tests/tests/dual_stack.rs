@@ -16,7 +16,7 @@ use lb_tests::{
     bpffs::Bpffs,
     cgroup::Cgroup,
     echo::{Answer, EchoServer, Proto, ask, requests, udp_socket},
-    manifests::{EndpointManifest, ServiceManifest},
+    manifests::{self, EndpointManifest, ServiceManifest},
     netns::Netns,
     node::{CLUSTER_IP, Node, PORT, TARGET_PORT, vip},
     paths::{check_external_to_node_port, check_pod_to_service},
@@ -29,7 +29,7 @@ const NODE_PORT: u16 = 30080;
 const CLUSTER_IP_V6: &str = "2001:db8:96::10";
 const CLUSTER_IP_V6_ONLY: &str = "2001:db8:96::11";
 /// Logged once a sync changes how many IPv6 frontends the model holds.
-const IPV6_PENDING: &str = "IPv6 frontends: TCP and UDP served, masquerade, affinity, schedulers, source ranges and REJECT included; not yet: fragments, ICMPv6 errors (IPv6 datapath partial)";
+const IPV6_PENDING: &str = "IPv6 frontends: TCP and UDP served, masquerade, affinity, schedulers, source ranges, REJECT and ICMPv6 errors included; not yet: fragments (IPv6 datapath partial)";
 
 /// `service` (an IPv4 Service and its IPv4 slice) made dual-stack: ipFamilies [IPv4, IPv6], a
 /// ClusterIP per family, an IPv6 slice and an FQDN slice (ignored) beside the IPv4 one.
@@ -81,45 +81,8 @@ fn ipv6_only_with_ipv4_slice(proto: Proto, pods: &[Ipv4Addr]) -> String {
 /// An IPv6-only Service `web6` on CLUSTER_IP_V6_ONLY:PORT and its EndpointSlice `slice`
 /// (name, addressType, port) of `addresses`.
 fn ipv6_only_service(proto: Proto, slice: (&str, &str, u16), addresses: &[String]) -> String {
-    let proto = proto.manifest_name();
-    let (slice_name, address_type, slice_port) = slice;
-    let endpoints: String = addresses
-        .iter()
-        .map(|a| format!("  - addresses: [\"{a}\"]\n"))
-        .collect();
-    format!(
-        "---
-apiVersion: v1
-kind: Service
-metadata:
-  name: web6
-  namespace: default
-spec:
-  type: ClusterIP
-  clusterIP: \"{CLUSTER_IP_V6_ONLY}\"
-  clusterIPs: [\"{CLUSTER_IP_V6_ONLY}\"]
-  ipFamilies: [IPv6]
-  ports:
-    - name: app
-      protocol: {proto}
-      port: {PORT}
-      targetPort: app
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata:
-  name: {slice_name}
-  namespace: default
-  labels:
-    kubernetes.io/service-name: web6
-addressType: {address_type}
-ports:
-  - name: app
-    protocol: {proto}
-    port: {slice_port}
-endpoints:
-{endpoints}"
-    )
+    let cluster_ip = CLUSTER_IP_V6_ONLY.parse().expect("an IPv6 address");
+    manifests::ipv6_only_service("web6", (cluster_ip, PORT), proto, slice, addresses)
 }
 
 /// A node of three pods whose agent has both families' `--node-ip` and `--cluster-cidr`, and

@@ -7,13 +7,8 @@
 //! backend's address, not the service's): the datagram's answer never comes, and the transfer
 //! stalls in a black hole.
 use std::{
-    io::{ErrorKind, Read as _, Write as _},
-    net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream, UdpSocket},
-    sync::{
-        Arc,
-        atomic::{AtomicBool, Ordering},
-    },
-    thread::JoinHandle,
+    io::ErrorKind,
+    net::{Ipv4Addr, SocketAddr, UdpSocket},
     time::{Duration, Instant},
 };
 
@@ -25,6 +20,7 @@ use lb_tests::{
     netns::{Netns, unique_prefix},
     node::{CLUSTER_IP, Node, PORT, TARGET_PORT, serve_pods},
     topology::{NODE_IP, POD_GATEWAY, Topology},
+    transfer::{CountingServer, TRANSFER, learned_mtu, upload},
 };
 use nix::{
     errno::Errno,
@@ -170,105 +166,9 @@ impl RemoteBackend {
     }
 }
 
-/// How much each client uploads: dozens of full-size segments.
-const TRANSFER: usize = 64 * 1024;
-/// A transfer that PMTU discovery lets through takes milliseconds; a black hole never ends.
-const TRANSFER_WAIT: Duration = Duration::from_secs(10);
 /// Well below the retransmission timeouts a transfer would wait through if its large segments
 /// were lost on the way (seconds: 1 s, then 2 s, ...).
 const PROMPT: Duration = Duration::from_secs(3);
-
-/// Reads each connection to EOF and answers with the byte count; stopped on drop.
-struct CountingServer {
-    stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
-}
-
-impl CountingServer {
-    fn start(ns: &Netns, port: u16) -> Result<Self> {
-        let listener = ns.run(move || -> Result<TcpListener> {
-            let listener = TcpListener::bind(("0.0.0.0", port))?;
-            listener.set_nonblocking(true)?;
-            Ok(listener)
-        })??;
-        let stop = Arc::new(AtomicBool::new(false));
-        let thread = std::thread::spawn({
-            let stop = stop.clone();
-            move || {
-                while !stop.load(Ordering::Relaxed) {
-                    match listener.accept() {
-                        Ok((stream, _)) => count_to_eof(stream),
-                        Err(_) => std::thread::sleep(Duration::from_millis(5)),
-                    }
-                }
-            }
-        });
-        Ok(CountingServer {
-            stop,
-            thread: Some(thread),
-        })
-    }
-}
-
-fn count_to_eof(mut stream: TcpStream) {
-    let _ = stream.set_nonblocking(false);
-    let _ = stream.set_read_timeout(Some(TRANSFER_WAIT));
-    let mut buf = [0u8; 16 * 1024];
-    let mut total = 0usize;
-    loop {
-        match stream.read(&mut buf) {
-            Ok(0) => break,
-            Ok(n) => total += n,
-            Err(_) => return,
-        }
-    }
-    let _ = stream.write_all(total.to_string().as_bytes());
-}
-
-impl Drop for CountingServer {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
-    }
-}
-
-/// Uploads TRANSFER bytes from `ns` to `to` and returns how long it took until the server's
-/// count came back; fails if it does not within TRANSFER_WAIT.
-fn upload(ns: &Netns, to: SocketAddr) -> Result<Duration> {
-    ns.run(move || -> Result<Duration> {
-        let start = Instant::now();
-        let mut stream = TcpStream::connect_timeout(&to, ANSWER_WAIT)
-            .with_context(|| format!("connect {to}"))?;
-        stream.set_write_timeout(Some(TRANSFER_WAIT))?;
-        stream.set_read_timeout(Some(TRANSFER_WAIT))?;
-        stream.write_all(&vec![0x5a; TRANSFER])?;
-        stream.shutdown(std::net::Shutdown::Write)?;
-        let mut answer = String::new();
-        stream
-            .read_to_string(&mut answer)
-            .with_context(|| format!("the count from {to} after {:?}", start.elapsed()))?;
-        ensure!(
-            answer == TRANSFER.to_string(),
-            "{to} counted {answer:?} bytes"
-        );
-        Ok(start.elapsed())
-    })?
-}
-
-/// The path MTU `ns` has learned towards `to` (`ip route get`: a cached exception).
-fn learned_mtu(ns: &Netns, to: Ipv4Addr) -> Result<Option<u32>> {
-    let output = ns.exec("ip", &["route", "get", &to.to_string()])?;
-    let text = String::from_utf8(output.stdout)?;
-    let mut words = text.split_whitespace();
-    while let Some(word) = words.next() {
-        if word == "mtu" {
-            return Ok(Some(words.next().context("mtu value")?.parse()?));
-        }
-    }
-    Ok(None)
-}
 
 /// PMTU discovery through a service: the backend sits behind a router whose link to it has MTU
 /// 1280. A pod's upload to the ClusterIP (not masqueraded) and an external client's to the
@@ -281,7 +181,8 @@ fn path_mtu_discovery_through_a_service() -> Result<()> {
     let topology = Topology::new(1)?;
     let remote = RemoteBackend::new(&topology.node)?;
     let _servers: Vec<EchoServer> = serve_pods(&topology, TARGET_PORT)?;
-    let _counting = CountingServer::start(&remote.backend, TARGET_PORT)?;
+    let _counting =
+        CountingServer::start(&remote.backend, (Ipv4Addr::UNSPECIFIED, TARGET_PORT).into())?;
     let service = ServiceManifest::new("upload", CLUSTER_IP, Proto::Tcp, PORT, TARGET_PORT)
         .node_port(NODE_PORT)
         .endpoints([REMOTE_BACKEND_IP]);
@@ -293,12 +194,12 @@ fn path_mtu_discovery_through_a_service() -> Result<()> {
     ];
     for (client, ns, addr, port) in cases {
         ensure!(
-            learned_mtu(ns, addr)?.is_none(),
+            learned_mtu(ns, addr.into())?.is_none(),
             "{client}: a path MTU before any traffic"
         );
         let took = upload(ns, (addr, port).into()).with_context(|| client.to_string())?;
         ensure!(took < PROMPT, "{client}: {TRANSFER} bytes took {took:?}");
-        let mtu = learned_mtu(ns, addr)?;
+        let mtu = learned_mtu(ns, addr.into())?;
         ensure!(
             mtu == Some(ROUTER_MTU),
             "{client}: path MTU towards {addr} {mtu:?}, expected {ROUTER_MTU}"
@@ -328,7 +229,8 @@ fn path_mtu_of_the_nodes_link_to_a_backend(forwarding: &str) -> Result<()> {
     let topology = Topology::new(2)?;
     let _servers: Vec<EchoServer> = serve_pods(&topology, TARGET_PORT)?;
     let backend = topology.pod("pod-b");
-    let _counting = CountingServer::start(&backend.ns, CLOSED_PORT)?;
+    let _counting =
+        CountingServer::start(&backend.ns, (Ipv4Addr::UNSPECIFIED, CLOSED_PORT).into())?;
     let mtu = NODE_LINK_MTU.to_string();
     topology
         .node
@@ -358,7 +260,7 @@ fn path_mtu_of_the_nodes_link_to_a_backend(forwarding: &str) -> Result<()> {
         let took = upload(ns, (addr, port).into())
             .with_context(|| format!("{client}: {:?}", lb_tests::agent::stats(&topology.node)))?;
         ensure!(took < PROMPT, "{client}: {TRANSFER} bytes took {took:?}");
-        let mtu = learned_mtu(ns, addr)?;
+        let mtu = learned_mtu(ns, addr.into())?;
         ensure!(
             mtu == Some(NODE_LINK_MTU),
             "{client}: path MTU towards {addr} {mtu:?}, expected {NODE_LINK_MTU}"
