@@ -315,15 +315,20 @@ mod tests {
 
     #[test]
     fn every_object_of_a_service_shares_one_copy_of_its_name() {
+        let same = |a: &ServiceName, b: &ServiceName| {
+            std::sync::Arc::ptr_eq(&a.name, &b.name)
+                && std::sync::Arc::ptr_eq(&a.namespace, &b.namespace)
+        };
         let mut tracker = ChangeTracker::default();
         tracker.applied(Kind::EndpointSlice, slice("web-a", "1", "web"));
+        let first = tracker.take_changed().pop_first().unwrap();
         tracker.applied(Kind::Service, service("web", "2"));
+        let service_marked = tracker.take_changed().pop_first().unwrap();
         tracker.applied(Kind::EndpointSlice, slice("web-b", "3", "web"));
-        let shared = tracker.service_name(&name("web")).unwrap();
-        let changed = tracker.take_changed();
-        let marked = changed.first().unwrap();
-        assert!(std::sync::Arc::ptr_eq(&shared.name, &marked.name));
-        assert!(std::sync::Arc::ptr_eq(&shared.namespace, &marked.namespace));
+        let slice_marked = tracker.take_changed().pop_first().unwrap();
+        assert!(same(&first, &service_marked));
+        assert!(same(&first, &slice_marked));
+        assert!(same(&first, &tracker.service_name(&name("web")).unwrap()));
 
         // The name outlives neither its Service nor its slices.
         tracker.deleted(Kind::Service, "shop/web");
