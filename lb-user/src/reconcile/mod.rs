@@ -1731,7 +1731,9 @@ fn frontend_key(addr: Ipv4Addr, port: u16, proto: u8) -> FrontendKey {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{Conditions, Protocol, Service, ServiceName, ServicePort, TargetPort};
+    use crate::model::{
+        Conditions, Placement, Protocol, Service, ServiceName, ServicePort, TargetPort,
+    };
     use ipnet::Ipv4Net;
     use lb_common::port_be;
 
@@ -1920,8 +1922,7 @@ mod tests {
                 serving: ready,
                 terminating: false,
             },
-            node_name: None,
-            hints: Default::default(),
+            placement: Default::default(),
         }
     }
 
@@ -2066,8 +2067,7 @@ mod tests {
     fn external_ips_of_a_cluster_ip_service_honour_external_local() {
         let external_ip = Ipv4Addr::new(203, 0, 113, 10);
         let local_endpoint = Endpoint {
-            node_name: Some("me".into()),
-            hints: Default::default(),
+            placement: Placement::new(Some("me"), Default::default()),
             ..endpoint(2, true)
         };
         let mut m = model(&[("web", 10, None, vec![local_endpoint, endpoint(3, true)])]);
@@ -2264,8 +2264,7 @@ mod tests {
     #[test]
     fn traffic_policy_local_gets_a_list_of_this_nodes_endpoints() {
         let on = |last, node: &str| Endpoint {
-            node_name: Some(node.into()),
-            hints: Default::default(),
+            placement: Placement::new(Some(node), Default::default()),
             ..endpoint(last, true)
         };
         let mut m = model(&[(
@@ -2612,8 +2611,7 @@ mod tests {
                 serving: true,
                 terminating: false,
             },
-            node_name: None,
-            hints: Default::default(),
+            placement: Default::default(),
         }
     }
 

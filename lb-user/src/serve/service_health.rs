@@ -151,7 +151,8 @@ fn routes(status: Arc<Mutex<Status>>, proxy_healthy: ProxyHealthy) -> Router {
 mod tests {
     use super::*;
     use crate::model::{
-        Conditions, Endpoint, Protocol, Service, ServicePort, TargetPort, TrafficPolicies,
+        Conditions, Endpoint, Placement, Protocol, Service, ServicePort, TargetPort,
+        TrafficPolicies,
     };
 
     fn status(local_endpoints: usize) -> Status {
@@ -184,8 +185,7 @@ mod tests {
             addr: Ipv4Addr::new(10, 244, 1, last),
             port: 80,
             conditions,
-            node_name: Some(node.into()),
-            hints: Default::default(),
+            placement: Placement::new(Some(node), Default::default()),
         };
         let terminating = Conditions {
             ready: false,

@@ -324,10 +324,15 @@ impl ApiSource {
                 if !self.tracker.applied(Kind::Service, version) {
                     return;
                 }
+                let name = self.tracker.service_name(&name).unwrap_or(name);
                 if let Some(uid) = &svc.metadata.uid {
                     self.uids.insert(name.clone(), uid.clone());
                 }
-                let spec = convert(svc.as_ref(), convert::service, events);
+                let spec =
+                    convert(svc.as_ref(), convert::service, events).map(|spec| ServiceSpec {
+                        name: name.clone(),
+                        ..spec
+                    });
                 self.pending.services.insert(name, spec);
             }
             Object::Slice(slice) => {
@@ -335,7 +340,13 @@ impl ApiSource {
                 if !self.tracker.applied(Kind::EndpointSlice, version) {
                     return;
                 }
-                let spec = convert(slice.as_ref(), convert::endpoint_slice, events);
+                let spec = convert(slice.as_ref(), convert::endpoint_slice, events).map(|spec| {
+                    let service = self.tracker.service_name(&spec.service);
+                    SliceSpec {
+                        service: service.unwrap_or(spec.service),
+                        ..spec
+                    }
+                });
                 self.pending.slices.insert(key, spec);
             }
         }

@@ -4,7 +4,12 @@
 //! An object counts as changed when its resourceVersion differs from the one last seen, so a
 //! relist that replays unchanged objects marks nothing; an object missing from a completed
 //! relist was deleted while the watch was down.
+//!
+//! It keeps per object only its key, its resourceVersion as a number and its Service, whose name
+//! it holds once ([`ChangeTracker::service_name`]): the specs, the model and the reconciler key
+//! their maps by clones of that one name.
 use std::collections::{BTreeSet, HashMap, HashSet};
+use std::hash::{DefaultHasher, Hash as _, Hasher as _};
 
 use crate::model::ServiceName;
 
@@ -25,21 +30,39 @@ pub struct ObjectVersion {
     pub service: Option<ServiceName>,
 }
 
+/// A resourceVersion as a number: the apiserver's are decimal (etcd revisions); any other is
+/// hashed, as equality is all that is asked of it.
+fn version_number(resource_version: &str) -> u64 {
+    resource_version.parse().unwrap_or_else(|_| {
+        let mut hasher = DefaultHasher::new();
+        resource_version.hash(&mut hasher);
+        hasher.finish()
+    })
+}
+
 #[derive(Debug, Default)]
 struct Seen {
     /// key → (resourceVersion, owning service).
-    objects: HashMap<String, (String, Option<ServiceName>)>,
+    objects: HashMap<Box<str>, (u64, Option<ServiceName>)>,
     /// The keys a relist in progress has listed so far.
-    relisted: Option<HashSet<String>>,
+    relisted: Option<HashSet<Box<str>>>,
+}
+
+/// What the tracker holds of one Service: whether its Service object is there, and the keys of
+/// its slices, sorted (a Vec rather than a set: a service has one slice or a few, and a set's
+/// node has room for eleven).
+#[derive(Debug, Default)]
+struct Owned {
+    service: bool,
+    slices: Vec<Box<str>>,
 }
 
 #[derive(Debug, Default)]
 pub struct ChangeTracker {
     services: Seen,
     slices: Seen,
-    /// The keys of each service's slices, sorted: a Vec rather than a set, as a service has one
-    /// slice or a few and a set's node has room for eleven.
-    slices_of: HashMap<ServiceName, Vec<String>>,
+    /// Every Service that its own object or a slice names, by the one copy of its name.
+    owners: HashMap<ServiceName, Owned>,
     changed: BTreeSet<ServiceName>,
 }
 
@@ -47,22 +70,22 @@ impl ChangeTracker {
     /// A new version of an object was seen; whether it changed (a relist replays unchanged
     /// ones).
     pub fn applied(&mut self, kind: Kind, object: ObjectVersion) -> bool {
+        let key: Box<str> = object.key.into();
+        let version = version_number(&object.resource_version);
+        let service = object.service.map(|name| self.shared(name));
         let seen = self.seen(kind);
         if let Some(relisted) = &mut seen.relisted {
-            relisted.insert(object.key.clone());
+            relisted.insert(key.clone());
         }
-        let previous = seen.objects.insert(
-            object.key.clone(),
-            (object.resource_version.clone(), object.service.clone()),
-        );
-        if let Some((version, service)) = &previous
-            && *version == object.resource_version
-            && *service == object.service
+        let previous = seen.objects.insert(key.clone(), (version, service.clone()));
+        if let Some((before, owner)) = &previous
+            && *before == version
+            && *owner == service
         {
             return false;
         }
         let before = previous.and_then(|(_, service)| service);
-        self.moved(kind, &object.key, before, object.service);
+        self.moved(kind, &key, before, service);
         true
     }
 
@@ -73,6 +96,14 @@ impl ChangeTracker {
             Kind::EndpointSlice => &self.slices,
         };
         seen.objects.contains_key(key)
+    }
+
+    /// The tracker's copy of `name`, which the maps keyed by a Service share; None if no object
+    /// names it.
+    pub fn service_name(&self, name: &ServiceName) -> Option<ServiceName> {
+        self.owners
+            .get_key_value(name)
+            .map(|(name, _)| name.clone())
     }
 
     pub fn deleted(&mut self, kind: Kind, key: &str) {
@@ -92,7 +123,7 @@ impl ChangeTracker {
         let Some(listed) = seen.relisted.take() else {
             return;
         };
-        let gone: Vec<String> = seen
+        let gone: Vec<Box<str>> = seen
             .objects
             .keys()
             .filter(|key| !listed.contains(*key))
@@ -110,11 +141,11 @@ impl ChangeTracker {
 
     /// The keys of the slices that belong to `service`.
     pub fn slices_of(&self, service: &ServiceName) -> impl Iterator<Item = &str> {
-        self.slices_of
+        self.owners
             .get(service)
             .into_iter()
-            .flatten()
-            .map(String::as_str)
+            .flat_map(|owned| &owned.slices)
+            .map(|key| &**key)
     }
 
     fn seen(&mut self, kind: Kind) -> &mut Seen {
@@ -122,6 +153,11 @@ impl ChangeTracker {
             Kind::Service => &mut self.services,
             Kind::EndpointSlice => &mut self.slices,
         }
+    }
+
+    /// The tracker's copy of `name` if it has one, else `name`.
+    fn shared(&self, name: ServiceName) -> ServiceName {
+        self.service_name(&name).unwrap_or(name)
     }
 
     /// The object `key` changed and now belongs to `after` instead of `before`.
@@ -132,25 +168,31 @@ impl ChangeTracker {
         before: Option<ServiceName>,
         after: Option<ServiceName>,
     ) {
-        if kind == Kind::EndpointSlice {
-            if let Some(before) = &before
-                && let Some(keys) = self.slices_of.get_mut(before)
-            {
-                if let Ok(i) = keys.binary_search_by(|k| k.as_str().cmp(key)) {
-                    keys.remove(i);
-                }
-                if keys.is_empty() {
-                    self.slices_of.remove(before);
+        if let Some(before) = &before
+            && let Some(owned) = self.owners.get_mut(before)
+        {
+            match kind {
+                Kind::Service => owned.service = false,
+                Kind::EndpointSlice => {
+                    if let Ok(i) = owned.slices.binary_search_by(|k| (**k).cmp(key)) {
+                        owned.slices.remove(i);
+                    }
                 }
             }
-            if let Some(after) = &after {
-                // Most services have one slice.
-                let keys = self
-                    .slices_of
-                    .entry(after.clone())
-                    .or_insert_with(|| Vec::with_capacity(1));
-                if let Err(i) = keys.binary_search_by(|k| k.as_str().cmp(key)) {
-                    keys.insert(i, key.to_owned());
+            if !owned.service && owned.slices.is_empty() {
+                self.owners.remove(before);
+            }
+        }
+        if let Some(after) = &after {
+            let owned = self.owners.entry(after.clone()).or_default();
+            match kind {
+                Kind::Service => owned.service = true,
+                Kind::EndpointSlice => {
+                    if let Err(i) = owned.slices.binary_search_by(|k| (**k).cmp(key)) {
+                        // Most services have one slice: no room for more.
+                        owned.slices.reserve_exact(1);
+                        owned.slices.insert(i, key.into());
+                    }
                 }
             }
         }
@@ -269,6 +311,38 @@ mod tests {
         assert_eq!(tracker.take_changed(), names(&["cache", "db"]));
         assert_eq!(tracker.slices_of(&name("db")).count(), 0);
         assert_eq!(tracker.slices_of(&name("web")).count(), 1);
+    }
+
+    #[test]
+    fn every_object_of_a_service_shares_one_copy_of_its_name() {
+        let same = |a: &ServiceName, b: &ServiceName| {
+            std::sync::Arc::ptr_eq(&a.name, &b.name)
+                && std::sync::Arc::ptr_eq(&a.namespace, &b.namespace)
+        };
+        let mut tracker = ChangeTracker::default();
+        tracker.applied(Kind::EndpointSlice, slice("web-a", "1", "web"));
+        let first = tracker.take_changed().pop_first().unwrap();
+        tracker.applied(Kind::Service, service("web", "2"));
+        let service_marked = tracker.take_changed().pop_first().unwrap();
+        tracker.applied(Kind::EndpointSlice, slice("web-b", "3", "web"));
+        let slice_marked = tracker.take_changed().pop_first().unwrap();
+        assert!(same(&first, &service_marked));
+        assert!(same(&first, &slice_marked));
+        assert!(same(&first, &tracker.service_name(&name("web")).unwrap()));
+
+        // The name outlives neither its Service nor its slices.
+        tracker.deleted(Kind::Service, "shop/web");
+        assert!(tracker.service_name(&name("web")).is_some());
+        tracker.deleted(Kind::EndpointSlice, "shop/web-a");
+        tracker.deleted(Kind::EndpointSlice, "shop/web-b");
+        assert_eq!(tracker.service_name(&name("web")), None);
+    }
+
+    #[test]
+    fn resource_versions_compare_as_numbers_or_digests() {
+        assert_eq!(version_number("12345"), 12345);
+        assert_eq!(version_number("a1"), version_number("a1"));
+        assert_ne!(version_number("a1"), version_number("a2"));
     }
 
     #[test]

@@ -1,18 +1,19 @@
 //! Kubernetes objects (k8s-openapi types, from any source) to the model's specs: validation,
 //! defaults, and what we ignore (ExternalName, headless, FQDN slices, SCTP).
+use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
-use std::sync::Arc;
 
 use ipnet::IpNet;
 use k8s_openapi::api::core::v1::{Service, ServiceSpec as ServiceSpecK8s, ServiceStatus};
-use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::api::discovery::v1::{Endpoint, EndpointSlice};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use tracing::{debug, warn};
 
 use crate::model::{
-    Conditions, ExternalAddresses, Family, Hints, IpFamily, PortSpec, Protocol, Scheduler,
-    ServiceName, ServiceSpec, SliceEndpoint, SlicePort, SliceSpec, TargetPort, TrafficPolicies,
+    Conditions, ExternalAddresses, Family, Hints, IpFamily, Placement, PortSpec, Protocol,
+    Scheduler, ServiceName, ServiceSpec, SliceEndpoint, SlicePort, SliceSpec, TargetPort,
+    TrafficPolicies,
 };
 
 /// The Service annotation that chooses its scheduler: `random`, `rr`, `sh` or `maglev`.
@@ -344,6 +345,7 @@ pub fn endpoint_slice(
     }
 
     let mut endpoints = Vec::with_capacity(slice.endpoints.as_ref().map_or(0, Vec::len));
+    let mut placements = SlicePlacements::default();
     for (i, e) in slice.endpoints.iter().flatten().enumerate() {
         // Consumers use the first address only (the API says the others are not used).
         let Some(addr) = e.addresses.first() else {
@@ -374,19 +376,7 @@ pub fn endpoint_slice(
                 serving,
                 terminating,
             },
-            node_name: e.node_name.as_deref().map(Arc::from),
-            hints: Hints::new(
-                e.hints
-                    .iter()
-                    .flat_map(|h| h.for_zones.iter().flatten())
-                    .map(|z| z.name.clone())
-                    .collect(),
-                e.hints
-                    .iter()
-                    .flat_map(|h| h.for_nodes.iter().flatten())
-                    .map(|n| n.name.clone())
-                    .collect(),
-            ),
+            placement: placements.of(e),
         });
     }
 
@@ -399,6 +389,36 @@ pub fn endpoint_slice(
         ports,
         endpoints,
     }))
+}
+
+/// The placements of one slice's endpoints: those on the same node without hints share one (a
+/// slice's endpoints run on a few nodes).
+#[derive(Default)]
+struct SlicePlacements(HashMap<String, Placement>);
+
+impl SlicePlacements {
+    fn of(&mut self, e: &Endpoint) -> Placement {
+        let hints = Hints::new(
+            e.hints
+                .iter()
+                .flat_map(|h| h.for_zones.iter().flatten())
+                .map(|z| z.name.clone())
+                .collect(),
+            e.hints
+                .iter()
+                .flat_map(|h| h.for_nodes.iter().flatten())
+                .map(|n| n.name.clone())
+                .collect(),
+        );
+        match &e.node_name {
+            Some(node) if hints.is_empty() => self
+                .0
+                .entry(node.clone())
+                .or_insert_with(|| Placement::new(Some(node), hints))
+                .clone(),
+            node => Placement::new(node.as_deref(), hints),
+        }
+    }
 }
 
 fn object_name(meta: &ObjectMeta) -> Result<ServiceName, InvalidField> {
@@ -780,8 +800,7 @@ status:
                 SliceEndpoint {
                     addr: Ipv4Addr::new(10, 244, 1, 2).into(),
                     conditions: Conditions::READY,
-                    node_name: None,
-                    hints: Default::default(),
+                    placement: Placement::default(),
                 },
                 SliceEndpoint {
                     addr: Ipv4Addr::new(10, 244, 1, 3).into(),
@@ -790,8 +809,7 @@ status:
                         serving: true,
                         terminating: false
                     },
-                    node_name: None,
-                    hints: Default::default(),
+                    placement: Placement::default(),
                 },
             ]
         );
@@ -805,12 +823,13 @@ status:
         .unwrap()
         .unwrap();
         let e = &spec.endpoints[0];
-        assert_eq!(e.node_name.as_deref(), Some("n1"));
+        assert_eq!(e.placement.node_name(), Some("n1"));
+        let hints = e.placement.hints();
         assert_eq!(
-            e.hints.zones().iter().collect::<Vec<_>>(),
+            hints.zones().iter().collect::<Vec<_>>(),
             ["zone-a", "zone-b"]
         );
-        assert_eq!(e.hints.nodes().iter().collect::<Vec<_>>(), ["n1"]);
+        assert_eq!(hints.nodes().iter().collect::<Vec<_>>(), ["n1"]);
         assert!(!e.conditions.ready && e.conditions.serving && e.conditions.terminating);
 
         let spec = service(&svc(&format!(
