@@ -20,8 +20,6 @@ pub const PORT: u16 = 80;
 /// The port every pod's echo server listens on.
 pub const TARGET_PORT: u16 = 8080;
 
-/// The node's IPv6 `--node-ip` on a dual-stack node.
-
 /// CLUSTER_IP:PORT.
 pub fn vip() -> SocketAddr {
     (CLUSTER_IP, PORT).into()
