@@ -50,6 +50,20 @@ pub enum Translation6 {
 /// not stack on the parser's.
 #[inline(always)]
 pub fn translation<P: PacketAccess>(ctx: &P) -> Result<Translation6, Counter> {
+    if parse(ctx)? == IPPROTO_ICMPV6 {
+        return icmp6::reverse_error(ctx).map(|()| Translation6::Translated);
+    }
+    if established(ctx)? {
+        return Ok(Translation6::Translated);
+    }
+    open(ctx)
+}
+
+/// Parses the packet into `PARSED` and returns its protocol, or why it is not translated. A
+/// frame of its own: the parsed packet is on the stack only until it is stored, not under the
+/// translation's frames (the program's stack is 512 bytes for the deepest chain of frames).
+#[inline(never)]
+fn parse<P: PacketAccess>(ctx: &P) -> Result<u8, Counter> {
     let packet = parse6::packet(ctx)?;
     if packet.fragment != Fragment::Whole {
         return Err(Counter::PassedFragment);
@@ -58,18 +72,12 @@ pub fn translation<P: PacketAccess>(ctx: &P) -> Result<Translation6, Counter> {
     if packet.hop_limit <= 1 {
         return Err(Counter::Passed);
     }
-    let icmp = packet.tuple.proto == IPPROTO_ICMPV6;
+    let proto = packet.tuple.proto;
     let parsed = PARSED.get_ptr_mut(0).ok_or(Counter::Passed)?;
     // SAFETY: this CPU's own entry, valid until the program returns; tc programs are not
     // preempted while they run, and its readers read it only after this write.
     unsafe { *parsed = packet };
-    if icmp {
-        return icmp6::reverse_error(ctx).map(|()| Translation6::Translated);
-    }
-    if established(ctx)? {
-        return Ok(Translation6::Translated);
-    }
-    open(ctx)
+    Ok(proto)
 }
 
 /// The packet parsed (`PARSED`).
