@@ -7,7 +7,7 @@ use std::{
         atomic::{AtomicBool, Ordering},
     },
     thread::JoinHandle,
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use anyhow::{Context as _, Result, bail};
@@ -260,6 +260,36 @@ pub fn ask(socket: &UdpSocket, to: SocketAddr) -> Result<String> {
     anyhow::ensure!(peer == to, "answer from {peer}, asked {to}");
     let text = std::str::from_utf8(&buf[..len])?;
     Ok(text.split(' ').next().unwrap_or_default().to_string())
+}
+
+/// How a connection attempt from `ns` to `to` failed, and how long it took; an error if it
+/// succeeded. UDP uses a connected socket, which is told about ICMP (ICMPv6) errors.
+pub fn refusal(ns: &Netns, proto: Proto, to: SocketAddr) -> Result<(ErrorKind, Duration)> {
+    ns.run(move || -> Result<(ErrorKind, Duration)> {
+        let start = Instant::now();
+        let error = match proto {
+            Proto::Tcp => match TcpStream::connect_timeout(&to, TIMEOUT) {
+                Ok(_) => bail!("TCP connect to {to} succeeded"),
+                Err(e) => e,
+            },
+            Proto::Udp => {
+                let any = match to {
+                    SocketAddr::V4(_) => IpAddr::from(Ipv4Addr::UNSPECIFIED),
+                    SocketAddr::V6(_) => IpAddr::from(Ipv6Addr::UNSPECIFIED),
+                };
+                let socket = UdpSocket::bind((any, 0))?;
+                socket.connect(to)?;
+                socket.set_read_timeout(Some(TIMEOUT))?;
+                socket.send(b"hello\n")?;
+                let mut buf = [0u8; 512];
+                match socket.recv(&mut buf) {
+                    Ok(_) => bail!("UDP answer from {to}"),
+                    Err(e) => e,
+                }
+            }
+        };
+        Ok((error.kind(), start.elapsed()))
+    })?
 }
 
 /// The I/O error kind at the root of a failed request, if it was one.

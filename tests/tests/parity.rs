@@ -3,13 +3,13 @@
 use std::{
     collections::BTreeSet,
     io::ErrorKind,
-    net::{SocketAddr, TcpStream, UdpSocket},
+    net::SocketAddr,
     time::{Duration, Instant},
 };
 
 use anyhow::{Context as _, Result, bail, ensure};
 use lb_tests::{
-    echo::{Answer, Proto, TIMEOUT, request, requests},
+    echo::{Answer, Proto, refusal, request, requests},
     manifests::{EndpointManifest, ServiceManifest, yaml},
     netns::Netns,
     node::{CLUSTER_IP, Node, PORT, TARGET_PORT, vip},
@@ -24,32 +24,6 @@ const OTHER_NODE: &str = "node-2";
 const HEALTH_PORT: u16 = 31000;
 /// The agent knows which node it is on.
 const AGENT_ARGS: &[&str] = &["--hostname-override", NODE_NAME];
-
-/// How a connection attempt from `ns` to `to` failed, and how long it took; an error if it
-/// succeeded. UDP uses a connected socket, which is told about ICMP errors.
-fn refusal(ns: &Netns, proto: Proto, to: SocketAddr) -> Result<(ErrorKind, Duration)> {
-    ns.run(move || -> Result<(ErrorKind, Duration)> {
-        let start = Instant::now();
-        let error = match proto {
-            Proto::Tcp => match TcpStream::connect_timeout(&to, TIMEOUT) {
-                Ok(_) => bail!("TCP connect to {to} succeeded"),
-                Err(e) => e,
-            },
-            Proto::Udp => {
-                let socket = UdpSocket::bind("0.0.0.0:0")?;
-                socket.connect(to)?;
-                socket.set_read_timeout(Some(TIMEOUT))?;
-                socket.send(b"hello\n")?;
-                let mut buf = [0u8; 512];
-                match socket.recv(&mut buf) {
-                    Ok(_) => bail!("UDP answer from {to}"),
-                    Err(e) => e,
-                }
-            }
-        };
-        Ok((error.kind(), start.elapsed()))
-    })?
-}
 
 fn assert_refused(ns: &Netns, proto: Proto, to: SocketAddr) -> Result<()> {
     let (kind, took) = refusal(ns, proto, to)?;

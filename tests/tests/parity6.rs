@@ -2,23 +2,19 @@
 //! real node namespace with real sockets, as parity.rs and external_addresses.rs for IPv4.
 use std::{
     io::ErrorKind,
-    net::{IpAddr, Ipv6Addr, SocketAddr, TcpStream, UdpSocket},
-    time::{Duration, Instant},
+    net::{IpAddr, Ipv6Addr, SocketAddr},
+    time::Duration,
 };
 
 use anyhow::{Result, bail, ensure};
 use lb_tests::{
     agent::counter,
-    echo::{EchoServer, Proto, TIMEOUT, error_kind, request},
+    echo::{EchoServer, Proto, error_kind, refusal, request},
     netns::Netns,
     node::{Node, PORT},
-    topology::{
-        CLUSTER_CIDR, CLUSTER_CIDR_V6, EXTERNAL_INTERFACE, NODE_IP, POD_GATEWAY_V6, mac, pod_ip_v6,
-    },
+    topology::{EXTERNAL_INTERFACE, NODE_IP_V6, POD_GATEWAY_V6, mac, pod_ip_v6},
 };
 
-/// The node's IPv6 --node-ip, on the external link.
-const NODE_IP_V6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x100, 0, 0, 0, 0, 0x10);
 /// The REJECT tests' IPv6-only ClusterIP.
 const REJECT_CLUSTER_IP: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x96, 0, 0, 0, 0, 0x30);
 /// The source range tests' IPv6-only LoadBalancer: its ClusterIP and ingress IP.
@@ -39,18 +35,10 @@ const FAST: Duration = Duration::from_millis(500);
 const TCP_REFUSED_WITHIN: Duration = Duration::from_millis(1500);
 
 /// A node of `pods` pods with both families' --node-ip and --cluster-cidr, the pods holding
-/// their IPv6 addresses too (`Topology::add_pod_ipv6`).
+/// their IPv6 addresses too.
 fn dual_stack_node(pods: usize) -> Result<Node> {
-    let node_ips = format!("{NODE_IP},{NODE_IP_V6}");
-    let cluster_cidrs = format!("{CLUSTER_CIDR},{CLUSTER_CIDR_V6}");
-    let args = ["--node-ip", &node_ips, "--cluster-cidr", &cluster_cidrs];
-    let mut node = Node::start(pods, &[], &args)?;
-    node.topology.add_pod_ipv6()?;
-    // The pods' gateway is a node address: the sync it makes must not pass for the next
-    // manifest update's.
-    node.agent
-        .wait_for_log(&format!("{POD_GATEWAY_V6}]"), Duration::from_secs(5))?;
-    node.agent.wait_for_sync(Duration::from_secs(5))?;
+    let mut node = Node::start_dual_stack(pods, &[])?;
+    node.add_pod_ipv6()?;
     Ok(node)
 }
 
@@ -110,32 +98,6 @@ ports:
     port: {target_port}
 endpoints:{endpoints}"
     )
-}
-
-/// How a connection attempt from `ns` to `to` failed and how long it took; an error if it
-/// succeeded. UDP uses a connected socket, which is told about ICMPv6 errors.
-fn refusal(ns: &Netns, proto: Proto, to: SocketAddr) -> Result<(ErrorKind, Duration)> {
-    ns.run(move || -> Result<(ErrorKind, Duration)> {
-        let start = Instant::now();
-        let error = match proto {
-            Proto::Tcp => match TcpStream::connect_timeout(&to, TIMEOUT) {
-                Ok(_) => bail!("TCP connect to {to} succeeded"),
-                Err(e) => e,
-            },
-            Proto::Udp => {
-                let socket = UdpSocket::bind("[::]:0")?;
-                socket.connect(to)?;
-                socket.set_read_timeout(Some(TIMEOUT))?;
-                socket.send(b"hello\n")?;
-                let mut buf = [0u8; 512];
-                match socket.recv(&mut buf) {
-                    Ok(_) => bail!("UDP answer from {to}"),
-                    Err(e) => e,
-                }
-            }
-        };
-        Ok((error.kind(), start.elapsed()))
-    })?
 }
 
 fn assert_refused(ns: &Netns, proto: Proto, to: SocketAddr) -> Result<()> {
