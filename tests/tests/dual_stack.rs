@@ -292,18 +292,17 @@ fn ipv6_only(proto: Proto, endpoints: &[Ipv6Addr]) -> String {
 fn pod_to_ipv6_cluster_ip(proto: Proto) -> Result<()> {
     let mut node = dual_stack_node(&[])?;
     node.add_pod_ipv6()?;
-    let _servers = ["pod-b", "pod-c"]
-        .iter()
-        .map(|pod| EchoServer::start_v6(node.pod_ns(pod), pod, TARGET_PORT_V6))
-        .collect::<Result<Vec<_>>>()?;
+    let _servers = serve_ipv6(&node, &["pod-b", "pod-c"])?;
     node.agent
         .update_manifests(&ipv6_only(proto, &[pod_ip_v6(1), pod_ip_v6(2)]))?;
     let service: SocketAddr = (CLUSTER_IP_V6_ONLY.parse::<Ipv6Addr>()?, PORT).into();
-    let answers = requests(node.pod_ns("pod-a"), proto, service, 6)?;
-    ensure!(answers.len() == 6, "{answers:?}");
-    for answer in &answers {
-        answer.check(&["pod-b", "pod-c"], IpAddr::V6(pod_ip_v6(0)), service)?;
-    }
+    six_answered(
+        node.pod_ns("pod-a"),
+        proto,
+        service,
+        &["pod-b", "pod-c"],
+        IpAddr::V6(pod_ip_v6(0)),
+    )?;
     Ok(())
 }
 
@@ -361,10 +360,7 @@ fn answer_of(line: &str) -> Result<Answer> {
 fn node_to_ipv6_cluster_ip(proto: Proto) -> Result<()> {
     let cgroup = Cgroup::new()?;
     let mut node = dual_stack_node_with_hooks(&cgroup)?;
-    let _servers = ["pod-b", "pod-c"]
-        .iter()
-        .map(|pod| EchoServer::start_v6(node.pod_ns(pod), pod, TARGET_PORT_V6))
-        .collect::<Result<Vec<_>>>()?;
+    let _servers = serve_ipv6(&node, &["pod-b", "pod-c"])?;
     node.agent
         .update_manifests(&ipv6_only(proto, &[pod_ip_v6(1), pod_ip_v6(2)]))?;
     let service: SocketAddr = (CLUSTER_IP_V6_ONLY.parse::<Ipv6Addr>()?, PORT).into();
@@ -442,10 +438,7 @@ fn node_ipv6_udp_flow_sticks_to_one_backend() -> Result<()> {
     let cgroup = Cgroup::new()?;
     let mut node = dual_stack_node_with_hooks(&cgroup)?;
     let pods = ["pod-a", "pod-b", "pod-c"];
-    let _servers = pods
-        .iter()
-        .map(|pod| EchoServer::start_v6(node.pod_ns(pod), pod, TARGET_PORT_V6))
-        .collect::<Result<Vec<_>>>()?;
+    let _servers = serve_ipv6(&node, &pods)?;
     let endpoints = [pod_ip_v6(0), pod_ip_v6(1), pod_ip_v6(2)];
     node.agent
         .update_manifests(&ipv6_only(Proto::Udp, &endpoints))?;
@@ -477,10 +470,7 @@ fn ipv6_external_traffic_policy_local() -> Result<()> {
     let mut node = dual_stack_node(&["--hostname-override", "node-1"])?;
     node.add_pod_ipv6()?;
     node.topology.add_external_ipv6()?;
-    let _servers = ["pod-b", "pod-c"]
-        .iter()
-        .map(|pod| EchoServer::start_v6(node.pod_ns(pod), pod, TARGET_PORT_V6))
-        .collect::<Result<Vec<_>>>()?;
+    let _servers = serve_ipv6(&node, &["pod-b", "pod-c"])?;
     let on = |pod: &str, node_name: &str| EndpointManifest::ready(node.ip(pod)).on_node(node_name);
     let service = ServiceManifest::new("web", CLUSTER_IP, Proto::Tcp, PORT, TARGET_PORT_V6)
         .node_port(NODE_PORT_V6)
@@ -508,10 +498,7 @@ fn node_ipv6_sockets_honour_affinity_and_source_hash() -> Result<()> {
     let cgroup = Cgroup::new()?;
     let mut node = dual_stack_node_with_hooks(&cgroup)?;
     let pods = ["pod-a", "pod-b", "pod-c"];
-    let _servers = pods
-        .iter()
-        .map(|pod| EchoServer::start_v6(node.pod_ns(pod), pod, TARGET_PORT_V6))
-        .collect::<Result<Vec<_>>>()?;
+    let _servers = serve_ipv6(&node, &pods)?;
     let cluster_ip: Ipv6Addr = CLUSTER_IP_V6_ONLY.parse()?;
     let service: SocketAddr = (cluster_ip, PORT).into();
     let web = ServiceManifest {
@@ -562,10 +549,7 @@ fn ipv6_endpoints_traffic_is_counted_and_their_service_in_sync() -> Result<()> {
     let bpffs_arg = bpffs.arg();
     let mut node = dual_stack_node(&["--bpffs", &bpffs_arg])?;
     node.add_pod_ipv6()?;
-    let _servers = ["pod-b", "pod-c"]
-        .iter()
-        .map(|pod| EchoServer::start_v6(node.pod_ns(pod), pod, TARGET_PORT_V6))
-        .collect::<Result<Vec<_>>>()?;
+    let _servers = serve_ipv6(&node, &["pod-b", "pod-c"])?;
     node.agent
         .update_manifests(&ipv6_only(Proto::Tcp, &[pod_ip_v6(1), pod_ip_v6(2)]))?;
     let service: SocketAddr = (CLUSTER_IP_V6_ONLY.parse::<Ipv6Addr>()?, PORT).into();
@@ -620,10 +604,7 @@ fn ipv6_endpoints_traffic_is_counted_and_their_service_in_sync() -> Result<()> {
 fn removed_ipv6_udp_endpoint_loses_its_conntrack() -> Result<()> {
     let mut node = dual_stack_node(&[])?;
     node.add_pod_ipv6()?;
-    let _servers = ["pod-b", "pod-c"]
-        .iter()
-        .map(|pod| EchoServer::start_v6(node.pod_ns(pod), pod, TARGET_PORT_V6))
-        .collect::<Result<Vec<_>>>()?;
+    let _servers = serve_ipv6(&node, &["pod-b", "pod-c"])?;
     node.agent
         .update_manifests(&ipv6_only(Proto::Udp, &[pod_ip_v6(1)]))?;
     let service: SocketAddr = (CLUSTER_IP_V6_ONLY.parse::<Ipv6Addr>()?, PORT).into();
@@ -706,11 +687,13 @@ fn ipv6_hairpin(proto: Proto) -> Result<()> {
     node.agent
         .update_manifests(&ipv6_only(proto, &[pod_ip_v6(0)]))?;
     let service: SocketAddr = (CLUSTER_IP_V6_ONLY.parse::<Ipv6Addr>()?, PORT).into();
-    let answers = requests(node.pod_ns("pod-a"), proto, service, 6)?;
-    ensure!(answers.len() == 6, "{answers:?}");
-    for answer in &answers {
-        answer.check(&["pod-a"], IpAddr::V6(POD_GATEWAY_V6), service)?;
-    }
+    six_answered(
+        node.pod_ns("pod-a"),
+        proto,
+        service,
+        &["pod-a"],
+        IpAddr::V6(POD_GATEWAY_V6),
+    )?;
     Ok(())
 }
 
@@ -746,18 +729,17 @@ fn external_to_ipv6_node_port(proto: Proto) -> Result<()> {
     let mut node = dual_stack_node(&[])?;
     node.add_pod_ipv6()?;
     node.topology.add_external_ipv6()?;
-    let _servers = ["pod-b", "pod-c"]
-        .iter()
-        .map(|pod| EchoServer::start_v6(node.pod_ns(pod), pod, TARGET_PORT_V6))
-        .collect::<Result<Vec<_>>>()?;
+    let _servers = serve_ipv6(&node, &["pod-b", "pod-c"])?;
     node.agent
         .update_manifests(&ipv6_node_port(proto, &[pod_ip_v6(1), pod_ip_v6(2)])?)?;
     let node_port: SocketAddr = (NODE_IP_V6, NODE_PORT_V6).into();
-    let answers = requests(&node.topology.client, proto, node_port, 6)?;
-    ensure!(answers.len() == 6, "{answers:?}");
-    for answer in &answers {
-        answer.check(&["pod-b", "pod-c"], IpAddr::V6(POD_GATEWAY_V6), node_port)?;
-    }
+    six_answered(
+        &node.topology.client,
+        proto,
+        node_port,
+        &["pod-b", "pod-c"],
+        IpAddr::V6(POD_GATEWAY_V6),
+    )?;
     Ok(())
 }
 
@@ -781,10 +763,7 @@ fn ipv6_trace_names_the_backend_and_changes_nothing() -> Result<()> {
     let bpffs_arg = bpffs.arg();
     let mut node = dual_stack_node(&["--bpffs", &bpffs_arg])?;
     node.add_pod_ipv6()?;
-    let _servers = ["pod-b", "pod-c"]
-        .iter()
-        .map(|pod| EchoServer::start_v6(node.pod_ns(pod), pod, TARGET_PORT_V6))
-        .collect::<Result<Vec<_>>>()?;
+    let _servers = serve_ipv6(&node, &["pod-b", "pod-c"])?;
     node.agent
         .update_manifests(&ipv6_only(Proto::Udp, &[pod_ip_v6(1), pod_ip_v6(2)]))?;
     let service: SocketAddr = (CLUSTER_IP_V6_ONLY.parse::<Ipv6Addr>()?, PORT).into();
@@ -881,18 +860,17 @@ fn container_to_ipv6_cluster_ip(proto: Proto) -> Result<()> {
     let mut node = dual_stack_node(&[])?;
     node.add_pod_ipv6()?;
     node.topology.add_container_ipv6()?;
-    let _servers = ["pod-b", "pod-c"]
-        .iter()
-        .map(|pod| EchoServer::start_v6(node.pod_ns(pod), pod, TARGET_PORT_V6))
-        .collect::<Result<Vec<_>>>()?;
+    let _servers = serve_ipv6(&node, &["pod-b", "pod-c"])?;
     node.agent
         .update_manifests(&ipv6_only(proto, &[pod_ip_v6(1), pod_ip_v6(2)]))?;
     let service: SocketAddr = (CLUSTER_IP_V6_ONLY.parse::<Ipv6Addr>()?, PORT).into();
-    let answers = requests(&node.topology.container, proto, service, 6)?;
-    ensure!(answers.len() == 6, "{answers:?}");
-    for answer in &answers {
-        answer.check(&["pod-b", "pod-c"], IpAddr::V6(POD_GATEWAY_V6), service)?;
-    }
+    six_answered(
+        &node.topology.container,
+        proto,
+        service,
+        &["pod-b", "pod-c"],
+        IpAddr::V6(POD_GATEWAY_V6),
+    )?;
     Ok(())
 }
 
@@ -904,4 +882,28 @@ fn container_to_ipv6_cluster_ip_tcp() -> Result<()> {
 #[test]
 fn container_to_ipv6_cluster_ip_udp() -> Result<()> {
     container_to_ipv6_cluster_ip(Proto::Udp)
+}
+
+/// IPv6 echo servers on TARGET_PORT_V6 in `pods` of `node`.
+fn serve_ipv6(node: &Node, pods: &[&str]) -> Result<Vec<EchoServer>> {
+    pods.iter()
+        .map(|pod| EchoServer::start_v6(node.pod_ns(pod), pod, TARGET_PORT_V6))
+        .collect()
+}
+
+/// Six requests from `ns` to `to`, each answered by one of `servers` having seen `source`, the
+/// client seeing `to` answer.
+fn six_answered(
+    ns: &Netns,
+    proto: Proto,
+    to: SocketAddr,
+    servers: &[&str],
+    source: IpAddr,
+) -> Result<()> {
+    let answers = requests(ns, proto, to, 6)?;
+    ensure!(answers.len() == 6, "{answers:?}");
+    for answer in &answers {
+        answer.check(servers, source, to)?;
+    }
+    Ok(())
 }
