@@ -347,6 +347,17 @@ impl Datapath {
         array.set(0, config6, 0).unwrap();
     }
 
+    /// Writes `frontend` at `key` in FRONTENDS6.
+    fn set_frontend(&mut self, key: FrontendKey6, frontend: Frontend) {
+        let mut frontends: HashMap<_, FrontendKey6, Frontend> = self
+            .ebpf
+            .map_mut(map_name::FRONTENDS6)
+            .unwrap()
+            .try_into()
+            .unwrap();
+        frontends.insert(key, frontend, 0).unwrap();
+    }
+
     /// Changes the ClusterIP's TCP frontend with `change`.
     fn change_tcp_cluster_ip(&mut self, change: impl FnOnce(&mut Frontend)) {
         let mut frontends: HashMap<_, FrontendKey6, Frontend> = self
@@ -950,19 +961,10 @@ fn service_without_endpoints_rejects() {
 #[test]
 fn undefined_cluster_ip_port_rejects() {
     let mut datapath = Datapath::with_cluster_ip(&ENDPOINTS);
-    let mut frontends: HashMap<_, FrontendKey6, Frontend> = datapath
-        .ebpf
-        .map_mut(map_name::FRONTENDS6)
-        .unwrap()
-        .try_into()
-        .unwrap();
-    frontends
-        .insert(
-            FrontendKey6::any_port(a6(CLUSTER_IP.ip())),
-            Frontend::default(),
-            0,
-        )
-        .unwrap();
+    datapath.set_frontend(
+        FrontendKey6::any_port(a6(CLUSTER_IP.ip())),
+        Frontend::default(),
+    );
     let other_port = SocketAddrV6::new(*CLUSTER_IP.ip(), 81, 0, 0);
     for proto in [Proto::Tcp, Proto::Udp] {
         let input = packet(proto, CLIENT, other_port, TCP_SYN, &[]);
@@ -980,26 +982,10 @@ fn undefined_cluster_ip_port_rejects() {
 #[test]
 fn local_policy_without_local_endpoint_drops() {
     let mut datapath = Datapath::with_cluster_ip(&ENDPOINTS);
-    let mut frontends: HashMap<_, FrontendKey6, Frontend> = datapath
-        .ebpf
-        .map_mut(map_name::FRONTENDS6)
-        .unwrap()
-        .try_into()
-        .unwrap();
-    let key = FrontendKey6 {
-        addr: a6(CLUSTER_IP.ip()),
-        port: port_be(CLUSTER_IP.port()),
-        proto: IPPROTO_TCP,
-        _pad: 0,
-    };
-    let local = Frontend {
-        service_id: SERVICE_ID,
-        backend_count: ENDPOINTS.len() as u32,
-        local_count: 0,
-        flags: FRONTEND_F_LOCAL,
-        ..Frontend::default()
-    };
-    frontends.insert(key, local, 0).unwrap();
+    datapath.change_tcp_cluster_ip(|frontend| {
+        frontend.local_count = 0;
+        frontend.flags = FRONTEND_F_LOCAL;
+    });
     let syn = packet(Proto::Tcp, CLIENT, CLUSTER_IP, TCP_SYN, &[]);
     assert_eq!(datapath.run(&syn).0, TC_ACT_SHOT);
     assert_eq!(datapath.counter(Counter::DropNoLocalBackend), 1);
@@ -1039,12 +1025,6 @@ fn source_outside_load_balancer_source_ranges_is_dropped() {
     let mut datapath = Datapath::with_cluster_ip(&ENDPOINTS);
     datapath.set_node_and_cluster_cidr();
     let lb_ip = SocketAddrV6::new(addr(0x50), 80, 0, 0);
-    let mut frontends: HashMap<_, FrontendKey6, Frontend> = datapath
-        .ebpf
-        .map_mut(map_name::FRONTENDS6)
-        .unwrap()
-        .try_into()
-        .unwrap();
     let key = FrontendKey6 {
         addr: a6(lb_ip.ip()),
         port: port_be(lb_ip.port()),
@@ -1057,7 +1037,7 @@ fn source_outside_load_balancer_source_ranges_is_dropped() {
         flags: FRONTEND_F_MASQUERADE | FRONTEND_F_SOURCE_RANGES,
         ..Frontend::default()
     };
-    frontends.insert(key, frontend, 0).unwrap();
+    datapath.set_frontend(key, frontend);
     let mut ranges: LpmTrie<_, SourceRangeKey6, u8> = datapath
         .ebpf
         .map_mut(map_name::SOURCE_RANGES6)
