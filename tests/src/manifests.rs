@@ -351,6 +351,32 @@ pub fn yaml(services: &[ServiceManifest]) -> String {
         .join("---\n")
 }
 
+/// The first lines of an IPv6-only Service `name` on `cluster_ip`, its spec's family fields
+/// last: the caller adds the rest of the spec.
+pub fn ipv6_service_head(name: &str, cluster_ip: Ipv6Addr) -> String {
+    format!(
+        "---
+apiVersion: v1
+kind: Service
+metadata:
+  name: {name}
+  namespace: default
+spec:
+  clusterIP: \"{cluster_ip}\"
+  clusterIPs: [\"{cluster_ip}\"]
+  ipFamilies: [IPv6]
+"
+    )
+}
+
+/// An EndpointSlice's `endpoints` entries, one line per address.
+pub fn endpoint_lines(addresses: &[impl std::fmt::Display]) -> String {
+    addresses
+        .iter()
+        .map(|a| format!("  - addresses: [\"{a}\"]\n"))
+        .collect()
+}
+
 /// An IPv6-only Service `name` on `frontend` (its ClusterIP and port, named `app`, targetPort
 /// `app`) and its EndpointSlice `slice` (name, addressType, port) of `addresses`.
 pub fn ipv6_only_service(
@@ -363,22 +389,12 @@ pub fn ipv6_only_service(
     let (cluster_ip, port) = frontend;
     let proto = proto.manifest_name();
     let (slice_name, address_type, slice_port) = slice;
-    let endpoints: String = addresses
-        .iter()
-        .map(|a| format!("  - addresses: [\"{a}\"]\n"))
-        .collect();
+    let (head, endpoints) = (
+        ipv6_service_head(name, cluster_ip),
+        endpoint_lines(addresses),
+    );
     format!(
-        "---
-apiVersion: v1
-kind: Service
-metadata:
-  name: {name}
-  namespace: default
-spec:
-  type: ClusterIP
-  clusterIP: \"{cluster_ip}\"
-  clusterIPs: [\"{cluster_ip}\"]
-  ipFamilies: [IPv6]
+        "{head}  type: ClusterIP
   ports:
     - name: app
       protocol: {proto}

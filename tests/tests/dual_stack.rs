@@ -42,10 +42,7 @@ fn dual_stack(service: &str, proto: Proto) -> Result<String> {
     );
     let proto = proto.manifest_name();
     let slice = |suffix: &str, address_type: &str, addresses: &[&str]| {
-        let endpoints: String = addresses
-            .iter()
-            .map(|a| format!("  - addresses: [\"{a}\"]\n"))
-            .collect();
+        let endpoints = manifests::endpoint_lines(addresses);
         format!(
             "---
 apiVersion: discovery.k8s.io/v1

@@ -10,7 +10,7 @@ use anyhow::{Result, bail, ensure};
 use lb_tests::{
     agent::Agent,
     echo::{EchoServer, Proto, error_kind, request, requests},
-    manifests::{EndpointManifest, ServiceManifest, yaml},
+    manifests::{EndpointManifest, ServiceManifest, ipv6_service_head, yaml},
     multinode::{CLIENT_IP, CLIENT_IP_V6, CLUSTER_CIDRS, Cluster, node_ip_v6, pod_ip_v6},
     netns::Netns,
 };
@@ -108,18 +108,9 @@ fn ipv6_on_pod_b(external_local: bool) -> String {
             } else {
                 String::new()
             };
+            let head = ipv6_service_head(&name, cluster_ip);
             format!(
-                "---
-apiVersion: v1
-kind: Service
-metadata:
-  name: {name}
-  namespace: default
-spec:
-  type: NodePort
-  clusterIP: \"{cluster_ip}\"
-  clusterIPs: [\"{cluster_ip}\"]
-  ipFamilies: [IPv6]
+                "{head}  type: NodePort
 {policy}  ports:
     - protocol: {proto}
       port: {PORT}

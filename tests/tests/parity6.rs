@@ -10,6 +10,7 @@ use anyhow::{Result, bail, ensure};
 use lb_tests::{
     agent::counter,
     echo::{EchoServer, Proto, error_kind, refusal, request},
+    manifests::{endpoint_lines, ipv6_service_head},
     netns::Netns,
     node::{Node, PORT},
     topology::{EXTERNAL_INTERFACE, NODE_IP_V6, POD_GATEWAY_V6, mac, pod_ip_v6},
@@ -54,24 +55,11 @@ fn ipv6_service(
     let endpoints = if endpoints.is_empty() {
         " []\n".to_string()
     } else {
-        let listed: String = endpoints
-            .iter()
-            .map(|a| format!("  - addresses: [\"{a}\"]\n"))
-            .collect();
-        format!("\n{listed}")
+        format!("\n{}", endpoint_lines(endpoints))
     };
+    let head = ipv6_service_head(name, cluster_ip);
     format!(
-        "---
-apiVersion: v1
-kind: Service
-metadata:
-  name: {name}
-  namespace: default
-spec:
-  clusterIP: \"{cluster_ip}\"
-  clusterIPs: [\"{cluster_ip}\"]
-  ipFamilies: [IPv6]
-{spec}  ports:
+        "{head}{spec}  ports:
     - name: tcp
       protocol: TCP
       port: {PORT}
