@@ -1403,7 +1403,9 @@ pub enum Counter {
     DropSnatPortsExhausted,
     /// Dropped: a packet rewrite helper failed.
     DropRewriteFailed,
-    /// Translated, but the FIB had no forwarding answer: handed to the stack.
+    /// Translated, but not redirected (`--forwarding redirect`): the FIB had no forwarding
+    /// answer, the destination is local (a node endpoint), or the packet is too big for its
+    /// link without DF (the stack fragments it). Handed to the stack.
     FibFallback,
     /// A new connection to a service without endpoints, or to a port a ClusterIP does not
     /// define: answered with ICMP port unreachable.

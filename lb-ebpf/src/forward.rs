@@ -45,27 +45,39 @@ pub enum NextHop {
     Stack,
 }
 
-/// The MTU a packet with DF set exceeds on its way out to `hop`, as Linux's `ip_exceeds_mtu`
-/// decides for a forwarded packet; `None` when it fits or may be fragmented. The FIB lookup,
-/// asked without a length in tc (see `fib_tot_len`), checks the skb itself against the egress
-/// MTU (`TooBig`), but passes a GSO packet whatever its segments' size: those are checked here.
-pub fn exceeded_mtu(ctx: &TcContext, hop: &NextHop) -> Option<u16> {
+/// What Linux's `ip_forward` does with a packet too big for its egress link.
+pub enum Oversize {
+    /// DF set (`ip_exceeds_mtu`): answered with ICMP fragmentation needed carrying `mtu`.
+    FragmentationNeeded { mtu: u16 },
+    /// DF clear: fragmented to the link's MTU.
+    Fragmentable,
+}
+
+/// Whether the packet is too big for its way out to `hop`, and what that calls for; `None` when
+/// it fits. The FIB lookup, asked without a length in tc (see `fib_tot_len`), checks the skb
+/// itself against the egress MTU (`TooBig`), but only once it has resolved the neighbour, and
+/// passes a GSO packet whatever its segments' size: those two are checked here.
+pub fn oversize(ctx: &TcContext, hop: &NextHop) -> Option<Oversize> {
     let mtu = match *hop {
         NextHop::TooBig { mtu } => mtu,
-        NextHop::Resolved { ifindex, .. } | NextHop::Unresolved { ifindex, .. } if ctx.is_gso() => {
-            segments_exceed(ctx, ifindex)?
-        }
+        NextHop::Unresolved { ifindex, .. } => exceeded_link_mtu(ctx, ifindex)?,
+        NextHop::Resolved { ifindex, .. } if ctx.is_gso() => exceeded_link_mtu(ctx, ifindex)?,
         _ => return None,
     };
     let frag_off: u16 = ctx.load(ETH_HLEN + IP_FRAG_OFF).ok()?;
-    (u16::from_be(frag_off) & IP_DF != 0).then_some(mtu)
+    Some(if u16::from_be(frag_off) & IP_DF != 0 {
+        Oversize::FragmentationNeeded { mtu }
+    } else {
+        Oversize::Fragmentable
+    })
 }
 
-/// The MTU of `ifindex` if the GSO packet's segments are too big for it.
-fn segments_exceed(ctx: &TcContext, ifindex: u32) -> Option<u16> {
+/// The MTU of `ifindex` if the packet is too big for it: a GSO packet's segments, any other
+/// packet whole.
+fn exceeded_link_mtu(ctx: &TcContext, ifindex: u32) -> Option<u16> {
     let mut mtu = 0u32;
     // SAFETY: the context's skb and a u32 out value; a zero `mtu` and length difference check
-    // the skb as it is, segment by segment.
+    // the skb as it is (a GSO packet segment by segment).
     let ret = unsafe {
         bpf_check_mtu(
             ctx.as_ptr(),

@@ -55,8 +55,8 @@ use lb_common::{
 };
 
 use crate::{
-    forward::{Caching, NextHop},
-    parse::Packet,
+    forward::{Caching, NextHop, Oversize},
+    parse::{Fragment, Packet},
     translate::Translation,
 };
 
@@ -87,14 +87,25 @@ fn try_ingress(ctx: &TcContext) -> Result<i32, Counter> {
             route,
             ct_flags,
         } => {
-            if stack_forwarding() {
+            // Fragments take the stack's path in both modes: its reassembly (nf_defrag) must see
+            // every fragment of a datagram, and it fragments again for the egress link.
+            if stack_forwarding() || packet.fragment != Fragment::Whole {
                 return to_stack(ctx, &packet, &to, ct_flags);
             }
             let hop = forward::route(ctx, &packet, &to, Caching::On(route));
-            // Answered before the rewrite: the error quotes the packet as the client sent it.
-            if let Some(mtu) = forward::exceeded_mtu(ctx, &hop) {
-                maps::count(Counter::FragmentationNeeded);
-                return reject::fragmentation_needed(ctx, &packet, mtu);
+            match forward::oversize(ctx, &hop) {
+                // Answered before the rewrite: the error quotes the packet as the client sent it.
+                Some(Oversize::FragmentationNeeded { mtu }) => {
+                    maps::count(Counter::FragmentationNeeded);
+                    return reject::fragmentation_needed(ctx, &packet, mtu);
+                }
+                // Redirected, the link would drop it: the stack's forwarding fragments it, and
+                // lb_egress translates the fragments' source, as with stack forwarding.
+                Some(Oversize::Fragmentable) => {
+                    maps::count(Counter::FibFallback);
+                    return to_stack(ctx, &packet, &to, ct_flags);
+                }
+                None => {}
             }
             if let NextHop::Local = hop {
                 // A node endpoint: the stack delivers it, as with stack forwarding.
@@ -234,7 +245,7 @@ fn try_xdp(ctx: &XdpContext) -> Result<u32, Counter> {
             // tc's conntrack lookup of the translated tuple misses (entries are keyed by the
             // tuples packets arrive with), and the stack drops a masqueraded source, its own
             // address, as a martian. Passed untouched, tc's lookup finds the entry this run
-            // created or refreshed, applies the same rewrite and resolves the neighbour itself.
+            // refreshed, applies the same rewrite and resolves the neighbour itself.
             let NextHop::Resolved { ifindex, macs } =
                 forward::route(ctx, &packet, &to, Caching::On(route))
             else {
@@ -248,7 +259,8 @@ fn try_xdp(ctx: &XdpContext) -> Result<u32, Counter> {
             maps::count(Counter::XdpForwarded);
             Ok(action as u32)
         }
-        // The ICMP error is built by tc, which can resize the packet's skb.
+        // Not XDP's: it opens no connection (translate.rs), and a REJECT is built by tc, which
+        // can resize the packet's skb.
         Translation::Reject(_) => Err(Counter::XdpPassed),
         // ICMP errors are few: tc reverse-translates them, XDP has no fast path for them.
         Translation::Icmp(_) => Err(Counter::XdpPassed),

@@ -88,8 +88,7 @@ pub fn source6<P: PacketAccess>(
 /// tuple is another connection's (as Linux's NAT remaps a clashing source port). Starts at a
 /// random point of the range so that concurrent connections rarely contend for the same port.
 /// When every port tried is held and an unconfirmed connection holds one of them, that one is
-/// dropped for it (`early_drop`: tc; XDP has no stack left for it). `Ok(None)`: no free port
-/// found.
+/// dropped for it (`early_drop`). `Ok(None)`: no free port found.
 ///
 /// The tries run as a `bpf_loop` callback: the verifier follows its body once rather than each
 /// try, and what comes after the search (the intermediate claim, the original entry) once per
@@ -99,7 +98,6 @@ pub fn claim_source(
     config: &Config,
     connection: &Connection,
     src_addr: u32,
-    early_drop: bool,
 ) -> Result<Option<ConntrackKey>, Counter> {
     let Some(ports) = PortSearch::new(config.snat_port_min, config.snat_port_max, maps::random())
     else {
@@ -111,7 +109,6 @@ pub fn claim_source(
         ports,
         port: 0,
         victim: 0,
-        early_drop,
         conntrack_full: false,
     };
     // SAFETY: `try_port` is a bpf_loop callback, and `search` outlives the loop.
@@ -139,8 +136,6 @@ struct Search<'a> {
     port: u16,
     /// The first port tried that an unconfirmed connection holds (network byte order); 0: none.
     victim: u16,
-    /// Whether the last try may drop `victim` for its port.
-    early_drop: bool,
     /// A try found the conntrack table full.
     conntrack_full: bool,
 }
@@ -174,7 +169,7 @@ extern "C" fn try_port(index: u64, search: *mut c_void) -> i64 {
 /// connection, as Linux's early_drop. In the callback rather than after the loop: a call from
 /// the programs' own frame would deepen their stack. 1 (stop) once it has an outcome.
 fn early_drop(search: &mut Search, index: u64) -> i64 {
-    if !search.early_drop || search.victim == 0 || !search.ports.is_last(index as u32) {
+    if search.victim == 0 || !search.ports.is_last(index as u32) {
         return 0;
     }
     match search

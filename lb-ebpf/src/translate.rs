@@ -84,6 +84,12 @@ pub fn translation<P: PacketAccess>(ctx: &P) -> Result<Translation, Counter> {
         }
         return Ok(Translation::Reject(packet));
     }
+    // XDP opens no connection (what it can refuse, it has refused): tc, at the same packet, has
+    // the stack that claiming a connection's tuples and the early drop of an unconfirmed
+    // holder of a masquerade port need.
+    if P::IS_XDP {
+        return Err(Counter::XdpPassed);
+    }
     let (to, ct_flags) = connect(ctx, config, &frontend, &backends, &packet, state, now)?;
     conntrack::opened(ctx, &packet);
     Ok(Translation::To {
@@ -127,10 +133,8 @@ fn connect<P: PacketAccess>(
     };
     let to = match own_source {
         Some(to) => to,
-        None => match masquerade::claim_source(config, &connection, src_addr, !P::IS_XDP)? {
+        None => match masquerade::claim_source(config, &connection, src_addr)? {
             Some(to) => to,
-            // XDP has no stack left for the early drop: tc, which has, gets the packet.
-            None if P::IS_XDP => return Err(Counter::XdpPassed),
             None if masquerade => {
                 maps::count_backend_ports_exhausted(u32::from(backend.stats_slot));
                 return Err(Counter::DropSnatPortsExhausted);
@@ -138,9 +142,7 @@ fn connect<P: PacketAccess>(
             None => return Err(Counter::DropTupleClash),
         },
     };
-    // XDP's 512-byte stack has no room left for the claim: connections XDP opens have no
-    // intermediate tuples, and take the redirect path only (docs/datapath.md).
-    if !P::IS_XDP && !intermediate::claim(&connection, &to) {
+    if !intermediate::claim(&connection, &to) {
         maps::unconfirmed_remove(&conntrack::reversed(&to));
         return Err(Counter::DropTupleClash);
     }

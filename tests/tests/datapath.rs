@@ -1666,7 +1666,9 @@ impl Datapath {
 
 /// A fragmented UDP datagram to a service (a ClusterIP from a pod; a NodePort from outside,
 /// masqueraded): all its fragments reach the endpoint its first fragment chose, and the
-/// endpoint's fragmented reply comes back from the service.
+/// endpoint's fragmented reply goes back to the client. Fragments take the stack's path in both
+/// forwarding modes (main.rs): here, at tc ingress, they get their intermediate tuples (the
+/// destination translated); lb_egress translates the source once the stack has forwarded them.
 #[test]
 fn fragments_follow_their_first_fragment() {
     for (client, frontend, flags) in [
@@ -1678,14 +1680,25 @@ fn fragments_follow_their_first_fragment() {
         let request = udp_fragments(client, frontend, 0x1234, 3000, 1480);
         assert_eq!(request.len(), 3);
         let (src, dst) = datapath.translate_fragments(&request);
+        let tracked = datapath
+            .conntrack(&ct_key(Proto::Udp, client, frontend))
+            .unwrap();
+        let (translated_src, translated_dst) = rewrite_of(&tracked);
         assert!(ENDPOINTS.contains(&dst), "{dst}");
+        assert_eq!(translated_dst, dst);
         if flags & FRONTEND_F_MASQUERADE != 0 {
-            assert_eq!(*src.ip(), NODE);
+            assert_eq!(*translated_src.ip(), NODE);
         } else {
-            assert_eq!(src, client);
+            assert_eq!(translated_src, client);
         }
-        let reply = udp_fragments(dst, src, 0x4321, 3000, 1480);
-        assert_eq!(datapath.translate_fragments(&reply), (frontend, client));
+        // The client's address with the port the endpoint sees: lb_egress translates the rest.
+        let intermediate_client = SocketAddrV4::new(*client.ip(), translated_src.port());
+        assert_eq!(src, intermediate_client);
+        let reply = udp_fragments(dst, translated_src, 0x4321, 3000, 1480);
+        assert_eq!(
+            datapath.translate_fragments(&reply),
+            (dst, intermediate_client)
+        );
         assert_eq!(datapath.counter(Counter::NewConnection), 1);
         assert_eq!(datapath.counter(Counter::Translated), 5);
         assert_eq!(datapath.counter(Counter::PassedFragment), 0);
@@ -2686,11 +2699,12 @@ fn established_packets_take_the_cached_route() {
 }
 
 /// lb_xdp on NodePort traffic from an external client, TCP and UDP, with and without IP
-/// options: DNAT and masquerade (to the source routing picks towards the backend, not the
-/// configured node address, as MASQUERADE) with valid checksums, redirected towards the backend with the
-/// FIB's MACs and the TTL decremented; the next packet hits conntrack; the backend's reply
-/// arriving on the external interface (as from a remote backend) is reverse-translated and sent
-/// back towards the client.
+/// options: a connection's first packet goes on to tc untouched, which opens the connection;
+/// its next packets hit conntrack in XDP: DNAT and masquerade (to the source routing picks
+/// towards the backend, not the configured node address, as MASQUERADE) with valid checksums,
+/// redirected towards the backend with the FIB's MACs and the TTL decremented; the backend's
+/// reply arriving on the external interface (as from a remote backend) is reverse-translated
+/// and sent back towards the client.
 #[test]
 fn xdp_translates_and_redirects_node_port_traffic() {
     in_routed_netns(|lb_in| {
@@ -2713,7 +2727,16 @@ fn xdp_translates_and_redirects_node_port_traffic() {
                 ip_options,
                 ..Packet::new(proto, client, NODE_PORT)
             };
+            datapath.assert_xdp_passes(&request.build());
+            let (verdict, opened) = datapath.run(&request.build());
+            assert_eq!(verdict, TC_ACT_REDIRECT, "{proto:?}: opened by tc");
+            let opened = verify(&request.build(), true, &opened);
             let (out, bytes) = datapath.translate_xdp(&request);
+            assert_eq!(
+                (out.src, out.dst),
+                (opened.src, opened.dst),
+                "conntrack hit"
+            );
             assert_eq!(*out.src.ip(), LB_OUT_ADDR, "{proto:?}: masqueraded");
             assert!((SNAT_PORT_MIN..=SNAT_PORT_MAX).contains(&out.src.port()));
             assert_eq!(out.dst, ENDPOINTS[0]);
@@ -2721,8 +2744,6 @@ fn xdp_translates_and_redirects_node_port_traffic() {
                 macs(&bytes),
                 (mac_text(NEIGHBOUR_MAC), mac_text(EGRESS_MAC))
             );
-            let (again, _) = datapath.translate_xdp(&request);
-            assert_eq!((again.src, again.dst), (out.src, out.dst), "conntrack hit");
 
             let reply = Packet {
                 ip_options,
@@ -2739,25 +2760,26 @@ fn xdp_translates_and_redirects_node_port_traffic() {
         assert_eq!(datapath.counter(Counter::NewConnection), 3);
         assert_eq!(datapath.counter(Counter::Masqueraded), 3);
         assert_eq!(datapath.counter(Counter::Translated), 6);
-        assert_eq!(datapath.counter(Counter::XdpForwarded), 9);
-        assert_eq!(datapath.counter(Counter::XdpPassed), 0);
+        assert_eq!(datapath.counter(Counter::XdpForwarded), 6);
+        assert_eq!(datapath.counter(Counter::XdpPassed), 3);
 
         // An egress the agent has not listed (a pod veth whose peer cannot take XDP frames):
-        // the packet goes to tc untouched, its connection already tracked.
+        // the packets of a tracked connection go to tc untouched.
         datapath.allow_xdp_egress("lb-out", false);
         let client = SocketAddrV4::new(*EXTERNAL_CLIENT.ip(), 50_100);
         let input = Packet::new(Proto::Tcp, client, NODE_PORT).build();
-        assert_eq!(datapath.run_xdp(&input), (XDP_PASS, input.clone()));
-        assert_eq!(datapath.counter(Counter::XdpPassed), 1);
+        assert_eq!(datapath.run(&input).0, TC_ACT_REDIRECT, "opened by tc");
         assert_eq!(datapath.counter(Counter::NewConnection), 4);
+        assert_eq!(datapath.run_xdp(&input), (XDP_PASS, input.clone()));
+        assert_eq!(datapath.counter(Counter::XdpPassed), 4);
         let (verdict, output) = datapath.run(&input);
         assert_eq!(verdict, TC_ACT_REDIRECT);
         assert_eq!(verify(&input, true, &output).dst, ENDPOINTS[0]);
     });
 }
 
-/// When the backend's MAC is unresolved, lb_xdp tracks the connection but passes the packet
-/// untouched; tc, on the same interface, finds that connection and applies the same translation.
+/// When the backend's MAC is unresolved, lb_xdp passes a tracked connection's packet untouched;
+/// tc, on the same interface, finds that connection and applies the same translation.
 #[test]
 fn xdp_leaves_unresolved_next_hops_to_tc() {
     in_routed_netns(|lb_in| {
@@ -2773,10 +2795,13 @@ fn xdp_leaves_unresolved_next_hops_to_tc() {
         );
         let input = Packet::new(Proto::Tcp, EXTERNAL_CLIENT, NODE_PORT).build();
         datapath.assert_xdp_passes(&input);
+        assert_eq!(datapath.conntrack_len(), 0, "XDP opens no connection");
+        assert_eq!(datapath.run(&input).0, TC_ACT_REDIRECT, "opened by tc");
         let tracked = datapath
             .conntrack(&ct_key(Proto::Tcp, EXTERNAL_CLIENT, NODE_PORT))
             .unwrap();
 
+        datapath.assert_xdp_passes(&input);
         let (verdict, output) = datapath.run(&input);
         assert_eq!(verdict, TC_ACT_REDIRECT);
         let out = verify(&input, true, &output);
@@ -2787,16 +2812,17 @@ fn xdp_leaves_unresolved_next_hops_to_tc() {
         );
         assert_eq!(out.dst, unresolved);
         assert_eq!(datapath.counter(Counter::NewConnection), 1);
-        assert_eq!(datapath.counter(Counter::Translated), 1);
-        assert_eq!(datapath.counter(Counter::XdpPassed), 1);
+        // XDP's lookup, then tc's.
+        assert_eq!(datapath.counter(Counter::Translated), 2);
+        assert_eq!(datapath.counter(Counter::XdpPassed), 2);
         assert_eq!(datapath.counter(Counter::XdpForwarded), 0);
         assert_eq!(datapath.conntrack_len(), 2);
     });
 }
 
 /// What lb_xdp does not finish goes to the stack untouched, counted only as passed by XDP (tc
-/// counts why): fragments, non-service traffic, TTL 1, and a new connection to a service without
-/// endpoints (tc answers it with REJECT). Drops are XDP's own.
+/// counts why): fragments, non-service traffic, TTL 1, a new connection (tc opens it), and one
+/// to a service without endpoints (tc answers it with REJECT). Drops are XDP's own.
 #[test]
 fn xdp_passes_what_it_does_not_finish() {
     let mut datapath = Datapath::with_cluster_ip(&ENDPOINTS).with_xdp();
@@ -2819,6 +2845,7 @@ fn xdp_passes_what_it_does_not_finish() {
         },
         Packet::new(Proto::Tcp, EXTERNAL_CLIENT, SocketAddrV4::new(NODE, 22)),
         Packet { ttl: 1, ..request },
+        request,
         Packet::new(Proto::Udp, EXTERNAL_CLIENT, NODE_PORT),
     ];
     for packet in &packets {
@@ -2853,8 +2880,8 @@ fn unrouted_packets_fall_back_to_the_stack() {
 }
 
 /// Below the kernel's 1M limit, so that added features have room; a jump in this number means
-/// a loop or branch structure that multiplies verifier states. lb_ingress is about 195k, lb_egress
-/// about 11k and lb_xdp about 250k: the port search is a bpf_loop callback whose body is verified
+/// a loop or branch structure that multiplies verifier states. lb_ingress is about 220k, lb_egress
+/// about 8k and lb_xdp about 13k (it opens no connection): the port search is a bpf_loop callback whose body is verified
 /// once, and it reports a port rather than a tuple, which would keep one verifier state per
 /// outcome through the rest of the new connection path. The socket hooks, loaded too, are a few
 /// thousand (connect, sendmsg) and under a hundred (recvmsg, getpeername).

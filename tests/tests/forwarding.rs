@@ -130,8 +130,8 @@ fn redirect_forwarding_bypasses_a_forward_drop() -> Result<()> {
 /// whose node-side interfaces hold no address of their own (Calico): a UDP server bound to the
 /// wildcard answers from the address routing picks, and neither Linux's conntrack nor ours
 /// can match an answer from another address than the endpoint's to its connection.
-fn node_endpoint(proto: Proto, forwarding: &str) -> Result<(Node, EchoServer)> {
-    let mut node = Node::start(2, &[], &["--forwarding", forwarding])?;
+fn node_endpoint(proto: Proto, agent_args: &[&str]) -> Result<(Node, EchoServer)> {
+    let mut node = Node::start(2, &[], agent_args)?;
     let routes = [
         (format!("{}/32", node.ip("pod-a")), "lbpa"),
         ("172.17.0.0/16".to_owned(), "docker0"),
@@ -150,8 +150,8 @@ fn node_endpoint(proto: Proto, forwarding: &str) -> Result<(Node, EchoServer)> {
     Ok((node, server))
 }
 
-fn check_node_endpoint(proto: Proto, forwarding: &str) -> Result<()> {
-    let (node, _server) = node_endpoint(proto, forwarding)?;
+fn check_node_endpoint(proto: Proto, agent_args: &[&str]) -> Result<()> {
+    let (node, _server) = node_endpoint(proto, agent_args)?;
     let topology = &node.topology;
     let from_pod = lb_tests::echo::requests(node.pod_ns("pod-a"), proto, vip(), 5)?;
     assert_answered_by(&from_pod, &["node"])?;
@@ -183,22 +183,35 @@ fn check_node_endpoint(proto: Proto, forwarding: &str) -> Result<()> {
 
 #[test]
 fn node_endpoint_tcp() -> Result<()> {
-    check_node_endpoint(Proto::Tcp, "stack")
+    check_node_endpoint(Proto::Tcp, &["--forwarding", "stack"])
 }
 
 #[test]
 fn node_endpoint_udp() -> Result<()> {
-    check_node_endpoint(Proto::Udp, "stack")
+    check_node_endpoint(Proto::Udp, &["--forwarding", "stack"])
 }
 
 #[test]
 fn node_endpoint_tcp_redirect() -> Result<()> {
-    check_node_endpoint(Proto::Tcp, "redirect")
+    check_node_endpoint(Proto::Tcp, &["--forwarding", "redirect"])
 }
 
 #[test]
 fn node_endpoint_udp_redirect() -> Result<()> {
-    check_node_endpoint(Proto::Udp, "redirect")
+    check_node_endpoint(Proto::Udp, &["--forwarding", "redirect"])
+}
+
+/// With `--xdp` on the external interface: lb_xdp opens no connection, so the external
+/// client's connections to the NodePort get their intermediate tuples from tc, and the node
+/// endpoint's replies are translated by lb_egress.
+#[test]
+fn node_endpoint_tcp_xdp() -> Result<()> {
+    check_node_endpoint(Proto::Tcp, &["--xdp"])
+}
+
+#[test]
+fn node_endpoint_udp_xdp() -> Result<()> {
+    check_node_endpoint(Proto::Udp, &["--xdp"])
 }
 
 /// A restart with another `--forwarding` swaps the programs into the pinned links and the mode

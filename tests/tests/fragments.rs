@@ -21,8 +21,9 @@ const LARGE_PORT: u16 = 8090;
 /// Three fragments at MTU 1500.
 const DATAGRAM: usize = 4000;
 
-/// Answers one datagram with `"<source>\n"` and the datagram itself, from inside `ns`.
-fn serve_large(ns: &Netns) -> Result<std::thread::JoinHandle<Result<()>>> {
+/// Answers `datagrams` datagrams, each with `"<source>\n"` and the datagram itself, from inside
+/// `ns`.
+fn serve_large(ns: &Netns, datagrams: usize) -> Result<std::thread::JoinHandle<Result<()>>> {
     let socket = ns.run(|| -> Result<UdpSocket> {
         let socket = UdpSocket::bind(("0.0.0.0", LARGE_PORT))?;
         socket.set_read_timeout(Some(TIMEOUT * 5))?;
@@ -30,8 +31,8 @@ fn serve_large(ns: &Netns) -> Result<std::thread::JoinHandle<Result<()>>> {
     })??;
     Ok(std::thread::spawn(move || -> Result<()> {
         let mut buf = vec![0; DATAGRAM * 2];
-        // One datagram per client case, each bounded by the read timeout.
-        for _ in 0..2 {
+        // Each bounded by the read timeout.
+        for _ in 0..datagrams {
             let (len, peer) = socket.recv_from(&mut buf).context("no datagram")?;
             let mut answer = format!("{peer}\n").into_bytes();
             answer.extend_from_slice(&buf[..len]);
@@ -41,13 +42,13 @@ fn serve_large(ns: &Netns) -> Result<std::thread::JoinHandle<Result<()>>> {
     }))
 }
 
-/// Sends one DATAGRAM-byte datagram from `ns` to `to`; returns the source the endpoint saw and
-/// the peer the answer came from, having checked that the answer carries the datagram whole.
-fn large_exchange(ns: &Netns, to: SocketAddr) -> Result<(SocketAddr, SocketAddr)> {
+/// Sends one `size`-byte datagram from `ns` to `to`; returns the source the endpoint saw and the
+/// peer the answer came from, having checked that the answer carries the datagram whole.
+fn large_exchange(ns: &Netns, to: SocketAddr, size: usize) -> Result<(SocketAddr, SocketAddr)> {
     ns.run(move || -> Result<(SocketAddr, SocketAddr)> {
         let socket = UdpSocket::bind("0.0.0.0:0")?;
         socket.set_read_timeout(Some(TIMEOUT))?;
-        let datagram: Vec<u8> = (0..DATAGRAM).map(|i| (i % 251) as u8).collect();
+        let datagram: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
         socket.send_to(&datagram, to)?;
         let mut buf = vec![0; DATAGRAM * 2];
         let (len, peer) = socket
@@ -77,7 +78,7 @@ fn fragmented_udp(agent_args: &[&str]) -> Result<()> {
         .node_port(NODE_PORT)
         .endpoints([node.ip("pod-b")]);
     node.agent.update_manifests(&yaml(&[service]))?;
-    let server = serve_large(node.pod_ns("pod-b"))?;
+    let server = serve_large(node.pod_ns("pod-b"), 2)?;
     let pod_a = node.ip("pod-a");
     let cases = [
         (
@@ -92,7 +93,7 @@ fn fragmented_udp(agent_args: &[&str]) -> Result<()> {
         ),
     ];
     for (ns, to, expected_source) in cases {
-        let (seen, peer) = large_exchange(ns, to)?;
+        let (seen, peer) = large_exchange(ns, to, DATAGRAM)?;
         ensure!(seen.ip() == expected_source, "to {to}: endpoint saw {seen}");
         ensure!(peer == to, "to {to}: answer from {peer}");
     }
@@ -110,4 +111,63 @@ fn fragmented_udp_through_cluster_ip_and_node_port() -> Result<()> {
 #[test]
 fn fragmented_udp_with_the_xdp_path_attached() -> Result<()> {
     fragmented_udp(&["--xdp"])
+}
+
+/// The MTU of the node's link to the endpoint in `too_big_without_df_is_fragmented_by_the_node`.
+const NARROW_MTU: &str = "1280";
+/// Too big for NARROW_MTU, whole on the clients' 1500-byte links.
+const WHOLE_DATAGRAM: usize = 1400;
+
+/// Datagrams without DF (the clients' `ip_no_pmtu_disc`) too big for the node's link to the
+/// endpoint: the node fragments them, as Linux's `ip_forward` does, in both forwarding modes. A
+/// whole one and a fragmented one (each fragment too big again), from a pod to the ClusterIP and
+/// from an external client to the masqueraded NodePort. Redirected as they are, the narrow link
+/// would drop them; handed to the stack fully translated, a masqueraded one is a martian.
+fn too_big_without_df_is_fragmented_by_the_node(forwarding: &str) -> Result<()> {
+    let mut node = Node::start(2, &[], &["--forwarding", forwarding])?;
+    let backend = node.topology.pod("pod-b");
+    node.topology
+        .node
+        .ip(&["link", "set", &backend.host_interface, "mtu", NARROW_MTU])?;
+    backend.ns.ip(&["link", "set", "eth0", "mtu", NARROW_MTU])?;
+    let service = ServiceManifest::new("large", CLUSTER_IP, Proto::Udp, PORT, LARGE_PORT)
+        .node_port(NODE_PORT)
+        .endpoints([backend.ip]);
+    node.agent.update_manifests(&yaml(&[service]))?;
+    let sizes = [WHOLE_DATAGRAM, DATAGRAM];
+    let server = serve_large(node.pod_ns("pod-b"), 2 * sizes.len())?;
+    let pod_a = node.ip("pod-a");
+    let cases = [
+        (
+            node.pod_ns("pod-a"),
+            SocketAddr::from((CLUSTER_IP, PORT)),
+            pod_a,
+        ),
+        (
+            &node.topology.client,
+            SocketAddr::from((NODE_IP, NODE_PORT)),
+            POD_GATEWAY,
+        ),
+    ];
+    for (ns, to, expected_source) in cases {
+        ns.sysctl("net.ipv4.ip_no_pmtu_disc", "1")?;
+        for size in sizes {
+            let (seen, peer) =
+                large_exchange(ns, to, size).with_context(|| format!("{size} bytes to {to}"))?;
+            ensure!(seen.ip() == expected_source, "to {to}: endpoint saw {seen}");
+            ensure!(peer == to, "to {to}: answer from {peer}");
+        }
+    }
+    server.join().expect("server thread")?;
+    Ok(())
+}
+
+#[test]
+fn too_big_without_df_is_fragmented_by_the_node_stack() -> Result<()> {
+    too_big_without_df_is_fragmented_by_the_node("stack")
+}
+
+#[test]
+fn too_big_without_df_is_fragmented_by_the_node_redirect() -> Result<()> {
+    too_big_without_df_is_fragmented_by_the_node("redirect")
 }

@@ -4,11 +4,11 @@ use anyhow::{Context as _, Result, ensure};
 use lb_tests::{
     agent::stats_at,
     bpffs::Bpffs,
-    echo::Proto,
+    echo::{Proto, udp_requests},
     manifests::yaml,
     node::{Node, vip},
     paths::check_external_to_node_port,
-    topology::EXTERNAL_INTERFACE,
+    topology::{EXTERNAL_INTERFACE, NODE_IP, Topology},
 };
 
 const NODE_PORT: u16 = 30080;
@@ -16,10 +16,10 @@ const NODE_PORT: u16 = 30080;
 const REQUESTS: u64 = 30;
 
 /// The client reaches pod-b / pod-c through node:nodePort, masqueraded (checked by
-/// `check_external_to_node_port`). With GRO on in the pods, turned on after the agent started,
-/// the client's packets were redirected by XDP: all but the first to each backend, whose MAC the
-/// node has not resolved yet (those XDP passes to tc). With it off, XDP passes every one to tc,
-/// which still serves them.
+/// `check_external_to_node_port`, then `udp_flow`). With GRO on in the pods, turned on after the
+/// agent started, the client's packets were redirected by XDP: all but each connection's first
+/// (tc opens connections) and the first to each backend, whose MAC the node has not resolved yet
+/// (those XDP passes to tc). With it off, XDP passes every one to tc, which still serves them.
 ///
 /// After SIGTERM, with its pins on a bpffs that outlives the agent, `lb_xdp` stays attached and
 /// the NodePort still answers.
@@ -58,6 +58,7 @@ fn external_to_node_port_via_xdp(proto: Proto, redirect_pods: bool) -> Result<()
     node.agent.update_manifests(&yaml(&[service]))?;
 
     check_external_to_node_port(&node.topology, proto, vip(), NODE_PORT)?;
+    udp_flow(&node.topology, proto)?;
     let counters = stats_at(&node.topology.node, &bpffs.arg())?;
     let (forwarded, passed) = (counters["xdp_forwarded"], counters["xdp_passed"]);
     if redirect_pods {
@@ -78,12 +79,26 @@ fn external_to_node_port_via_xdp(proto: Proto, redirect_pods: bool) -> Result<()
     ensure!(xdp_attached()?, "lb_xdp detached by SIGTERM");
     check_external_to_node_port(&node.topology, proto, vip(), NODE_PORT)
         .context("the NodePort after SIGTERM")?;
+    udp_flow(&node.topology, proto).context("a UDP flow after SIGTERM")?;
     let after = stats_at(&node.topology.node, &bpffs.arg())?["xdp_forwarded"];
     ensure!(
         !redirect_pods || after >= forwarded + REQUESTS,
         "XDP forwarded {} packets of {REQUESTS} requests after SIGTERM",
         after - forwarded
     );
+    Ok(())
+}
+
+/// For UDP, REQUESTS more requests to the NodePort from one socket: one flow, whose datagrams
+/// after the first XDP forwards. Each of `check_external_to_node_port`'s is a flow of its own,
+/// one datagram, which tc opens. (Each of its TCP connections sends XDP several packets.)
+fn udp_flow(topology: &Topology, proto: Proto) -> Result<()> {
+    if proto == Proto::Udp {
+        let node_port = (NODE_IP, NODE_PORT).into();
+        topology
+            .client
+            .run(move || udp_requests(node_port, REQUESTS as usize))??;
+    }
     Ok(())
 }
 
