@@ -30,11 +30,14 @@ fn main() -> anyhow::Result<()> {
     match cli.command {
         // The agent's loop (syncs, audits: map work that blocks) runs on this thread; the servers
         // and watchers on two workers, so /healthz and /metrics answer during a long sync.
-        Command::Agent(args) => tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()?
-            .block_on(agent::run(*args)),
+        Command::Agent(args) => {
+            agent::limit_malloc_arenas();
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()?
+                .block_on(agent::run(*args))
+        }
         Command::Stats(args) => stats::run(args),
         Command::Services(args) => services::run(args),
         Command::Conntrack(args) => conntrack::run(args),

@@ -43,13 +43,18 @@ impl fmt::Display for Protocol {
     }
 }
 
+/// A ServicePort's name ("" when unnamed): one allocation per port, shared by the spec, the
+/// model and the reconciler's ids and records, which each hold the name of every port (four
+/// copies of each string per port otherwise).
+pub type PortName = Arc<str>;
+
 /// One port of one service: the identity that keeps its service id (and allocated nodePort)
 /// stable across syncs.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct ServicePortId {
     pub service: ServiceName,
     /// The ServicePort name; "" when unnamed (only allowed for single-port services).
-    pub port_name: String,
+    pub port_name: PortName,
     pub protocol: Protocol,
 }
 

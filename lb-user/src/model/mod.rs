@@ -19,7 +19,7 @@ use std::sync::Arc;
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 
 use crate::compact::compact;
-pub use crate::model::id::{Protocol, ServiceName, ServicePortId};
+pub use crate::model::id::{PortName, Protocol, ServiceName, ServicePortId};
 use crate::model::nodeport::NodePortAllocator;
 
 /// An address family, as an EndpointSlice's addressType names it.
@@ -95,8 +95,9 @@ impl Family for Ipv6Addr {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum TargetPort {
     Number(u16),
-    /// A container port name; only the EndpointSlice knows its number.
-    Name(String),
+    /// A container port name; only the EndpointSlice knows its number. Shared by the spec and
+    /// the model.
+    Name(Arc<str>),
 }
 
 /// A Service as a source reports it, before the join.
@@ -204,7 +205,7 @@ pub struct TrafficPolicies {
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PortSpec {
-    pub name: String,
+    pub name: PortName,
     pub protocol: Protocol,
     pub port: u16,
     /// The nodePort the source gave; a node-exposed port without one gets one allocated.
@@ -391,7 +392,7 @@ pub struct Service<A: Family = Ipv4Addr> {
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ServicePort<A: Family = Ipv4Addr> {
-    pub name: String,
+    pub name: PortName,
     pub protocol: Protocol,
     pub port: u16,
     /// Set when the port is exposed on the node.
@@ -825,7 +826,7 @@ fn endpoints_of<A: Family>(port: &PortSpec, slices: &[&SliceSpec]) -> Vec<Endpoi
         let Some(slice_port) = slice
             .ports
             .iter()
-            .find(|sp| sp.name == port.name && sp.protocol == port.protocol)
+            .find(|sp| *sp.name == *port.name && sp.protocol == port.protocol)
         else {
             continue;
         };
@@ -926,6 +927,31 @@ mod tests {
             protocol,
             port,
         }
+    }
+
+    /// Kept for every port of every Service, in the spec and in the model (issue 21's memory
+    /// goal, 50k Services): a size change here is a change of the agent's memory at scale.
+    #[test]
+    fn ports_stay_small() {
+        // The name and a named targetPort behind shared pointers, not `String`s.
+        assert_eq!(std::mem::size_of::<PortSpec>(), 40);
+        assert_eq!(std::mem::size_of::<ServicePort>(), 64);
+    }
+
+    #[test]
+    fn the_model_shares_the_specs_port_names() {
+        let specs = Specs::from_lists(vec![web(false, None)], Vec::new());
+        let mut model = Model::default();
+        model.update(&specs, None, None);
+        let spec = &specs.services[&name("web")].ports[0];
+        let port = &model.services[&name("web")].ports[0];
+        assert!(Arc::ptr_eq(&spec.name, &port.name));
+        let (TargetPort::Name(in_spec), TargetPort::Name(in_model)) =
+            (&spec.target_port, &port.target_port)
+        else {
+            panic!("web's http port has a named targetPort");
+        };
+        assert!(Arc::ptr_eq(in_spec, in_model));
     }
 
     #[test]
@@ -1115,7 +1141,7 @@ mod tests {
     /// The last address bytes of the Cluster and Local lists on node "me" in `zone`.
     fn categorized_in(zone: &str, endpoints: Vec<Endpoint>) -> (Vec<u8>, Vec<u8>) {
         let port = ServicePort {
-            name: String::new(),
+            name: "".into(),
             protocol: Protocol::Tcp,
             port: 80,
             node_port: None,

@@ -27,7 +27,8 @@ use crate::maps::contents::{
 use crate::maps::stats_slots::{FamilyBackend, PortEndpoint, StatsReset, StatsSlots};
 use crate::maps::writer::{MapWriter, WriteFailure};
 use crate::model::{
-    Endpoint, Model, Protocol, Scheduler, Service, ServiceName, ServicePort, ServicePortId,
+    Endpoint, Model, PortName, Protocol, Scheduler, Service, ServiceName, ServicePort,
+    ServicePortId,
 };
 use crate::reconcile::udp_flush::UdpEndpoint;
 
@@ -91,7 +92,7 @@ struct LastSync {
     conflicted: bool,
     /// The ports of each service's IPv6 side, whose ids a change releases as it does those of
     /// the IPv4 side's `Contribution`.
-    v6_ports: BTreeMap<ServiceName, Vec<(String, Protocol)>>,
+    v6_ports: BTreeMap<ServiceName, Box<[(PortName, Protocol)]>>,
 }
 
 impl LastSync {
@@ -185,14 +186,22 @@ impl Recorded for ServiceStatus {
     }
 }
 
-/// What one service put into the desired contents of a family.
+/// What one service put into the desired contents of a family. Kept for every Service between
+/// syncs: slices sized to what they hold (a `Vec` pushed to holds four of its first entry).
 #[derive(Debug)]
 struct Contribution<A: MapFamily = Ipv4Addr> {
     cluster_ip: A,
     /// Its ports' names and protocols.
-    ports: Vec<(String, Protocol)>,
-    frontends: Vec<A::FrontendKey>,
+    ports: Box<[(PortName, Protocol)]>,
+    frontends: Box<[A::FrontendKey]>,
     /// Its ports' backend lists.
+    lists: Box<[Lists]>,
+    source_ranges: Box<[SourceRange<A::Net>]>,
+}
+
+/// What a service's ports put into the desired contents, while they are put.
+struct PortEntries<A: MapFamily> {
+    frontends: Vec<A::FrontendKey>,
     lists: Vec<Lists>,
     source_ranges: Vec<SourceRange<A::Net>>,
 }
@@ -600,17 +609,22 @@ impl Reconciler {
         service: &Service<A>,
         desired: &mut FamilyContents<A>,
     ) -> (Contribution<A>, bool) {
-        let mut contribution = Contribution {
-            cluster_ip: service.cluster_ip,
-            ports: port_names(service),
+        let mut entries = PortEntries {
             frontends: Vec::new(),
-            lists: Vec::new(),
+            lists: Vec::with_capacity(service.ports.len()),
             source_ranges: Vec::new(),
         };
         let mut conflicted = false;
         for port in &service.ports {
-            conflicted |= self.put_port(name, service, port, desired, &mut contribution);
+            conflicted |= self.put_port(name, service, port, desired, &mut entries);
         }
+        let contribution = Contribution {
+            cluster_ip: service.cluster_ip,
+            ports: port_names(service),
+            frontends: entries.frontends.into_boxed_slice(),
+            lists: entries.lists.into_boxed_slice(),
+            source_ranges: entries.source_ranges.into_boxed_slice(),
+        };
         (contribution, conflicted)
     }
 
@@ -622,7 +636,7 @@ impl Reconciler {
         service: &Service<A>,
         port: &ServicePort<A>,
         desired: &mut FamilyContents<A>,
-        contribution: &mut Contribution<A>,
+        entries: &mut PortEntries<A>,
     ) -> bool {
         let id = ServicePortId {
             service: name.clone(),
@@ -645,7 +659,7 @@ impl Reconciler {
         } else {
             0
         };
-        contribution.lists.push(Lists {
+        entries.lists.push(Lists {
             service_id,
             cluster: backend_count,
             local: local_count,
@@ -654,7 +668,7 @@ impl Reconciler {
             for &net in &external.source_ranges {
                 let range = SourceRange { service_id, net };
                 if desired.source_ranges.insert(range) {
-                    contribution.source_ranges.push(range);
+                    entries.source_ranges.push(range);
                 }
             }
         }
@@ -676,7 +690,7 @@ impl Reconciler {
             desired.frontends.insert(key, value);
             let origin = FrontendOrigin::new(&name.namespace, &name.name, &port.name, kind);
             desired.origins.insert(key, origin);
-            contribution.frontends.push(key);
+            entries.frontends.push(key);
         }
         conflicted
     }
@@ -752,7 +766,11 @@ impl Reconciler {
         let mut desired = MapContents::default();
         let mut scope = Scope::default();
         for name in changed {
-            let mut old_ports = last.v6_ports.remove(name).unwrap_or_default();
+            let mut old_ports: Vec<_> = last
+                .v6_ports
+                .remove(name)
+                .map(Vec::from)
+                .unwrap_or_default();
             if let Some(old) = last.services.remove(name) {
                 if let Some(key) = last.remove_catch_all(old.cluster_ip) {
                     scope.frontends.insert(key);
@@ -1626,7 +1644,7 @@ impl SlotsCounted {
 }
 
 /// The names and protocols of a service's ports.
-fn port_names<A: MapFamily>(service: &Service<A>) -> Vec<(String, Protocol)> {
+fn port_names<A: MapFamily>(service: &Service<A>) -> Box<[(PortName, Protocol)]> {
     service
         .ports
         .iter()
@@ -3033,6 +3051,30 @@ mod tests {
             port_frontend(&maps.contents).map(|f| f.backend_count),
             Some(1)
         );
+    }
+
+    /// What the reconciler keeps for every service port between syncs (issue 21's memory goal,
+    /// 50k Services): a size change here is a change of the agent's memory at scale.
+    #[test]
+    fn what_is_kept_per_service_port_stays_small() {
+        // The name, the port name (shared with the model) and the protocol.
+        assert_eq!(std::mem::size_of::<ServicePortId>(), 56);
+        // Sized slices: a `Vec` is 24 bytes and four entries of room at its first push.
+        assert_eq!(std::mem::size_of::<Contribution>(), 72);
+    }
+
+    #[test]
+    fn service_port_ids_and_contributions_share_the_models_port_names() {
+        let m = model(&[("web", 1, None, vec![endpoint(2, true)])]);
+        let mut r = Reconciler::new(NODE, MapContents::default());
+        r.sync(&m, &mut FakeMaps::default());
+        let port_name = &m.services[&name("web")].ports[0].name;
+        let (id, _) = r.ids.first_key_value().expect("the port's id");
+        assert!(std::sync::Arc::ptr_eq(&id.port_name, port_name));
+        let last = r.last.as_ref().expect("a sync without failures");
+        let contribution = &last.services[&name("web")];
+        assert_eq!(contribution.lists.len(), 1);
+        assert!(std::sync::Arc::ptr_eq(&contribution.ports[0].0, port_name));
     }
 
     #[test]

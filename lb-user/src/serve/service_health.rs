@@ -199,7 +199,7 @@ mod tests {
             scheduler: None,
             external: Default::default(),
             ports: vec![ServicePort {
-                name: String::new(),
+                name: "".into(),
                 protocol: Protocol::Tcp,
                 port: 80,
                 node_port,

@@ -11,8 +11,8 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use tracing::{debug, warn};
 
 use crate::model::{
-    Conditions, ExternalAddresses, Family, Hints, IpFamily, Placement, PortSpec, Protocol,
-    Scheduler, ServiceName, ServiceSpec, SliceEndpoint, SlicePort, SliceSpec, TargetPort,
+    Conditions, ExternalAddresses, Family, Hints, IpFamily, Placement, PortName, PortSpec,
+    Protocol, Scheduler, ServiceName, ServiceSpec, SliceEndpoint, SlicePort, SliceSpec, TargetPort,
     TrafficPolicies,
 };
 
@@ -108,15 +108,18 @@ pub fn service(
             .node_port
             .map(|n| port_number(n, || field("nodePort")))
             .transpose()?;
+        let name = PortName::from(p.name.as_deref().unwrap_or_default());
         let target_port = match &p.target_port {
             None => TargetPort::Number(port),
             Some(IntOrString::Int(n)) => {
                 TargetPort::Number(port_number(*n, || field("targetPort"))?)
             }
-            Some(IntOrString::String(s)) => TargetPort::Name(s.clone()),
+            // Often the port's own name (`targetPort: http` of port `http`): one string for both.
+            Some(IntOrString::String(s)) if **s == *name => TargetPort::Name(name.clone()),
+            Some(IntOrString::String(s)) => TargetPort::Name(s.as_str().into()),
         };
         ports.push(PortSpec {
-            name: p.name.clone().unwrap_or_default(),
+            name,
             protocol,
             port,
             node_port,
@@ -547,6 +550,20 @@ mod tests {
     const HEAD: &str = "apiVersion: v1\nkind: Service\nmetadata: {name: web, namespace: shop}\n";
 
     #[test]
+    fn a_target_port_named_as_its_port_shares_the_ports_name() {
+        let spec = service(&svc(&format!(
+            "{HEAD}spec:\n  clusterIP: 10.96.0.10\n  ports:\n  - {{name: http, port: 80, targetPort: http}}\n"
+        )))
+        .unwrap()
+        .unwrap();
+        let port = &spec.ports[0];
+        let TargetPort::Name(target) = &port.target_port else {
+            panic!("a named targetPort: {:?}", port.target_port);
+        };
+        assert!(std::sync::Arc::ptr_eq(target, &port.name));
+    }
+
+    #[test]
     fn service_defaults_and_target_ports() {
         let spec = service(&svc(&format!(
             "{HEAD}spec:\n  clusterIP: 10.96.0.10\n  ports:\n  - {{port: 80}}\n  - {{name: b, port: 81, targetPort: web, protocol: UDP}}\n  - {{name: c, port: 82, targetPort: 8082}}\n  - {{name: d, port: 83, protocol: SCTP}}\n"
@@ -558,7 +575,7 @@ mod tests {
         assert_eq!(spec.cluster_ip_v6, None);
         assert!(!spec.node_ports);
         assert_eq!(spec.ports.len(), 3);
-        assert_eq!(spec.ports[0].name, "");
+        assert_eq!(&*spec.ports[0].name, "");
         assert_eq!(spec.ports[0].protocol, Protocol::Tcp);
         assert_eq!(spec.ports[0].target_port, TargetPort::Number(80));
         assert_eq!(spec.ports[1].protocol, Protocol::Udp);
