@@ -3,14 +3,13 @@
 //! reassembles the datagram, and its answer, as large and fragmented by the endpoint's kernel,
 //! comes back reverse-translated. Untranslated later fragments would reach the service address
 //! (or the node) and the datagram would never be whole: the exchange would time out.
-use std::net::{SocketAddr, UdpSocket};
+use std::net::{Ipv4Addr, SocketAddr};
 
-use anyhow::{Context as _, Result, ensure};
+use anyhow::{Result, ensure};
 use lb_tests::{
     agent::counter,
-    echo::{Proto, TIMEOUT},
+    echo::{Proto, large_exchange, serve_large},
     manifests::{ServiceManifest, yaml},
-    netns::Netns,
     node::{CLUSTER_IP, Node, PORT},
     topology::{NODE_IP, POD_GATEWAY},
 };
@@ -18,55 +17,6 @@ use lb_tests::{
 const NODE_PORT: u16 = 30080;
 /// Not the echo servers' port: this service's endpoint runs `serve_large`.
 const LARGE_PORT: u16 = 8090;
-/// Three fragments at MTU 1500.
-const DATAGRAM: usize = 4000;
-
-/// Answers one datagram with `"<source>\n"` and the datagram itself, from inside `ns`.
-fn serve_large(ns: &Netns) -> Result<std::thread::JoinHandle<Result<()>>> {
-    let socket = ns.run(|| -> Result<UdpSocket> {
-        let socket = UdpSocket::bind(("0.0.0.0", LARGE_PORT))?;
-        socket.set_read_timeout(Some(TIMEOUT * 5))?;
-        Ok(socket)
-    })??;
-    Ok(std::thread::spawn(move || -> Result<()> {
-        let mut buf = vec![0; DATAGRAM * 2];
-        // One datagram per client case, each bounded by the read timeout.
-        for _ in 0..2 {
-            let (len, peer) = socket.recv_from(&mut buf).context("no datagram")?;
-            let mut answer = format!("{peer}\n").into_bytes();
-            answer.extend_from_slice(&buf[..len]);
-            socket.send_to(&answer, peer)?;
-        }
-        Ok(())
-    }))
-}
-
-/// Sends one DATAGRAM-byte datagram from `ns` to `to`; returns the source the endpoint saw and
-/// the peer the answer came from, having checked that the answer carries the datagram whole.
-fn large_exchange(ns: &Netns, to: SocketAddr) -> Result<(SocketAddr, SocketAddr)> {
-    ns.run(move || -> Result<(SocketAddr, SocketAddr)> {
-        let socket = UdpSocket::bind("0.0.0.0:0")?;
-        socket.set_read_timeout(Some(TIMEOUT))?;
-        let datagram: Vec<u8> = (0..DATAGRAM).map(|i| (i % 251) as u8).collect();
-        socket.send_to(&datagram, to)?;
-        let mut buf = vec![0; DATAGRAM * 2];
-        let (len, peer) = socket
-            .recv_from(&mut buf)
-            .with_context(|| format!("no answer from {to}"))?;
-        let answer = &buf[..len];
-        let newline = answer
-            .iter()
-            .position(|&b| b == b'\n')
-            .context("answer without a source line")?;
-        let seen: SocketAddr = std::str::from_utf8(&answer[..newline])?.parse()?;
-        ensure!(
-            answer[newline + 1..] == datagram[..],
-            "the answer's {} bytes are not the datagram",
-            len - newline - 1
-        );
-        Ok((seen, peer))
-    })?
-}
 
 /// From a pod to the ClusterIP (the endpoint sees the pod) and from an external client to the
 /// NodePort (masqueraded), every fragment of both directions translated by tc, and by the XDP
@@ -77,7 +27,8 @@ fn fragmented_udp(agent_args: &[&str]) -> Result<()> {
         .node_port(NODE_PORT)
         .endpoints([node.ip("pod-b")]);
     node.agent.update_manifests(&yaml(&[service]))?;
-    let server = serve_large(node.pod_ns("pod-b"))?;
+    let local = SocketAddr::from((Ipv4Addr::UNSPECIFIED, LARGE_PORT));
+    let server = serve_large(node.pod_ns("pod-b"), local, 2)?;
     let pod_a = node.ip("pod-a");
     let cases = [
         (
