@@ -176,7 +176,8 @@ pub mod default_size {
     /// Unconnected UDP flows of node sockets: one per (socket, service port it sends to).
     pub const SOCK_BACKEND: u32 = 65_536;
     /// Fragmented datagrams of translated flows in flight: one per (source, destination,
-    /// protocol, IP ID) whose first fragment has been seen.
+    /// protocol, IP ID) whose first fragment has been seen; as many IPv6 ones (`FRAGMENTS6`),
+    /// by the fragment header's identification.
     pub const FRAGMENTS: u32 = 8_192;
     /// Traffic counter slots of backends: one per (service port, endpoint), slot 0 unused. A
     /// per-CPU array, allocated whole on every CPU: 16,384 × 32 B = 512 KiB per CPU (32 MiB on
