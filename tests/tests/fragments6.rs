@@ -61,12 +61,11 @@ fn fragment(
     frame(src, dst, &[], IPPROTO_FRAGMENT, &header)
 }
 
-/// `datagram` (a transport header and its payload) from `src` to `dst` cut at `cuts` into the
+/// `datagram` (a `proto` header and its payload) from `src` to `dst` cut at `cuts` into the
 /// fragments of datagram `id`.
 fn fragments(
-    src: &Ipv6Addr,
-    dst: &Ipv6Addr,
-    id: u32,
+    (src, dst): (&Ipv6Addr, &Ipv6Addr),
+    (id, proto): (u32, Proto),
     datagram: &[u8],
     cuts: &[usize],
 ) -> Vec<Vec<u8>> {
@@ -79,7 +78,7 @@ fn fragments(
             let more = w[1] != datagram.len();
             fragment(
                 (src, dst),
-                (id, IPPROTO_UDP),
+                (id, proto.number()),
                 w[0],
                 more,
                 &datagram[w[0]..w[1]],
@@ -97,8 +96,13 @@ fn addresses(frame: &[u8]) -> (Ipv6Addr, Ipv6Addr) {
 /// Runs `fragments` of one datagram, in order, through `datapath`: each must be handed on with
 /// its addresses rewritten (and, in the first, the ports and checksum) and nothing else changed,
 /// and every fragment must carry the same addresses. Returns the datagram's new tuple, having
-/// checked the UDP checksum of the reassembled datagram over its new pseudo-header.
-fn translate_fragments(datapath: &Datapath, fragments: &[Vec<u8>]) -> (SocketAddrV6, SocketAddrV6) {
+/// checked the `proto` checksum of the reassembled datagram over its new pseudo-header.
+fn translate_fragments(
+    datapath: &Datapath,
+    proto: Proto,
+    fragments: &[Vec<u8>],
+) -> (SocketAddrV6, SocketAddrV6) {
+    let check = DATA + proto.check_offset();
     let mut reassembled = Vec::new();
     let mut translated = None;
     for (index, input) in fragments.iter().enumerate() {
@@ -118,9 +122,9 @@ fn translate_fragments(datapath: &Datapath, fragments: &[Vec<u8>]) -> (SocketAdd
             "fragment {index}"
         );
         if index == 0 {
-            // The ports and the checksum (bytes 0-3, 6-7) may change, not the UDP length.
-            assert_eq!(output[DATA + 4..DATA + 6], input[DATA + 4..DATA + 6]);
-            assert_eq!(output[DATA + 8..], input[DATA + 8..]);
+            // The ports and the checksum may change, nothing else.
+            assert_eq!(output[DATA + 4..check], input[DATA + 4..check]);
+            assert_eq!(output[check + 2..], input[check + 2..]);
         } else {
             assert_eq!(
                 output[DATA..],
@@ -132,9 +136,9 @@ fn translate_fragments(datapath: &Datapath, fragments: &[Vec<u8>]) -> (SocketAdd
     }
     let (src, dst) = translated.expect("fragments");
     assert_eq!(
-        pseudo_header_sum(&src, &dst, IPPROTO_UDP, &reassembled),
+        pseudo_header_sum(&src, &dst, proto.number(), &reassembled),
         0xffff,
-        "the reassembled datagram's UDP checksum over the new pseudo-header"
+        "the reassembled datagram's {proto:?} checksum over the new pseudo-header"
     );
     let port = |at: usize| u16::from_be_bytes([reassembled[at], reassembled[at + 1]]);
     (
@@ -159,7 +163,13 @@ fn fragments_follow_their_first_fragment() {
     let request = udp_datagram(CLIENT, CLUSTER_IP);
     let (src, backend) = translate_fragments(
         &datapath,
-        &fragments(CLIENT.ip(), CLUSTER_IP.ip(), ID, &request, &CUTS),
+        Proto::Udp,
+        &fragments(
+            (CLIENT.ip(), CLUSTER_IP.ip()),
+            (ID, Proto::Udp),
+            &request,
+            &CUTS,
+        ),
     );
     assert_eq!(src, CLIENT);
     assert!(ENDPOINTS.contains(&backend), "{backend}");
@@ -167,19 +177,32 @@ fn fragments_follow_their_first_fragment() {
     assert_eq!(datapath.counter(Counter::Translated), 2);
 
     let answer = udp_datagram(backend, CLIENT);
-    let reply = fragments(backend.ip(), CLIENT.ip(), ID, &answer, &CUTS);
-    assert_eq!(translate_fragments(&datapath, &reply), (CLUSTER_IP, CLIENT));
+    let reply = fragments(
+        (backend.ip(), CLIENT.ip()),
+        (ID, Proto::Udp),
+        &answer,
+        &CUTS,
+    );
+    assert_eq!(
+        translate_fragments(&datapath, Proto::Udp, &reply),
+        (CLUSTER_IP, CLIENT)
+    );
 
     let request = udp_datagram(EXTERNAL_CLIENT, NODE_PORT);
-    let to_node_port = fragments(EXTERNAL_CLIENT.ip(), &NODE, ID, &request, &CUTS);
-    let (masqueraded, backend) = translate_fragments(&datapath, &to_node_port);
+    let to_node_port = fragments(
+        (EXTERNAL_CLIENT.ip(), &NODE),
+        (ID, Proto::Udp),
+        &request,
+        &CUTS,
+    );
+    let (masqueraded, backend) = translate_fragments(&datapath, Proto::Udp, &to_node_port);
     assert_eq!(*masqueraded.ip(), NODE);
     assert_ne!(masqueraded.port(), EXTERNAL_CLIENT.port());
     assert!(ENDPOINTS.contains(&backend), "{backend}");
     let answer = udp_datagram(backend, masqueraded);
-    let reply = fragments(backend.ip(), &NODE, ID, &answer, &CUTS);
+    let reply = fragments((backend.ip(), &NODE), (ID, Proto::Udp), &answer, &CUTS);
     assert_eq!(
-        translate_fragments(&datapath, &reply),
+        translate_fragments(&datapath, Proto::Udp, &reply),
         (NODE_PORT, EXTERNAL_CLIENT)
     );
 
@@ -198,19 +221,49 @@ fn fragments_follow_their_first_fragment() {
     assert_eq!(datapath.counter(Counter::PassedFragment), 0);
 }
 
+/// A fragmented TCP segment (a SYN with data, cut after its header) to the ClusterIP: both
+/// fragments to the endpoint the first chose, the TCP checksum right over the new pseudo-header.
+#[test]
+fn fragmented_tcp_segment_follows_its_first_fragment() {
+    let datapath = Datapath::with_cluster_ip(&ENDPOINTS);
+    let syn = packet(Proto::Tcp, CLIENT, CLUSTER_IP, TCP_SYN, &[]);
+    let segment = &syn[ETH_HLEN + IPV6_HLEN..];
+    let pieces = fragments(
+        (CLIENT.ip(), CLUSTER_IP.ip()),
+        (ID, Proto::Tcp),
+        segment,
+        &[24],
+    );
+    let (src, backend) = translate_fragments(&datapath, Proto::Tcp, &pieces);
+    assert_eq!(src, CLIENT);
+    assert!(ENDPOINTS.contains(&backend), "{backend}");
+    assert_eq!(datapath.counter(Counter::NewConnection), 1);
+    assert_eq!(datapath.counter(Counter::Translated), 1);
+}
+
 /// A later fragment whose first was not seen, or was not a service's, passes untouched.
 #[test]
 fn later_fragments_without_a_translated_first_pass_untouched() {
     let datapath = Datapath::with_cluster_ip(&ENDPOINTS);
     let request = udp_datagram(CLIENT, CLUSTER_IP);
-    let pieces = fragments(CLIENT.ip(), CLUSTER_IP.ip(), ID, &request, &CUTS);
+    let pieces = fragments(
+        (CLIENT.ip(), CLUSTER_IP.ip()),
+        (ID, Proto::Udp),
+        &request,
+        &CUTS,
+    );
     datapath.assert_untouched(&pieces[1]);
     datapath.assert_untouched(&pieces[2]);
     assert_eq!(datapath.counter(Counter::PassedFragment), 2);
 
     let other = pod(0x99, 9999);
     let not_a_service = udp_datagram(CLIENT, other);
-    for piece in fragments(CLIENT.ip(), other.ip(), ID, &not_a_service, &CUTS) {
+    for piece in fragments(
+        (CLIENT.ip(), other.ip()),
+        (ID, Proto::Udp),
+        &not_a_service,
+        &CUTS,
+    ) {
         datapath.assert_untouched(&piece);
     }
     assert_eq!(datapath.counter(Counter::PassedFragment), 4);
