@@ -68,7 +68,9 @@ pub mod map_name {
     /// `StickyBackend6`). An IPv4-mapped service address on an IPv6 socket uses the IPv4 maps.
     pub const SOCK_REVNAT6: &str = "LB_SOCK_REVNAT6_V1";
     pub const SOCK_BACKEND6: &str = "LB_SOCK_BACKEND6_V1";
-    pub const ALL: [&str; 32] = [
+    /// `FragmentKey6` → `FirstFragment`, as `FRAGMENTS` for IPv4, sized as it.
+    pub const FRAGMENTS6: &str = "LB_FRAGMENT6_V1";
+    pub const ALL: [&str; 33] = [
         FRONTENDS,
         BACKENDS,
         CONNTRACK,
@@ -101,6 +103,7 @@ pub mod map_name {
         TC_IPV6_PROGRAMS,
         SOCK_REVNAT6,
         SOCK_BACKEND6,
+        FRAGMENTS6,
     ];
 }
 
@@ -173,7 +176,8 @@ pub mod default_size {
     /// Unconnected UDP flows of node sockets: one per (socket, service port it sends to).
     pub const SOCK_BACKEND: u32 = 65_536;
     /// Fragmented datagrams of translated flows in flight: one per (source, destination,
-    /// protocol, IP ID) whose first fragment has been seen.
+    /// protocol, IP ID) whose first fragment has been seen; as many IPv6 ones (`FRAGMENTS6`),
+    /// by the fragment header's identification.
     pub const FRAGMENTS: u32 = 8_192;
     /// Traffic counter slots of backends: one per (service port, endpoint), slot 0 unused. A
     /// per-CPU array, allocated whole on every CPU: 16,384 × 32 B = 512 KiB per CPU (32 MiB on
@@ -1303,7 +1307,24 @@ pub struct FragmentKey {
     pub _pad: u8,
 }
 
-/// Value of `FRAGMENTS`: what the datagram's first fragment told, so that the later ones find the
+/// Key of `FRAGMENTS6`: what identifies the fragments of one IPv6 datagram (RFC 8200 4.5: the
+/// addresses and the fragment header's 32-bit identification), and its transport protocol, as
+/// [`FragmentKey`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct FragmentKey6 {
+    pub src_addr: Addr6,
+    pub dst_addr: Addr6,
+    /// Network byte order.
+    pub id: u32,
+    pub proto: u8,
+    // Scalars, as in `ConntrackKey`.
+    pub _pad0: u8,
+    pub _pad1: u16,
+}
+
+/// Value of `FRAGMENTS` and `FRAGMENTS6`: what the datagram's first fragment told, so that the later ones find the
 /// same connection (its ports, which only the first carries) and overlaps are seen.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -1316,7 +1337,8 @@ pub struct FirstFragment {
     pub src_port: u16,
     /// Network byte order.
     pub dst_port: u16,
-    /// Where the first fragment's payload ends, in bytes from the start of the datagram's payload.
+    /// Where the first fragment's payload ends, in bytes from the start of the datagram's payload
+    /// (IPv6: of its fragmentable part, after the fragment header).
     pub end: u16,
     pub _pad: u16,
 }
@@ -1602,7 +1624,7 @@ impl Counter {
                 "ICMP errors about tracked connections, reverse-translated and forwarded"
             }
             Counter::PassedFragment => {
-                "later IPv4 fragments of no translated datagram, passed untouched"
+                "later IPv4 and IPv6 fragments of no translated datagram, passed untouched"
             }
             Counter::DropTupleClash => {
                 "dropped: a new connection's translated tuple is another's and no free source port was found to remap it"
@@ -1621,7 +1643,7 @@ impl Counter {
                 "dropped: a TCP flag combination Linux's conntrack holds invalid (null, SYN+FIN, xmas...)"
             }
             Counter::DropFragmentOverlap => {
-                "dropped: an IPv4 fragment overlapping its datagram's first fragment"
+                "dropped: an IPv4 or IPv6 fragment overlapping its datagram's first fragment"
             }
             Counter::DropTcpOutOfWindow => {
                 "dropped: a TCP RST or FIN outside its connection's window (its state unchanged)"
@@ -1670,7 +1692,7 @@ impl Counter {
             Counter::DropBadTcpHeader => Some("Invalid TCP header (data offset)"),
             Counter::DropBadUdpLength => Some("Invalid UDP length"),
             Counter::DropBadTcpFlags => Some("Invalid TCP flags"),
-            Counter::DropFragmentOverlap => Some("Overlapping IPv4 fragment"),
+            Counter::DropFragmentOverlap => Some("Overlapping fragment"),
             Counter::DropTcpOutOfWindow => Some("TCP RST or FIN outside the window"),
             Counter::DropRejectRateLimited => Some("REJECT reply rate-limited"),
             Counter::NewConnection
@@ -1718,6 +1740,7 @@ const _: () = {
     assert!(core::mem::size_of::<SockBackendKey>() == 16);
     assert!(core::mem::size_of::<FragmentKey>() == 12);
     assert!(core::mem::size_of::<FirstFragment>() == 16);
+    assert!(core::mem::size_of::<FragmentKey6>() == 40);
     assert!(core::mem::size_of::<RejectLimit>() == 32);
     assert!(core::mem::size_of::<Addr6>() == 16);
     assert!(core::mem::size_of::<FrontendKey6>() == 20);
@@ -1764,6 +1787,7 @@ mod user {
     unsafe impl aya::Pod for SockBackendKey {}
     unsafe impl aya::Pod for FragmentKey {}
     unsafe impl aya::Pod for FirstFragment {}
+    unsafe impl aya::Pod for FragmentKey6 {}
     unsafe impl aya::Pod for RejectLimit {}
     unsafe impl aya::Pod for Addr6 {}
     unsafe impl aya::Pod for FrontendKey6 {}

@@ -1,11 +1,13 @@
 //! The two address families, for the code written once over both: backend selection and
-//! sessionAffinity (service.rs, affinity.rs) and the node sockets' UDP flows (sock.rs). Each
+//! sessionAffinity (service.rs, affinity.rs), the node sockets' UDP flows (sock.rs) and the
+//! records of fragmented datagrams (fragment.rs). Each
 //! family names its types and maps here; the shared code is monomorphised per family, as it is
 //! per program type over `PacketAccess`.
 use lb_common::{
     Addr6, AffinityKey, AffinityKey6, Backend, Backend6, BackendKey, ConntrackKey, ConntrackKey6,
-    FrontendKey, FrontendKey6, IPPROTO_UDP, SockBackendKey, SockBackendKey6, StickyBackend,
-    StickyBackend6, flow_hash, flow_hash6, source_hash, source_hash6,
+    FirstFragment, FragmentKey, FragmentKey6, FrontendKey, FrontendKey6, IPPROTO_UDP,
+    SockBackendKey, SockBackendKey6, StickyBackend, StickyBackend6, flow_hash, flow_hash6,
+    source_hash, source_hash6,
     sticky::{Endpoint, Sticky},
 };
 
@@ -21,6 +23,8 @@ pub trait Family {
     type Sticky: Sticky<Backend = Self::Backend> + 'static;
     /// Key of a node socket's UDP flow to a service port.
     type SockFlow;
+    /// What names the fragments of one datagram.
+    type FragmentKey;
 
     fn backend(key: &BackendKey) -> Option<Self::Backend>;
     fn client(tuple: &Self::Tuple) -> &Self::Addr;
@@ -36,6 +40,9 @@ pub trait Family {
     fn sock_flow(cookie: u64, tuple: &Self::Tuple) -> Self::SockFlow;
     fn sock_backend(key: &Self::SockFlow) -> Option<&'static mut Self::Sticky>;
     fn sock_backend_insert(key: &Self::SockFlow, entry: &Self::Sticky);
+    /// What the first fragment of datagram `key` told (fragment.rs).
+    fn first_fragment(key: &Self::FragmentKey) -> Option<FirstFragment>;
+    fn remember_first_fragment(key: &Self::FragmentKey, first: &FirstFragment);
 }
 
 pub enum Ipv4 {}
@@ -48,6 +55,7 @@ impl Family for Ipv4 {
     type Backend = Backend;
     type Sticky = StickyBackend;
     type SockFlow = SockBackendKey;
+    type FragmentKey = FragmentKey;
 
     fn backend(key: &BackendKey) -> Option<Backend> {
         maps::backend(key)
@@ -103,6 +111,14 @@ impl Family for Ipv4 {
     fn sock_backend_insert(key: &SockBackendKey, entry: &StickyBackend) {
         maps::sock_backend_insert(key, entry);
     }
+
+    fn first_fragment(key: &FragmentKey) -> Option<FirstFragment> {
+        maps::first_fragment(key)
+    }
+
+    fn remember_first_fragment(key: &FragmentKey, first: &FirstFragment) {
+        maps::remember_first_fragment(key, first);
+    }
 }
 
 impl Family for Ipv6 {
@@ -111,6 +127,7 @@ impl Family for Ipv6 {
     type Backend = Backend6;
     type Sticky = StickyBackend6;
     type SockFlow = SockBackendKey6;
+    type FragmentKey = FragmentKey6;
 
     fn backend(key: &BackendKey) -> Option<Backend6> {
         maps::backend6(key)
@@ -166,5 +183,13 @@ impl Family for Ipv6 {
 
     fn sock_backend_insert(key: &SockBackendKey6, entry: &StickyBackend6) {
         maps::sock_backend6_insert(key, entry);
+    }
+
+    fn first_fragment(key: &FragmentKey6) -> Option<FirstFragment> {
+        maps::first_fragment6(key)
+    }
+
+    fn remember_first_fragment(key: &FragmentKey6, first: &FirstFragment) {
+        maps::remember_first_fragment6(key, first);
     }
 }

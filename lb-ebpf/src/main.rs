@@ -21,6 +21,7 @@ mod egress;
 mod family;
 mod forward;
 mod fragment;
+mod fragment6;
 mod icmp;
 mod icmp6;
 mod intermediate;

@@ -10,8 +10,8 @@ use aya_ebpf::{
     maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, lpm_trie::Key},
 };
 use lb_common::{
-    Addr6, AffinityKey6, Backend6, Config6, ConntrackEntry6, ConntrackKey6, FrontendKey6,
-    SourceRangeKey6, StickyBackend6,
+    Addr6, AffinityKey6, Backend6, Config6, ConntrackEntry6, ConntrackKey6, FragmentKey6,
+    FrontendKey6, SourceRangeKey6, StickyBackend6,
 };
 use lb_common::{
     AffinityKey, Backend, BackendKey, BackendStats, Config, ConntrackEntry, ConntrackKey, Counter,
@@ -79,6 +79,10 @@ static SOCK_BACKEND6: LruHashMap<SockBackendKey6, StickyBackend6> =
 
 #[map(name = "LB_FRAGMENT_V2")]
 static FRAGMENTS: LruHashMap<FragmentKey, FirstFragment> =
+    LruHashMap::with_max_entries(default_size::FRAGMENTS, 0);
+
+#[map(name = "LB_FRAGMENT6_V1")]
+static FRAGMENTS6: LruHashMap<FragmentKey6, FirstFragment> =
     LruHashMap::with_max_entries(default_size::FRAGMENTS, 0);
 
 #[map(name = "LB_CONFIG_V4")]
@@ -468,6 +472,16 @@ pub fn first_fragment(key: &FragmentKey) -> Option<FirstFragment> {
 /// Best effort: when the map is full, LRU eviction makes room.
 pub fn remember_first_fragment(key: &FragmentKey, first: &FirstFragment) {
     let _ = FRAGMENTS.insert(key, first, 0);
+}
+
+pub fn first_fragment6(key: &FragmentKey6) -> Option<FirstFragment> {
+    // SAFETY: the value is copied out at once.
+    unsafe { FRAGMENTS6.get(key).copied() }
+}
+
+/// Best effort, as `remember_first_fragment`.
+pub fn remember_first_fragment6(key: &FragmentKey6, first: &FirstFragment) {
+    let _ = FRAGMENTS6.insert(key, first, 0);
 }
 
 /// Read in place, as `config`.

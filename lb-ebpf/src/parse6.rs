@@ -4,6 +4,11 @@
 //! `MAX_EXTENSION_HEADERS`, truncated, beyond the pulled headers, or AH/ESP before the transport
 //! header) is counted `PassedIpv6ExtensionHeader` and passes untouched.
 //!
+//! A fragment's identification and offset are kept for fragment6.rs, which follows its datagram.
+//! The walk ends at a fragment header: the fragments of a datagram are followed only when its
+//! transport header comes right after the fragment header, as a later fragment tells no more
+//! than that header's next header (an extension header in the fragmentable part: passed).
+//!
 //! ICMPv6 informational messages, neighbour discovery among them, are not service traffic:
 //! they pass untouched. An ICMPv6 error is parsed as IPv4's ICMP is, for the error translation.
 use lb_common::{Addr6, ConntrackKey6, Counter, IPPROTO_TCP, IPPROTO_UDP, valid};
@@ -73,7 +78,7 @@ struct FragmentHeader {
     next_header: u8,
     _reserved: u8,
     offset_and_more: u16,
-    _id: u32,
+    id: u32,
 }
 
 /// A parsed IPv6 TCP/UDP packet, or an ICMPv6 error (`tuple.proto` `IPPROTO_ICMPV6`, ports 0).
@@ -88,6 +93,17 @@ pub struct Packet6 {
     /// The packet from the IPv6 header on (payload length + 40), as IPv4's total length.
     pub len: u16,
     pub fragment: Fragment,
+    /// The fragment header's, of a fragment (`Fragment::First`, `Later`); 0 otherwise.
+    pub fragment_place: FragmentPlace,
+}
+
+/// Where a fragment lies in its datagram.
+#[derive(Clone, Copy, Default)]
+pub struct FragmentPlace {
+    /// The datagram's identification, network order.
+    pub id: u32,
+    /// Where the fragment's data starts in the datagram's fragmentable part, in bytes.
+    pub offset: u16,
 }
 
 /// Where the extension header chain ends.
@@ -97,6 +113,7 @@ struct Chain {
     /// Its header's offset.
     l4: usize,
     fragment: Fragment,
+    fragment_place: FragmentPlace,
 }
 
 /// `Err(Passed)` for what is not IPv6 TCP/UDP or an ICMPv6 error, `Err(PassedUnparsed)` for a
@@ -130,6 +147,7 @@ pub fn packet<P: PacketAccess>(ctx: &P) -> Result<Packet6, Counter> {
             hop_limit: ip.hop_limit,
             len,
             fragment: chain.fragment,
+            fragment_place: chain.fragment_place,
         });
     }
     let min_l4_len = match chain.proto {
@@ -182,6 +200,7 @@ pub fn packet<P: PacketAccess>(ctx: &P) -> Result<Packet6, Counter> {
         hop_limit: ip.hop_limit,
         len,
         fragment: chain.fragment,
+        fragment_place: chain.fragment_place,
     })
 }
 
@@ -191,6 +210,7 @@ fn extension_headers<P: PacketAccess>(ctx: &P, next_header: u8) -> Result<Chain,
     let mut proto = next_header;
     let mut offset = ETH_HLEN + IPV6_HLEN;
     let mut fragment = Fragment::Whole;
+    let mut fragment_place = FragmentPlace::default();
     for _ in 0..MAX_EXTENSION_HEADERS {
         match proto {
             IPPROTO_HOPOPTS | IPPROTO_ROUTING | IPPROTO_DSTOPTS => {
@@ -216,6 +236,13 @@ fn extension_headers<P: PacketAccess>(ctx: &P, next_header: u8) -> Result<Chain,
                 };
                 proto = header.next_header;
                 offset += core::mem::size_of::<FragmentHeader>();
+                if fragment != Fragment::Whole {
+                    fragment_place = FragmentPlace {
+                        id: header.id,
+                        offset: offset_and_more & FRAG_OFFSET_MASK,
+                    };
+                    break;
+                }
             }
             _ => break,
         }
@@ -228,6 +255,7 @@ fn extension_headers<P: PacketAccess>(ctx: &P, next_header: u8) -> Result<Chain,
             proto,
             l4: offset,
             fragment,
+            fragment_place,
         }),
         IPPROTO_TCP | IPPROTO_UDP | IPPROTO_ICMPV6 => {
             // The transport header must lie within the headers `pull_headers` makes linear.
@@ -237,6 +265,7 @@ fn extension_headers<P: PacketAccess>(ctx: &P, next_header: u8) -> Result<Chain,
                 proto,
                 l4: offset,
                 fragment,
+                fragment_place,
             })
         }
         _ => Err(Counter::Passed),

@@ -10,7 +10,7 @@
 //! martian source check, so unlike IPv4 (intermediate.rs) the masquerade source is written
 //! before routing too. A service without endpoints is rejected (reject6.rs), a source outside a
 //! LoadBalancer IP's loadBalancerSourceRanges dropped, as over IPv4. ICMPv6 errors about tracked
-//! connections are reverse-translated (icmp6.rs). Passed untouched: fragments.
+//! connections are reverse-translated (icmp6.rs). Fragments follow their first (fragment6.rs).
 use aya_ebpf::{macros::map, maps::PerCpuArray};
 use lb_common::{
     Addr6, CONFIG_F_MASQUERADE_ALL, CONFIG_F_READY, Config, Config6, ConntrackKey6, Counter,
@@ -21,7 +21,7 @@ use lb_common::{
 use crate::{
     conntrack6,
     family::Ipv6,
-    icmp6, maps, masquerade, nat6,
+    fragment6, icmp6, maps, masquerade, nat6,
     packet::PacketAccess,
     parse::Fragment,
     parse6::{self, IPPROTO_ICMPV6, Packet6},
@@ -53,6 +53,7 @@ pub fn translation<P: PacketAccess>(ctx: &P) -> Result<Translation6, Counter> {
     if parse(ctx)? == IPPROTO_ICMPV6 {
         return icmp6::reverse_error(ctx).map(|()| Translation6::Translated);
     }
+    fragment6::follow(parsed_mut()?)?;
     if established(ctx)? {
         return Ok(Translation6::Translated);
     }
@@ -65,25 +66,28 @@ pub fn translation<P: PacketAccess>(ctx: &P) -> Result<Translation6, Counter> {
 #[inline(never)]
 fn parse<P: PacketAccess>(ctx: &P) -> Result<u8, Counter> {
     let packet = parse6::packet(ctx)?;
-    if packet.fragment != Fragment::Whole {
-        return Err(Counter::PassedFragment);
-    }
     // The stack answers an expiring packet (time exceeded) about the address the client used.
     if packet.hop_limit <= 1 {
         return Err(Counter::Passed);
     }
     let proto = packet.tuple.proto;
-    let parsed = PARSED.get_ptr_mut(0).ok_or(Counter::Passed)?;
-    // SAFETY: this CPU's own entry, valid until the program returns; tc programs are not
-    // preempted while they run, and its readers read it only after this write.
-    unsafe { *parsed = packet };
+    *parsed_mut()? = packet;
     Ok(proto)
 }
 
 /// The packet parsed (`PARSED`).
 pub fn parsed() -> Result<&'static Packet6, Counter> {
-    // SAFETY: as in `translation`, which wrote it.
+    // SAFETY: as in `parsed_mut`.
     Ok(unsafe { &*PARSED.get_ptr(0).ok_or(Counter::Passed)? })
+}
+
+/// The packet parsed, to write: by `parse`, and by `fragment6::follow` before the translation
+/// reads it.
+fn parsed_mut() -> Result<&'static mut Packet6, Counter> {
+    let parsed = PARSED.get_ptr_mut(0).ok_or(Counter::Passed)?;
+    // SAFETY: this CPU's own entry, valid until the program returns; tc programs are not
+    // preempted while they run, and each user takes it afresh rather than holding it.
+    Ok(unsafe { &mut *parsed })
 }
 
 /// Translates the packet (`PARSED`) of a live connection: `Ok(false)` when it has none.
@@ -107,6 +111,10 @@ fn established<P: PacketAccess>(ctx: &P) -> Result<bool, Counter> {
 #[inline(never)]
 fn open<P: PacketAccess>(ctx: &P) -> Result<Translation6, Counter> {
     let packet = parsed()?;
+    // Only a first fragment (or a whole datagram) can open a connection.
+    if packet.fragment == Fragment::Later {
+        return Err(Counter::PassedFragment);
+    }
     let config = maps::config().ok_or(Counter::Passed)?;
     let config6 = maps::config6().ok_or(Counter::Passed)?;
     let tuple = &packet.tuple;

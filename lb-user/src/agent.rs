@@ -1117,7 +1117,7 @@ impl State {
         info!(
             services = model.services_v6.len(),
             frontends,
-            "IPv6 frontends: TCP and UDP served, masquerade, affinity, schedulers, source ranges, REJECT and ICMPv6 errors included; not yet: fragments (IPv6 datapath partial)"
+            "IPv6 frontends: TCP and UDP served, masquerade, affinity, schedulers, source ranges, REJECT, ICMPv6 errors and fragments included (IPv6 datapath partial)"
         );
     }
 

@@ -273,11 +273,7 @@ pub fn refusal(ns: &Netns, proto: Proto, to: SocketAddr) -> Result<(ErrorKind, D
                 Err(e) => e,
             },
             Proto::Udp => {
-                let any = match to {
-                    SocketAddr::V4(_) => IpAddr::from(Ipv4Addr::UNSPECIFIED),
-                    SocketAddr::V6(_) => IpAddr::from(Ipv6Addr::UNSPECIFIED),
-                };
-                let socket = UdpSocket::bind((any, 0))?;
+                let socket = UdpSocket::bind((unspecified(&to), 0))?;
                 socket.connect(to)?;
                 socket.set_read_timeout(Some(TIMEOUT))?;
                 socket.send(b"hello\n")?;
@@ -289,6 +285,66 @@ pub fn refusal(ns: &Netns, proto: Proto, to: SocketAddr) -> Result<(ErrorKind, D
             }
         };
         Ok((error.kind(), start.elapsed()))
+    })?
+}
+
+/// The unspecified address of `to`'s family, for a socket that sends to it.
+fn unspecified(to: &SocketAddr) -> IpAddr {
+    match to {
+        SocketAddr::V4(_) => IpAddr::from(Ipv4Addr::UNSPECIFIED),
+        SocketAddr::V6(_) => IpAddr::from(Ipv6Addr::UNSPECIFIED),
+    }
+}
+
+/// Larger than the links' MTU (1500): three fragments, in either family.
+pub const LARGE_DATAGRAM: usize = 4000;
+
+/// Answers `count` datagrams to `local` (a port of the unspecified address of one family), each
+/// with `"<source>\n"` and the datagram itself, from inside `ns`.
+pub fn serve_large(ns: &Netns, local: SocketAddr, count: usize) -> Result<JoinHandle<Result<()>>> {
+    let socket = ns.run(move || -> Result<UdpSocket> {
+        let socket = UdpSocket::bind(local)?;
+        socket.set_read_timeout(Some(TIMEOUT * 5))?;
+        Ok(socket)
+    })??;
+    Ok(std::thread::spawn(move || -> Result<()> {
+        let mut buf = vec![0; LARGE_DATAGRAM * 2];
+        // Each bounded by the read timeout.
+        for _ in 0..count {
+            let (len, peer) = socket.recv_from(&mut buf).context("no datagram")?;
+            let mut answer = format!("{peer}\n").into_bytes();
+            answer.extend_from_slice(&buf[..len]);
+            socket.send_to(&answer, peer)?;
+        }
+        Ok(())
+    }))
+}
+
+/// Sends one `size`-byte datagram (at most LARGE_DATAGRAM) from `ns` to `to` (a `serve_large`
+/// server behind it); returns the source the server saw and the peer the answer came from,
+/// having checked that the answer carries the datagram whole.
+pub fn large_exchange(ns: &Netns, to: SocketAddr, size: usize) -> Result<(SocketAddr, SocketAddr)> {
+    ns.run(move || -> Result<(SocketAddr, SocketAddr)> {
+        let socket = UdpSocket::bind((unspecified(&to), 0))?;
+        socket.set_read_timeout(Some(TIMEOUT))?;
+        let datagram: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
+        socket.send_to(&datagram, to)?;
+        let mut buf = vec![0; LARGE_DATAGRAM * 2];
+        let (len, peer) = socket
+            .recv_from(&mut buf)
+            .with_context(|| format!("no answer from {to}"))?;
+        let answer = &buf[..len];
+        let newline = answer
+            .iter()
+            .position(|&b| b == b'\n')
+            .context("answer without a source line")?;
+        let seen: SocketAddr = std::str::from_utf8(&answer[..newline])?.parse()?;
+        anyhow::ensure!(
+            answer[newline + 1..] == datagram[..],
+            "the answer's {} bytes are not the datagram",
+            len - newline - 1
+        );
+        Ok((seen, peer))
     })?
 }
 

@@ -15,5 +15,6 @@ pub mod node;
 pub mod overlay;
 pub mod paths;
 pub mod raw;
+pub mod test_run6;
 pub mod topology;
 pub mod transfer;

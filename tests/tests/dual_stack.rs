@@ -29,7 +29,7 @@ const NODE_PORT: u16 = 30080;
 const CLUSTER_IP_V6: &str = "2001:db8:96::10";
 const CLUSTER_IP_V6_ONLY: &str = "2001:db8:96::11";
 /// Logged once a sync changes how many IPv6 frontends the model holds.
-const IPV6_PENDING: &str = "IPv6 frontends: TCP and UDP served, masquerade, affinity, schedulers, source ranges, REJECT and ICMPv6 errors included; not yet: fragments (IPv6 datapath partial)";
+const IPV6_PENDING: &str = "IPv6 frontends: TCP and UDP served, masquerade, affinity, schedulers, source ranges, REJECT, ICMPv6 errors and fragments included (IPv6 datapath partial)";
 
 /// `service` (an IPv4 Service and its IPv4 slice) made dual-stack: ipFamilies [IPv4, IPv6], a
 /// ClusterIP per family, an IPv6 slice and an FQDN slice (ignored) beside the IPv4 one.

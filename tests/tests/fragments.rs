@@ -3,14 +3,13 @@
 //! reassembles the datagram, and its answer, as large and fragmented by the endpoint's kernel,
 //! comes back reverse-translated. Untranslated later fragments would reach the service address
 //! (or the node) and the datagram would never be whole: the exchange would time out.
-use std::net::{SocketAddr, UdpSocket};
+use std::net::{Ipv4Addr, SocketAddr};
 
 use anyhow::{Context as _, Result, ensure};
 use lb_tests::{
     agent::counter,
-    echo::{Proto, TIMEOUT},
+    echo::{LARGE_DATAGRAM, Proto, large_exchange, serve_large},
     manifests::{ServiceManifest, yaml},
-    netns::Netns,
     node::{CLUSTER_IP, Node, PORT},
     topology::{NODE_IP, POD_GATEWAY},
 };
@@ -18,55 +17,10 @@ use lb_tests::{
 const NODE_PORT: u16 = 30080;
 /// Not the echo servers' port: this service's endpoint runs `serve_large`.
 const LARGE_PORT: u16 = 8090;
-/// Three fragments at MTU 1500.
-const DATAGRAM: usize = 4000;
 
-/// Answers `datagrams` datagrams, each with `"<source>\n"` and the datagram itself, from inside
-/// `ns`.
-fn serve_large(ns: &Netns, datagrams: usize) -> Result<std::thread::JoinHandle<Result<()>>> {
-    let socket = ns.run(|| -> Result<UdpSocket> {
-        let socket = UdpSocket::bind(("0.0.0.0", LARGE_PORT))?;
-        socket.set_read_timeout(Some(TIMEOUT * 5))?;
-        Ok(socket)
-    })??;
-    Ok(std::thread::spawn(move || -> Result<()> {
-        let mut buf = vec![0; DATAGRAM * 2];
-        // Each bounded by the read timeout.
-        for _ in 0..datagrams {
-            let (len, peer) = socket.recv_from(&mut buf).context("no datagram")?;
-            let mut answer = format!("{peer}\n").into_bytes();
-            answer.extend_from_slice(&buf[..len]);
-            socket.send_to(&answer, peer)?;
-        }
-        Ok(())
-    }))
-}
-
-/// Sends one `size`-byte datagram from `ns` to `to`; returns the source the endpoint saw and the
-/// peer the answer came from, having checked that the answer carries the datagram whole.
-fn large_exchange(ns: &Netns, to: SocketAddr, size: usize) -> Result<(SocketAddr, SocketAddr)> {
-    ns.run(move || -> Result<(SocketAddr, SocketAddr)> {
-        let socket = UdpSocket::bind("0.0.0.0:0")?;
-        socket.set_read_timeout(Some(TIMEOUT))?;
-        let datagram: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
-        socket.send_to(&datagram, to)?;
-        let mut buf = vec![0; DATAGRAM * 2];
-        let (len, peer) = socket
-            .recv_from(&mut buf)
-            .with_context(|| format!("no answer from {to}"))?;
-        let answer = &buf[..len];
-        let newline = answer
-            .iter()
-            .position(|&b| b == b'\n')
-            .context("answer without a source line")?;
-        let seen: SocketAddr = std::str::from_utf8(&answer[..newline])?.parse()?;
-        ensure!(
-            answer[newline + 1..] == datagram[..],
-            "the answer's {} bytes are not the datagram",
-            len - newline - 1
-        );
-        Ok((seen, peer))
-    })?
+/// Where the endpoint's `serve_large` listens.
+fn large_port() -> SocketAddr {
+    (Ipv4Addr::UNSPECIFIED, LARGE_PORT).into()
 }
 
 /// From a pod to the ClusterIP (the endpoint sees the pod) and from an external client to the
@@ -78,7 +32,7 @@ fn fragmented_udp(agent_args: &[&str]) -> Result<()> {
         .node_port(NODE_PORT)
         .endpoints([node.ip("pod-b")]);
     node.agent.update_manifests(&yaml(&[service]))?;
-    let server = serve_large(node.pod_ns("pod-b"), 2)?;
+    let server = serve_large(node.pod_ns("pod-b"), large_port(), 2)?;
     let pod_a = node.ip("pod-a");
     let cases = [
         (
@@ -93,7 +47,7 @@ fn fragmented_udp(agent_args: &[&str]) -> Result<()> {
         ),
     ];
     for (ns, to, expected_source) in cases {
-        let (seen, peer) = large_exchange(ns, to, DATAGRAM)?;
+        let (seen, peer) = large_exchange(ns, to, LARGE_DATAGRAM)?;
         ensure!(seen.ip() == expected_source, "to {to}: endpoint saw {seen}");
         ensure!(peer == to, "to {to}: answer from {peer}");
     }
@@ -134,8 +88,8 @@ fn too_big_without_df_is_fragmented_by_the_node(forwarding: &str) -> Result<()> 
         .node_port(NODE_PORT)
         .endpoints([backend.ip]);
     node.agent.update_manifests(&yaml(&[service]))?;
-    let sizes = [WHOLE_DATAGRAM, DATAGRAM];
-    let server = serve_large(node.pod_ns("pod-b"), 2 * sizes.len())?;
+    let sizes = [WHOLE_DATAGRAM, LARGE_DATAGRAM];
+    let server = serve_large(node.pod_ns("pod-b"), large_port(), 2 * sizes.len())?;
     let pod_a = node.ip("pod-a");
     let cases = [
         (
