@@ -44,6 +44,9 @@ pub mod map_name {
     /// array indexed by `tc_ipv6_slot`). Pinned: a program array loses its entries when its last
     /// user reference goes, and the attached programs outlive the agent.
     pub const TC_IPV6_PROGRAMS: &str = "LB_TC_IPV6_PROGRAMS_V1";
+    /// `lb_xdp`'s IPv6 twin, which it tail-calls (a program array indexed by `xdp_ipv6_slot`),
+    /// pinned as `TC_IPV6_PROGRAMS`.
+    pub const XDP_IPV6_PROGRAMS: &str = "LB_XDP_IPV6_PROGRAMS_V1";
     /// Not pinned (not in `ALL`): the interface indexes are the running agent's.
     pub const XDP_EGRESS: &str = "LB_XDP_EGRESS_V1";
     /// Not pinned (not in `ALL`): each CPU's IPv6 conntrack entry under construction
@@ -68,7 +71,7 @@ pub mod map_name {
     /// `StickyBackend6`). An IPv4-mapped service address on an IPv6 socket uses the IPv4 maps.
     pub const SOCK_REVNAT6: &str = "LB_SOCK_REVNAT6_V1";
     pub const SOCK_BACKEND6: &str = "LB_SOCK_BACKEND6_V1";
-    pub const ALL: [&str; 32] = [
+    pub const ALL: [&str; 33] = [
         FRONTENDS,
         BACKENDS,
         CONNTRACK,
@@ -99,6 +102,7 @@ pub mod map_name {
         FRONTEND_ORIGINS6,
         CONFIG6,
         TC_IPV6_PROGRAMS,
+        XDP_IPV6_PROGRAMS,
         SOCK_REVNAT6,
         SOCK_BACKEND6,
     ];
@@ -111,6 +115,13 @@ pub mod tc_ipv6_slot {
     /// `program_name::EGRESS6`, tail-called by `lb_egress`.
     pub const EGRESS: u32 = 1;
     pub const COUNT: u32 = 2;
+}
+
+/// Slots of `map_name::XDP_IPV6_PROGRAMS`.
+pub mod xdp_ipv6_slot {
+    /// `program_name::XDP6`, tail-called by `lb_xdp`.
+    pub const XDP: u32 = 0;
+    pub const COUNT: u32 = 1;
 }
 
 /// Names of the programs in the eBPF object.
@@ -126,6 +137,8 @@ pub mod program_name {
     pub const INGRESS6: &str = "lb_ingress6";
     /// `lb_egress`'s IPv6 twin, tail-called for IPv6 packets (`tc_ipv6_slot::EGRESS`).
     pub const EGRESS6: &str = "lb_egress6";
+    /// `lb_xdp`'s IPv6 twin, tail-called for IPv6 frames (`xdp_ipv6_slot::XDP`).
+    pub const XDP6: &str = "lb_xdp6";
     /// cgroup/connect4: TCP and connected UDP sockets of the node reaching a service.
     pub const CONNECT4: &str = "lb_connect4";
     /// cgroup/sendmsg4: unconnected UDP sockets of the node sending to a service.

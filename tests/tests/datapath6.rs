@@ -12,7 +12,7 @@ use aya::{
         Array, HashMap, MapData, PerCpuArray, PerCpuValues,
         lpm_trie::{Key, LpmTrie},
     },
-    programs::{SchedClassifier, TestRun, TestRunOptions},
+    programs::{SchedClassifier, TestRun, TestRunOptions, Xdp},
 };
 use lb_common::{
     Addr6, AffinityKey6, Backend6, BackendKey, CONFIG_F_READY, CT_F_MASQUERADE, CT_F_REPLY,
@@ -1332,11 +1332,19 @@ fn verifier_cost_is_bounded() {
         .try_into()
         .unwrap();
     lb_user::datapath::load_program(|| program.load()).unwrap();
+    let xdp: &mut Xdp = datapath
+        .ebpf
+        .program_mut(program_name::XDP6)
+        .unwrap()
+        .try_into()
+        .unwrap();
+    lb_user::datapath::load_program(|| xdp.load()).expect("verifier accepts lb_xdp6");
     for name in [
         program_name::INGRESS,
         program_name::EGRESS,
         program_name::INGRESS6,
         program_name::EGRESS6,
+        program_name::XDP6,
     ] {
         let program = datapath.ebpf.program(name).unwrap();
         let processed = program

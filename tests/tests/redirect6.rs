@@ -1,0 +1,204 @@
+//! IPv6 in `--forwarding redirect` and on the XDP path (issue 22): the IPv6 seed paths (pod →
+//! ClusterIP → another pod, hairpin, external client → NodePort on the node's IPv6 address) over
+//! TCP and UDP, redirected by `lb_ingress6` and, for the external client's packets, by `lb_xdp6`.
+//! A node's `ip6tables -A FORWARD -j DROP` shows which path the packets took: redirected, they
+//! never reach netfilter's FORWARD; handed to the stack (`--forwarding stack`), they are dropped
+//! there, as IPv4's (forwarding.rs).
+use std::net::{IpAddr, Ipv6Addr, SocketAddr};
+
+use anyhow::{Context as _, Result, ensure};
+use lb_tests::{
+    agent::counter,
+    echo::{EchoServer, Proto, six_answered},
+    manifests,
+    netns::Netns,
+    node::{Node, PORT},
+    topology::{NODE_IP_V6, POD_GATEWAY_V6, pod_ip_v6},
+};
+
+/// The IPv6 servers' port: the fixture's IPv4 servers hold the IPv4 target port on 0.0.0.0.
+const TARGET_PORT_V6: u16 = 8093;
+/// `web6`: pod-b and pod-c.
+const CLUSTER_IP: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x96, 0, 0, 0, 0, 0x21);
+/// `self6`: pod-a only, which reaches it through hairpin.
+const HAIRPIN_IP: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x96, 0, 0, 0, 0, 0x22);
+/// `np6`, a NodePort Service of pod-b and pod-c.
+const NODE_PORT_CLUSTER_IP: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0x96, 0, 0, 0, 0, 0x23);
+const NODE_PORT: u16 = 30082;
+const PODS: [&str; 3] = ["pod-a", "pod-b", "pod-c"];
+
+/// The Services of the seed paths, IPv6-only: `web6`, `self6` and `np6`.
+fn services(proto: Proto) -> Result<String> {
+    let b_and_c = [pod_ip_v6(1), pod_ip_v6(2)].map(|addr| addr.to_string());
+    let service = |name: &str, cluster_ip: Ipv6Addr, endpoints: &[String]| {
+        let slice = format!("{name}-v6");
+        manifests::ipv6_only_service(
+            name,
+            (cluster_ip, PORT),
+            proto,
+            (&slice, "IPv6", TARGET_PORT_V6),
+            endpoints,
+        )
+    };
+    let node_port =
+        manifests::ipv6_node_port(&service("np6", NODE_PORT_CLUSTER_IP, &b_and_c), NODE_PORT)?;
+    Ok(format!(
+        "{}{}{node_port}",
+        service("web6", CLUSTER_IP, &b_and_c),
+        service("self6", HAIRPIN_IP, &[pod_ip_v6(0).to_string()]),
+    ))
+}
+
+/// A dual-stack node of three pods with IPv6 addresses, an IPv6 external client, IPv6 servers in
+/// every pod and the Services of `services`; its agent runs with `agent_args`. `prepare` runs
+/// before the pods get their IPv6 addresses, so that the agent has followed what it changed by
+/// the time the Services are synced.
+fn node(
+    proto: Proto,
+    agent_args: &[&str],
+    prepare: impl FnOnce(&Node) -> Result<()>,
+) -> Result<(Node, Vec<EchoServer>)> {
+    let mut node = Node::start_dual_stack(3, agent_args)?;
+    prepare(&node)?;
+    node.add_pod_ipv6()?;
+    node.topology.add_external_ipv6()?;
+    let servers = PODS
+        .iter()
+        .map(|pod| EchoServer::start_v6(node.pod_ns(pod), pod, TARGET_PORT_V6))
+        .collect::<Result<Vec<_>>>()?;
+    node.agent.update_manifests(&services(proto)?)?;
+    Ok((node, servers))
+}
+
+/// The node drops every packet it would forward through netfilter.
+fn forward_drop(node: &Node) -> Result<()> {
+    let out = node
+        .topology
+        .node
+        .exec("ip6tables", &["-A", "FORWARD", "-j", "DROP"])?;
+    ensure!(out.status.success(), "ip6tables: {out:?}");
+    Ok(())
+}
+
+/// The three seed paths, six requests each: who answered, the source the backend saw (pod-a's
+/// own address inside the cluster, the node's address routing picks towards the pods when
+/// masqueraded: hairpin and NodePort), the peer the client saw (the service address).
+fn check_seed_paths(node: &Node, proto: Proto) -> Result<()> {
+    let pod_a = node.pod_ns("pod-a");
+    let masqueraded = IpAddr::V6(POD_GATEWAY_V6);
+    six_answered(
+        pod_a,
+        proto,
+        (CLUSTER_IP, PORT).into(),
+        &["pod-b", "pod-c"],
+        IpAddr::V6(pod_ip_v6(0)),
+    )
+    .context("pod-a → ClusterIP")?;
+    six_answered(
+        pod_a,
+        proto,
+        (HAIRPIN_IP, PORT).into(),
+        &["pod-a"],
+        masqueraded,
+    )
+    .context("hairpin")?;
+    six_answered(
+        &node.topology.client,
+        proto,
+        (NODE_IP_V6, NODE_PORT).into(),
+        &["pod-b", "pod-c"],
+        masqueraded,
+    )
+    .context("external client → NodePort")
+}
+
+/// `--forwarding redirect`: every seed path is served through the node's FORWARD drop, none of
+/// its packets handed to the stack (`fib_fallback`).
+fn redirect_seed_paths(proto: Proto) -> Result<()> {
+    let (node, _servers) = node(proto, &["--forwarding", "redirect"], |_| Ok(()))?;
+    forward_drop(&node)?;
+    check_seed_paths(&node, proto)?;
+    let fallback = counter(&node.topology.node, "fib_fallback")?;
+    ensure!(fallback == 0, "{fallback} packets handed to the stack");
+    Ok(())
+}
+
+#[test]
+fn redirect_ipv6_seed_paths_tcp() -> Result<()> {
+    redirect_seed_paths(Proto::Tcp)
+}
+
+#[test]
+fn redirect_ipv6_seed_paths_udp() -> Result<()> {
+    redirect_seed_paths(Proto::Udp)
+}
+
+/// `--xdp`: every seed path is served through the node's FORWARD drop, and the external
+/// client's packets to the NodePort were forwarded by `lb_xdp6` (`xdp_forwarded`; the pods'
+/// own packets enter through their veths, tc's). As in xdp.rs: GRO on in the pods lets XDP
+/// redirect into their veths, the client's checksums are complete.
+fn xdp_seed_paths(proto: Proto) -> Result<()> {
+    let (node, _servers) = node(proto, &["--xdp"], |node| {
+        for pod in &node.topology.pods {
+            pod.ns.exec("ethtool", &["-K", "eth0", "gro", "on"])?;
+        }
+        node.topology
+            .client
+            .exec("ethtool", &["-K", "eth0", "tx", "off"])?;
+        Ok(())
+    })?;
+    forward_drop(&node)?;
+    check_seed_paths(&node, proto)?;
+    let ns = &node.topology.node;
+    let (forwarded, fallback) = (counter(ns, "xdp_forwarded")?, counter(ns, "fib_fallback")?);
+    // At least one packet of each of the six requests (UDP: the request), but for a first
+    // packet to a backend the agent's XDP_EGRESS had not listed yet.
+    ensure!(
+        forwarded >= 4,
+        "XDP forwarded {forwarded} packets of 6 NodePort requests"
+    );
+    ensure!(fallback == 0, "{fallback} packets handed to the stack");
+    Ok(())
+}
+
+#[test]
+fn xdp_ipv6_seed_paths_tcp() -> Result<()> {
+    xdp_seed_paths(Proto::Tcp)
+}
+
+#[test]
+fn xdp_ipv6_seed_paths_udp() -> Result<()> {
+    xdp_seed_paths(Proto::Udp)
+}
+
+/// How many of `count` requests from `ns` to `to` are answered (each fails within its timeout).
+fn answered(ns: &Netns, proto: Proto, to: SocketAddr, count: usize) -> Result<usize> {
+    ns.run(move || (0..count).filter(|_| proto.request(to).is_ok()).count())
+}
+
+/// `--forwarding stack`: pod → ClusterIP → pod is forwarded by the stack, so the node's FORWARD
+/// drop applies to it, as to IPv4's (kube-proxy's traffic takes the same path).
+fn stack_mode_honours_a_forward_drop(proto: Proto) -> Result<()> {
+    let (node, _servers) = node(proto, &["--forwarding", "stack"], |_| Ok(()))?;
+    let to = (CLUSTER_IP, PORT).into();
+    let pod_a = node.pod_ns("pod-a");
+    let before = answered(pod_a, proto, to, 3)?;
+    ensure!(
+        before == 3,
+        "{before} of 3 answered before the FORWARD drop"
+    );
+    forward_drop(&node)?;
+    let after = answered(pod_a, proto, to, 3)?;
+    ensure!(after == 0, "{after} of 3 answered through the FORWARD drop");
+    Ok(())
+}
+
+#[test]
+fn stack_mode_honours_an_ipv6_forward_drop_tcp() -> Result<()> {
+    stack_mode_honours_a_forward_drop(Proto::Tcp)
+}
+
+#[test]
+fn stack_mode_honours_an_ipv6_forward_drop_udp() -> Result<()> {
+    stack_mode_honours_a_forward_drop(Proto::Udp)
+}
