@@ -1469,7 +1469,8 @@ pub enum Counter {
     /// packet the stack forwarded or sent.
     EgressTranslated,
     /// `--forwarding redirect`: a packet with DF set too big for its egress link, answered
-    /// with ICMP fragmentation needed (the link's MTU) as the stack's forwarding would.
+    /// with ICMP fragmentation needed (the link's MTU) as the stack's forwarding would; an IPv6
+    /// packet (IPv6 routers never fragment) with ICMPv6 Packet Too Big.
     FragmentationNeeded,
     /// Dropped: a REJECT (ICMP port unreachable) over the rate the node's `icmp_msgs_per_sec`
     /// and `icmp_msgs_burst` allow, as the kernel limits its own ICMP errors.
@@ -1641,7 +1642,7 @@ impl Counter {
                 "TCP RST, FIN or SYN-ACK packets of no tracked connection, passed untouched and untracked"
             }
             Counter::FragmentationNeeded => {
-                "packets with DF set too big for the egress link (--forwarding redirect), answered with ICMP fragmentation needed"
+                "packets with DF set (every IPv6 packet) too big for the egress link (--forwarding redirect), answered with ICMP fragmentation needed (ICMPv6 Packet Too Big)"
             }
             Counter::DropRejectRateLimited => {
                 "dropped: ICMP port unreachable replies (REJECT) over the node's icmp_msgs_per_sec/icmp_msgs_burst"

@@ -3,8 +3,12 @@
 //! TCP and UDP, redirected by `lb_ingress6` and, for the external client's packets, by `lb_xdp6`.
 //! A node's `ip6tables -A FORWARD -j DROP` shows which path the packets took: redirected, they
 //! never reach netfilter's FORWARD; handed to the stack (`--forwarding stack`), they are dropped
-//! there, as IPv4's (forwarding.rs).
-use std::net::{IpAddr, Ipv6Addr, SocketAddr};
+//! there, as IPv4's (forwarding.rs). A packet too big for its egress link is answered with
+//! Packet Too Big about the packet as the client sent it, which path MTU discovery needs.
+use std::{
+    net::{IpAddr, Ipv6Addr, SocketAddr},
+    time::Duration,
+};
 
 use anyhow::{Context as _, Result, ensure};
 use lb_tests::{
@@ -14,6 +18,7 @@ use lb_tests::{
     netns::Netns,
     node::{Node, PORT},
     topology::{NODE_IP_V6, POD_GATEWAY_V6, pod_ip_v6},
+    transfer::{CountingServer, TRANSFER, learned_mtu, upload},
 };
 
 /// The IPv6 servers' port: the fixture's IPv4 servers hold the IPv4 target port on 0.0.0.0.
@@ -201,4 +206,50 @@ fn stack_mode_honours_an_ipv6_forward_drop_tcp() -> Result<()> {
 #[test]
 fn stack_mode_honours_an_ipv6_forward_drop_udp() -> Result<()> {
     stack_mode_honours_a_forward_drop(Proto::Udp)
+}
+
+/// IPv6's minimum link MTU, below the 1500 of every other link.
+const NARROW_MTU: u32 = 1280;
+/// A transfer that PMTU discovery lets through takes milliseconds; one that waits for
+/// retransmissions takes seconds.
+const PROMPT: Duration = Duration::from_secs(3);
+
+/// `--forwarding redirect`: pod-a uploads to a ClusterIP whose backend, pod-b, sits behind the
+/// node's end of its veth set to MTU 1280 (pod-b's end keeps 1500, so that its MSS does not
+/// reveal the narrow link). The node bypasses the stack, so `lb_ingress6` answers the too big
+/// segments with Packet Too Big quoting them as pod-a sent them (to the ClusterIP): pod-a learns
+/// MTU 1280 towards the ClusterIP and the upload finishes promptly. The stack's own Packet Too
+/// Big would quote the translated packet, which pod-a cannot match to its socket.
+#[test]
+fn redirect_answers_too_big_ipv6_packets_with_packet_too_big() -> Result<()> {
+    let (mut node, _servers) = node(Proto::Tcp, &["--forwarding", "redirect"], |_| Ok(()))?;
+    let pod_b = node.topology.pod("pod-b");
+    let mtu = NARROW_MTU.to_string();
+    node.topology
+        .node
+        .exec("ip", &["link", "set", &pod_b.host_interface, "mtu", &mtu])?;
+    let _counting = CountingServer::start(
+        &pod_b.ns,
+        (Ipv6Addr::UNSPECIFIED, TARGET_PORT_V6 + 1).into(),
+    )?;
+    let service = manifests::ipv6_only_service(
+        "upload6",
+        (CLUSTER_IP, PORT),
+        Proto::Tcp,
+        ("upload6-v6", "IPv6", TARGET_PORT_V6 + 1),
+        &[pod_ip_v6(1).to_string()],
+    );
+    node.agent.update_manifests(&service)?;
+    let client = node.pod_ns("pod-a");
+    let to: SocketAddr = (CLUSTER_IP, PORT).into();
+    let took = upload(client, to).context("pod-a's upload to the ClusterIP")?;
+    ensure!(took < PROMPT, "{TRANSFER} bytes took {took:?}");
+    let learned = learned_mtu(client, CLUSTER_IP.into())?;
+    ensure!(
+        learned == Some(NARROW_MTU),
+        "path MTU towards {to} {learned:?}, expected {NARROW_MTU}"
+    );
+    let answered = counter(&node.topology.node, "fragmentation_needed")?;
+    ensure!(answered >= 1, "fragmentation_needed: {answered}");
+    Ok(())
 }
