@@ -12,7 +12,8 @@ use std::{
 
 use anyhow::{Context as _, Result, ensure};
 use lb_tests::{
-    agent::counter,
+    agent::{counter, stats_at},
+    bpffs::Bpffs,
     echo::{EchoServer, Proto, six_answered},
     manifests,
     netns::Netns,
@@ -138,12 +139,11 @@ fn redirect_ipv6_seed_paths_udp() -> Result<()> {
     redirect_seed_paths(Proto::Udp)
 }
 
-/// `--xdp`: every seed path is served through the node's FORWARD drop, and the external
-/// client's packets to the NodePort were forwarded by `lb_xdp6` (`xdp_forwarded`; the pods'
-/// own packets enter through their veths, tc's). As in xdp.rs: GRO on in the pods lets XDP
-/// redirect into their veths, the client's checksums are complete.
-fn xdp_seed_paths(proto: Proto) -> Result<()> {
-    let (node, _servers) = node(proto, &["--xdp"], |node| {
+/// A node of `node` whose agent runs with `--xdp` and `extra`. As in xdp.rs: GRO on in the pods
+/// lets XDP redirect into their veths, the client's checksums are complete.
+fn xdp_node(proto: Proto, extra: &[&str]) -> Result<(Node, Vec<EchoServer>)> {
+    let args = [&["--xdp"], extra].concat();
+    node(proto, &args, |node| {
         for pod in &node.topology.pods {
             pod.ns.exec("ethtool", &["-K", "eth0", "gro", "on"])?;
         }
@@ -151,7 +151,14 @@ fn xdp_seed_paths(proto: Proto) -> Result<()> {
             .client
             .exec("ethtool", &["-K", "eth0", "tx", "off"])?;
         Ok(())
-    })?;
+    })
+}
+
+/// `--xdp`: every seed path is served through the node's FORWARD drop, and the external
+/// client's packets to the NodePort were forwarded by `lb_xdp6` (`xdp_forwarded`; the pods'
+/// own packets enter through their veths, tc's).
+fn xdp_seed_paths(proto: Proto) -> Result<()> {
+    let (node, _servers) = xdp_node(proto, &[])?;
     forward_drop(&node)?;
     check_seed_paths(&node, proto)?;
     let ns = &node.topology.node;
@@ -174,6 +181,41 @@ fn xdp_ipv6_seed_paths_tcp() -> Result<()> {
 #[test]
 fn xdp_ipv6_seed_paths_udp() -> Result<()> {
     xdp_seed_paths(Proto::Udp)
+}
+
+/// `lb_xdp6` outlives the agent, as `lb_xdp` does: after SIGTERM, with its pins on a bpffs that
+/// outlives it, the NodePort on the node's IPv6 address still answers through XDP (the program
+/// array `LB_XDP_IPV6_PROGRAMS_V1` is pinned: unpinned, it would be emptied with the agent's
+/// last reference, and every IPv6 frame passed to tc).
+#[test]
+fn xdp_ipv6_outlives_the_agent() -> Result<()> {
+    let bpffs = Bpffs::mount()?;
+    let (mut node, _servers) = xdp_node(Proto::Udp, &["--bpffs", &bpffs.arg()])?;
+    let node_port = (NODE_IP_V6, NODE_PORT).into();
+    let check = |node: &Node| {
+        let servers = ["pod-b", "pod-c"];
+        six_answered(
+            &node.topology.client,
+            Proto::Udp,
+            node_port,
+            &servers,
+            IpAddr::V6(POD_GATEWAY_V6),
+        )
+    };
+    let forwarded = |node: &Node| -> Result<u64> {
+        Ok(stats_at(&node.topology.node, &bpffs.arg())?["xdp_forwarded"])
+    };
+    check(&node)?;
+    let before = forwarded(&node)?;
+    let status = node.agent.stop()?;
+    ensure!(status.success(), "agent exit status {status}");
+    check(&node).context("the NodePort after SIGTERM")?;
+    let after = forwarded(&node)? - before;
+    ensure!(
+        after >= 6,
+        "XDP forwarded {after} of 6 requests after SIGTERM"
+    );
+    Ok(())
 }
 
 /// How many of `count` requests from `ns` to `to` are answered (each fails within its timeout).
