@@ -139,19 +139,10 @@ fn redirect_ipv6_seed_paths_udp() -> Result<()> {
     redirect_seed_paths(Proto::Udp)
 }
 
-/// A node of `node` whose agent runs with `--xdp` and `extra`. As in xdp.rs: GRO on in the pods
-/// lets XDP redirect into their veths, the client's checksums are complete.
+/// A node of `node` whose agent runs with `--xdp` and `extra`, its links ready for the fast path.
 fn xdp_node(proto: Proto, extra: &[&str]) -> Result<(Node, Vec<EchoServer>)> {
     let args = [&["--xdp"], extra].concat();
-    node(proto, &args, |node| {
-        for pod in &node.topology.pods {
-            pod.ns.exec("ethtool", &["-K", "eth0", "gro", "on"])?;
-        }
-        node.topology
-            .client
-            .exec("ethtool", &["-K", "eth0", "tx", "off"])?;
-        Ok(())
-    })
+    node(proto, &args, |node| node.topology.prepare_xdp_fast_path())
 }
 
 /// `--xdp`: every seed path is served through the node's FORWARD drop, and the external
