@@ -62,7 +62,8 @@ pub fn exceeded_mtu(ctx: &TcContext, hop: &NextHop) -> Option<u16> {
     (u16::from_be(frag_off) & IP_DF != 0).then_some(mtu)
 }
 
-/// The MTU of `ifindex` if the GSO packet's segments are too big for it.
+/// The MTU of `ifindex` if the packet is too big for it: a GSO packet's segments, any other
+/// packet whole.
 pub fn segments_exceed(ctx: &TcContext, ifindex: u32) -> Option<u16> {
     let mut mtu = 0u32;
     // SAFETY: the context's skb and a u32 out value; a zero `mtu` and length difference check

@@ -53,13 +53,13 @@ fn words(addr: &Addr6) -> [u32; 4] {
 
 /// The MTU a packet going to `hop` exceeds, as Linux's `ip6_pkt_too_big` decides for a forwarded
 /// packet (IPv6 routers never fragment); `None` when it fits. As forward::exceeded_mtu: the FIB
-/// checked the skb, a GSO packet's segments are checked here.
+/// checks the skb, but only once it has resolved the neighbour, and passes a GSO packet whatever
+/// its segments' size: those two are checked here.
 pub fn exceeded_mtu(ctx: &TcContext, hop: &NextHop6) -> Option<u16> {
     match *hop {
         NextHop::TooBig { mtu } => Some(mtu),
-        NextHop::Resolved { ifindex, .. } | NextHop::Unresolved { ifindex, .. } if ctx.is_gso() => {
-            forward::segments_exceed(ctx, ifindex)
-        }
+        NextHop::Unresolved { ifindex, .. } => forward::segments_exceed(ctx, ifindex),
+        NextHop::Resolved { ifindex, .. } if ctx.is_gso() => forward::segments_exceed(ctx, ifindex),
         _ => None,
     }
 }
