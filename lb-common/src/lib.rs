@@ -44,6 +44,9 @@ pub mod map_name {
     /// array indexed by `tc_ipv6_slot`). Pinned: a program array loses its entries when its last
     /// user reference goes, and the attached programs outlive the agent.
     pub const TC_IPV6_PROGRAMS: &str = "LB_TC_IPV6_PROGRAMS_V1";
+    /// `lb_xdp`'s IPv6 twin, which it tail-calls (a program array indexed by `xdp_ipv6_slot`),
+    /// pinned as `TC_IPV6_PROGRAMS`.
+    pub const XDP_IPV6_PROGRAMS: &str = "LB_XDP_IPV6_PROGRAMS_V1";
     /// Not pinned (not in `ALL`): the interface indexes are the running agent's.
     pub const XDP_EGRESS: &str = "LB_XDP_EGRESS_V1";
     /// Not pinned (not in `ALL`): each CPU's IPv6 conntrack entry under construction
@@ -70,7 +73,7 @@ pub mod map_name {
     pub const SOCK_BACKEND6: &str = "LB_SOCK_BACKEND6_V1";
     /// `FragmentKey6` → `FirstFragment`, as `FRAGMENTS` for IPv4, sized as it.
     pub const FRAGMENTS6: &str = "LB_FRAGMENT6_V1";
-    pub const ALL: [&str; 33] = [
+    pub const ALL: [&str; 34] = [
         FRONTENDS,
         BACKENDS,
         CONNTRACK,
@@ -101,6 +104,7 @@ pub mod map_name {
         FRONTEND_ORIGINS6,
         CONFIG6,
         TC_IPV6_PROGRAMS,
+        XDP_IPV6_PROGRAMS,
         SOCK_REVNAT6,
         SOCK_BACKEND6,
         FRAGMENTS6,
@@ -116,6 +120,13 @@ pub mod tc_ipv6_slot {
     pub const COUNT: u32 = 2;
 }
 
+/// Slots of `map_name::XDP_IPV6_PROGRAMS`.
+pub mod xdp_ipv6_slot {
+    /// `program_name::XDP6`, tail-called by `lb_xdp`.
+    pub const XDP: u32 = 0;
+    pub const COUNT: u32 = 1;
+}
+
 /// Names of the programs in the eBPF object.
 pub mod program_name {
     /// tc ingress on every interface where traffic enters the node (external and pod-side).
@@ -129,6 +140,8 @@ pub mod program_name {
     pub const INGRESS6: &str = "lb_ingress6";
     /// `lb_egress`'s IPv6 twin, tail-called for IPv6 packets (`tc_ipv6_slot::EGRESS`).
     pub const EGRESS6: &str = "lb_egress6";
+    /// `lb_xdp`'s IPv6 twin, tail-called for IPv6 frames (`xdp_ipv6_slot::XDP`).
+    pub const XDP6: &str = "lb_xdp6";
     /// cgroup/connect4: TCP and connected UDP sockets of the node reaching a service.
     pub const CONNECT4: &str = "lb_connect4";
     /// cgroup/sendmsg4: unconnected UDP sockets of the node sending to a service.
@@ -1480,7 +1493,8 @@ pub enum Counter {
     /// packet the stack forwarded or sent.
     EgressTranslated,
     /// `--forwarding redirect`: a packet with DF set too big for its egress link, answered
-    /// with ICMP fragmentation needed (the link's MTU) as the stack's forwarding would.
+    /// with ICMP fragmentation needed (the link's MTU) as the stack's forwarding would; an IPv6
+    /// packet (IPv6 routers never fragment) with ICMPv6 Packet Too Big.
     FragmentationNeeded,
     /// Dropped: a REJECT (ICMP port unreachable) over the rate the node's `icmp_msgs_per_sec`
     /// and `icmp_msgs_burst` allow, as the kernel limits its own ICMP errors.
@@ -1652,7 +1666,7 @@ impl Counter {
                 "TCP RST, FIN or SYN-ACK packets of no tracked connection, passed untouched and untracked"
             }
             Counter::FragmentationNeeded => {
-                "packets with DF set too big for the egress link (--forwarding redirect), answered with ICMP fragmentation needed"
+                "packets with DF set (every IPv6 packet) too big for the egress link (--forwarding redirect), answered with ICMP fragmentation needed (ICMPv6 Packet Too Big)"
             }
             Counter::DropRejectRateLimited => {
                 "dropped: ICMP port unreachable replies (REJECT) over the node's icmp_msgs_per_sec/icmp_msgs_burst"

@@ -31,12 +31,13 @@ pub const AF_INET6: u8 = 10;
 /// Don't fragment, in the host-order fragment offset word.
 const IP_DF: u16 = 0x4000;
 
-/// Where the FIB sends the translated packet.
-pub enum NextHop {
+/// Where the FIB sends the translated packet; `A`: the family's address (`u32` for IPv4, the
+/// words of an IPv6 address).
+pub enum NextHop<A = u32> {
     /// Out of `ifindex` with these destination and source MACs.
     Resolved { ifindex: u32, macs: [u8; 12] },
     /// Out of `ifindex` to `addr`, whose MAC the kernel does not know yet.
-    Unresolved { ifindex: u32, addr: u32 },
+    Unresolved { ifindex: u32, addr: A },
     /// A local destination (a node endpoint): the stack delivers it.
     Local,
     /// Longer than the egress interface's MTU `mtu` (the FIB's check of the skb).
@@ -74,7 +75,7 @@ pub fn oversize(ctx: &TcContext, hop: &NextHop) -> Option<Oversize> {
 
 /// The MTU of `ifindex` if the packet is too big for it: a GSO packet's segments, any other
 /// packet whole.
-fn exceeded_link_mtu(ctx: &TcContext, ifindex: u32) -> Option<u16> {
+pub fn exceeded_link_mtu(ctx: &TcContext, ifindex: u32) -> Option<u16> {
     let mut mtu = 0u32;
     // SAFETY: the context's skb and a u32 out value; a zero `mtu` and length difference check
     // the skb as it is (a GSO packet segment by segment).
@@ -127,6 +128,18 @@ pub fn next_hop<P: PacketAccess>(ctx: &P, packet: &Packet, to: &ConntrackKey) ->
     fib.__bindgen_anon_3.ipv4_src = to.src_addr;
     fib.__bindgen_anon_4.ipv4_dst = to.dst_addr;
     fib.ifindex = ctx.ingress_ifindex();
+    // SAFETY: for an AF_INET lookup the FIB wrote the IPv4 next hop into ipv4_dst.
+    forward_answer(ctx, fib, |fib| unsafe { fib.__bindgen_anon_4.ipv4_dst })
+}
+
+/// Asks the FIB to forward with the filled-in parameter block `fib`; `next_hop` reads the next
+/// hop's address the FIB wrote into the block.
+#[inline(always)]
+pub fn forward_answer<P: PacketAccess, A>(
+    ctx: &P,
+    fib: &mut bpf_fib_lookup,
+    next_hop: impl FnOnce(&bpf_fib_lookup) -> A,
+) -> NextHop<A> {
     match fib_lookup(ctx, fib, 0) {
         Some(BPF_FIB_LKUP_RET_SUCCESS) => {
             let mut macs = [0u8; 12];
@@ -139,8 +152,7 @@ pub fn next_hop<P: PacketAccess>(ctx: &P, packet: &Packet, to: &ConntrackKey) ->
         }
         Some(BPF_FIB_LKUP_RET_NO_NEIGH) => NextHop::Unresolved {
             ifindex: fib.ifindex,
-            // SAFETY: for an AF_INET lookup the FIB wrote the IPv4 next hop into ipv4_dst.
-            addr: unsafe { fib.__bindgen_anon_4.ipv4_dst },
+            addr: next_hop(fib),
         },
         Some(BPF_FIB_LKUP_RET_NOT_FWDED) => NextHop::Local,
         Some(BPF_FIB_LKUP_RET_FRAG_NEEDED) => NextHop::TooBig {
@@ -265,8 +277,29 @@ pub fn redirect<P: PacketAccess>(
 ) -> Result<i32, Counter> {
     ctx.store(0, macs).map_err(|_| Counter::DropRewriteFailed)?;
     decrement_ttl(ctx, packet)?;
+    Ok(redirect_to(ifindex))
+}
+
+/// The program type's verdict that redirects the packet out of `ifindex`.
+#[inline(always)]
+pub fn redirect_to(ifindex: u32) -> i32 {
     // SAFETY: the helper only records the target; flags 0 means egress.
-    Ok(unsafe { bpf_redirect(ifindex, 0) } as i32)
+    unsafe { bpf_redirect(ifindex, 0) as i32 }
+}
+
+/// tc: redirects the packet out of `ifindex` to the neighbour `neigh` (`nh_family` and address
+/// set), whose MAC the kernel resolves on egress.
+#[inline(always)]
+pub fn redirect_neigh(ifindex: u32, mut neigh: bpf_redir_neigh) -> i32 {
+    // SAFETY: `neigh` is a valid parameter block of the size passed.
+    unsafe {
+        bpf_redirect_neigh(
+            ifindex,
+            &raw mut neigh,
+            mem::size_of::<bpf_redir_neigh>() as i32,
+            0,
+        ) as i32
+    }
 }
 
 /// tc: redirects the translated packet along its route (see `route`); an unresolved neighbour is
@@ -290,16 +323,7 @@ pub fn send_tc(ctx: &TcContext, packet: &Packet, hop: NextHop) -> Result<i32, Co
             let mut neigh: bpf_redir_neigh = unsafe { mem::zeroed() };
             neigh.nh_family = u32::from(AF_INET);
             neigh.__bindgen_anon_1.ipv4_nh = addr;
-            // SAFETY: `neigh` is a valid parameter block of the size passed; the kernel resolves
-            // the neighbour and fills in the MACs on egress.
-            Ok(unsafe {
-                bpf_redirect_neigh(
-                    ifindex,
-                    &raw mut neigh,
-                    mem::size_of::<bpf_redir_neigh>() as i32,
-                    0,
-                )
-            } as i32)
+            Ok(redirect_neigh(ifindex, neigh))
         }
         NextHop::Local | NextHop::TooBig { .. } | NextHop::Stack => {
             maps::count(Counter::FibFallback);

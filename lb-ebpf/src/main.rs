@@ -9,8 +9,8 @@
 //! reverse-translated and forwarded by tc; everything else passes untouched. `lb_ingress` and
 //! `lb_xdp` run the same translation core (translate.rs) over their own packet access
 //! (packet.rs). The node's own sockets are translated at connect and send time by the cgroup
-//! socket hooks (`sock`, `sock6`). IPv6 packets jump to programs of their own, `lb_ingress6` and
-//! `lb_egress6` (ipv6.rs).
+//! socket hooks (`sock`, `sock6`). IPv6 packets jump to programs of their own, `lb_ingress6`,
+//! `lb_egress6` and `lb_xdp6` (ipv6.rs).
 #![no_std]
 #![no_main]
 
@@ -20,6 +20,7 @@ mod conntrack6;
 mod egress;
 mod family;
 mod forward;
+mod forward6;
 mod fragment;
 mod fragment6;
 mod icmp;
@@ -131,7 +132,7 @@ fn try_ingress(ctx: &TcContext) -> Result<i32, Counter> {
     }
 }
 
-fn stack_forwarding() -> bool {
+pub(crate) fn stack_forwarding() -> bool {
     maps::config().is_some_and(|config| config.flags & CONFIG_F_STACK_FORWARDING != 0)
 }
 
@@ -184,6 +185,9 @@ pub fn lb_egress(ctx: TcContext) -> i32 {
 /// same interface) handles it and counts why; XDP counts only that it passed.
 #[xdp]
 pub fn lb_xdp(ctx: XdpContext) -> u32 {
+    if ipv6::is_ipv6_frame(&ctx) {
+        return ipv6::tail_call_xdp(&ctx);
+    }
     match try_xdp(&ctx) {
         Ok(action) => action,
         Err(reason) if passes(reason) => {

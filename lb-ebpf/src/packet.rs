@@ -12,7 +12,8 @@ use core::{ffi::c_long, mem};
 
 use aya_ebpf::{
     EbpfContext,
-    bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
+    bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_F_RECOMPUTE_CSUM},
+    helpers::bpf_skb_store_bytes,
     programs::{TcContext, XdpContext},
 };
 
@@ -111,6 +112,9 @@ pub trait PacketAccess: EbpfContext {
         change: Change,
         how: L4Checksum,
     ) -> Result<(), c_long>;
+    /// Writes `value` at `offset`, in a field no header checksum covers (IPv6's hop limit): an
+    /// skb's checksum state, whose sum covers it, follows the change; an XDP frame has none.
+    fn store_uncovered<T>(&self, offset: usize, value: &T) -> Result<(), c_long>;
     /// The interface the packet arrived on.
     fn ingress_ifindex(&self) -> u32;
     /// The length `bpf_fib_lookup` checks against the egress MTU for a packet whose IPv4 total
@@ -150,6 +154,21 @@ impl PacketAccess for TcContext {
             flags |= u64::from(BPF_F_MARK_MANGLED_0);
         }
         self.l4_csum_replace(offset, old.into(), new.into(), flags)
+    }
+
+    fn store_uncovered<T>(&self, offset: usize, value: &T) -> Result<(), c_long> {
+        // SAFETY: the context's skb and `size_of::<T>()` readable bytes at `value`; the helper
+        // checks the offset against the packet.
+        let ret = unsafe {
+            bpf_skb_store_bytes(
+                self.skb.skb.cast(),
+                offset as u32,
+                (value as *const T).cast(),
+                mem::size_of::<T>() as u32,
+                u64::from(BPF_F_RECOMPUTE_CSUM),
+            )
+        };
+        if ret == 0 { Ok(()) } else { Err(ret) }
     }
 
     fn ingress_ifindex(&self) -> u32 {
@@ -205,6 +224,10 @@ impl PacketAccess for XdpContext {
             check
         };
         PacketAccess::store(self, offset, &check)
+    }
+
+    fn store_uncovered<T>(&self, offset: usize, value: &T) -> Result<(), c_long> {
+        PacketAccess::store(self, offset, value)
     }
 
     fn ingress_ifindex(&self) -> u32 {

@@ -2,7 +2,8 @@
 //! answered with ICMPv6 destination unreachable, port unreachable (RFC 4443 3.1: type 1, code 4),
 //! from the address the client tried, quoting the packet as the client sent it, as much of it as
 //! keeps the error within the IPv6 minimum MTU (1280). The quote is up to 1232 bytes, more than
-//! the stack holds: the error is built in a per-CPU scratch entry.
+//! the stack holds: the error is built in a per-CPU scratch entry. `--forwarding redirect`'s
+//! Packet Too Big (RFC 4443 3.2: type 2, code 0, the MTU) is built the same way.
 use core::hint::black_box;
 
 use aya_ebpf::{helpers::bpf_skb_load_bytes, macros::map, maps::PerCpuArray, programs::TcContext};
@@ -17,6 +18,7 @@ use crate::{
 
 const ICMPV6_DEST_UNREACH: u8 = 1;
 const ICMPV6_PORT_UNREACH: u8 = 4;
+const ICMPV6_PKT_TOOBIG: u8 = 2;
 const ICMPV6_HLEN: usize = 8;
 const ICMPV6_CHECK: usize = 2;
 /// RFC 8200 5: every link carries 1280 bytes.
@@ -47,9 +49,21 @@ const fn max(a: usize, b: usize) -> usize {
 static SCRATCH: PerCpuArray<[u8; SCRATCH_LEN]> = PerCpuArray::with_max_entries(1, 0);
 
 /// Rewrites `packet` into the port unreachable about it and sends it back to its sender.
+pub fn port_unreachable(ctx: &TcContext, packet: &Packet6) -> Result<i32, Counter> {
+    error(ctx, packet, [ICMPV6_DEST_UNREACH, ICMPV6_PORT_UNREACH], 0)
+}
+
+/// Rewrites `packet` into the Packet Too Big about it, announcing the next hop's `mtu`, and sends
+/// it back to its sender.
+pub fn packet_too_big(ctx: &TcContext, packet: &Packet6, mtu: u16) -> Result<i32, Counter> {
+    error(ctx, packet, [ICMPV6_PKT_TOOBIG, 0], u32::from(mtu))
+}
+
+/// Rewrites `packet` into the ICMPv6 error of `type_code` about it (`word`: the header's last 32
+/// bits) and sends it back to its sender.
 // A frame of its own, called once the translation's frames have returned.
 #[inline(never)]
-pub fn port_unreachable(ctx: &TcContext, packet: &Packet6) -> Result<i32, Counter> {
+fn error(ctx: &TcContext, packet: &Packet6, type_code: [u8; 2], word: u32) -> Result<i32, Counter> {
     // The parser checked that the packet holds the IPv6 header and the transport header past it.
     let quote_len = usize::from(packet.len).min(QUOTE_MAX);
     if quote_len < IPV6_HLEN + ICMPV6_HLEN {
@@ -85,7 +99,7 @@ pub fn port_unreachable(ctx: &TcContext, packet: &Packet6) -> Result<i32, Counte
             .cast::<[u8; 4]>()
             .write_unaligned([0; 4])
     };
-    headers(error, (ICMPV6_HLEN + quote_len) as u16);
+    headers(error, (ICMPV6_HLEN + quote_len) as u16, type_code, word);
     let summed = (len - SUMMED_FROM).next_multiple_of(4);
     let check = folded(checksum(error, summed, (ICMPV6_HLEN + quote_len) as u16)?);
     error[IPV6_HLEN + ICMPV6_CHECK..IPV6_HLEN + ICMPV6_CHECK + 2]
@@ -100,8 +114,8 @@ pub fn port_unreachable(ctx: &TcContext, packet: &Packet6) -> Result<i32, Counte
 }
 
 /// Writes the error's IPv6 and ICMPv6 headers before the quote in `error`, whose addresses they
-/// turn around; `payload_len`: the ICMPv6 message's length.
-fn headers(error: &mut [u8; SCRATCH_LEN], payload_len: u16) {
+/// turn around; `payload_len`: the ICMPv6 message's length, `type_code` and `word` its header's.
+fn headers(error: &mut [u8; SCRATCH_LEN], payload_len: u16, type_code: [u8; 2], word: u32) {
     let quoted = HEADERS;
     error.copy_within(quoted + IPV6_DST..quoted + IPV6_DST + 16, IPV6_SRC);
     error.copy_within(quoted + IPV6_SRC..quoted + IPV6_SRC + 16, IPV6_DST);
@@ -109,16 +123,9 @@ fn headers(error: &mut [u8; SCRATCH_LEN], payload_len: u16) {
     error[4..6].copy_from_slice(&payload_len.to_be_bytes());
     error[6] = IPPROTO_ICMPV6;
     error[7] = TTL;
-    error[IPV6_HLEN..HEADERS].copy_from_slice(&[
-        ICMPV6_DEST_UNREACH,
-        ICMPV6_PORT_UNREACH,
-        0,
-        0,
-        0,
-        0,
-        0,
-        0,
-    ]);
+    error[IPV6_HLEN..IPV6_HLEN + 2].copy_from_slice(&type_code);
+    error[IPV6_HLEN + 2..IPV6_HLEN + 4].copy_from_slice(&[0, 0]);
+    error[IPV6_HLEN + 4..HEADERS].copy_from_slice(&word.to_be_bytes());
 }
 
 /// The sum of the ICMPv6 pseudo-header (RFC 8200 8.1: the addresses in `error`, `payload_len`,

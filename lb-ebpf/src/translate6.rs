@@ -6,9 +6,10 @@
 //!
 //! Done so far (docs/ipv6.md, step 2): new TCP/UDP connections to a frontend, masqueraded
 //! (kube-proxy's KUBE-MARK-MASQ cases: hairpin, NodePorts, clients outside the cluster CIDR)
-//! or not, both directions rewritten here in full and handed to the stack to route. IPv6 has no
-//! martian source check, so unlike IPv4 (intermediate.rs) the masquerade source is written
-//! before routing too. A service without endpoints is rejected (reject6.rs), a source outside a
+//! or not, both directions rewritten in full (`rewrite`, once the caller has decided where the
+//! packet goes: XDP decides before touching it) and routed by the stack or redirected (ipv6.rs).
+//! IPv6 has no martian source check, so unlike IPv4 (intermediate.rs) the masquerade source is
+//! written before the stack routes too. A service without endpoints is rejected (reject6.rs), a source outside a
 //! LoadBalancer IP's loadBalancerSourceRanges dropped, as over IPv4. ICMPv6 errors about tracked
 //! connections are reverse-translated (icmp6.rs). Fragments follow their first (fragment6.rs).
 use aya_ebpf::{macros::map, maps::PerCpuArray};
@@ -32,10 +33,18 @@ use crate::{
 #[map(name = "LB_PACKET6_SCRATCH_V1")]
 static PARSED: PerCpuArray<Packet6> = PerCpuArray::with_max_entries(1, 0);
 
+/// This CPU's packet's translation (the tuple it is rewritten to), for `rewrite`: an IPv6 tuple
+/// is too big for a BPF function to return.
+#[map(name = "LB_REWRITE6_SCRATCH_V1")]
+static REWRITE: PerCpuArray<ConntrackKey6> = PerCpuArray::with_max_entries(1, 0);
+
 /// What `translation` made of a packet.
 pub enum Translation6 {
-    /// Translated in place: handed to the stack to route.
-    Translated,
+    /// A TCP/UDP packet of a tracked connection (new or not), to be rewritten to `rewrite_to`
+    /// (`rewrite`).
+    Tracked,
+    /// An ICMPv6 error about a tracked connection, reverse-translated in place.
+    Icmp,
     /// A new connection to a service without endpoints (the packet `parsed`): kube-proxy
     /// answers it with REJECT.
     Reject,
@@ -51,11 +60,18 @@ pub enum Translation6 {
 #[inline(always)]
 pub fn translation<P: PacketAccess>(ctx: &P) -> Result<Translation6, Counter> {
     if parse(ctx)? == IPPROTO_ICMPV6 {
-        return icmp6::reverse_error(ctx).map(|()| Translation6::Translated);
+        return icmp6::reverse_error(ctx).map(|()| Translation6::Icmp);
     }
+    connection(ctx)
+}
+
+/// The connection of the TCP/UDP packet `parse` parsed: `Tracked` (its translation in
+/// `REWRITE`, the packet untouched) or `Reject`.
+#[inline(always)]
+pub fn connection<P: PacketAccess>(ctx: &P) -> Result<Translation6, Counter> {
     fragment6::follow(parsed_mut()?)?;
-    if established(ctx)? {
-        return Ok(Translation6::Translated);
+    if established()? {
+        return Ok(Translation6::Tracked);
     }
     open(ctx)
 }
@@ -64,7 +80,7 @@ pub fn translation<P: PacketAccess>(ctx: &P) -> Result<Translation6, Counter> {
 /// frame of its own: the parsed packet is on the stack only until it is stored, not under the
 /// translation's frames (the program's stack is 512 bytes for the deepest chain of frames).
 #[inline(never)]
-fn parse<P: PacketAccess>(ctx: &P) -> Result<u8, Counter> {
+pub fn parse<P: PacketAccess>(ctx: &P) -> Result<u8, Counter> {
     let packet = parse6::packet(ctx)?;
     // The stack answers an expiring packet (time exceeded) about the address the client used.
     if packet.hop_limit <= 1 {
@@ -90,9 +106,30 @@ fn parsed_mut() -> Result<&'static mut Packet6, Counter> {
     Ok(unsafe { &mut *parsed })
 }
 
-/// Translates the packet (`PARSED`) of a live connection: `Ok(false)` when it has none.
+/// The tuple the packet is rewritten to, written by `connection`.
+pub fn rewrite_to() -> Result<&'static ConntrackKey6, Counter> {
+    // SAFETY: as in `parsed`.
+    Ok(unsafe { &*REWRITE.get_ptr(0).ok_or(Counter::Passed)? })
+}
+
+fn set_rewrite_to(to: &ConntrackKey6) -> Result<(), Counter> {
+    let rewrite = REWRITE.get_ptr_mut(0).ok_or(Counter::Passed)?;
+    // SAFETY: as in `parsed_mut`.
+    unsafe { *rewrite = *to };
+    Ok(())
+}
+
+/// Rewrites the packet (`PARSED`) to its translation (`REWRITE`). A frame of its own, called
+/// once the translation's frames have returned.
 #[inline(never)]
-fn established<P: PacketAccess>(ctx: &P) -> Result<bool, Counter> {
+pub fn rewrite<P: PacketAccess>(ctx: &P) -> Result<(), Counter> {
+    nat6::rewrite(ctx, parsed()?, rewrite_to()?)
+}
+
+/// Finds the translation of the packet (`PARSED`) of a live connection: `Ok(false)` when it has
+/// none.
+#[inline(never)]
+fn established() -> Result<bool, Counter> {
     let packet = parsed()?;
     let config = maps::config()
         .filter(|config| config.flags & CONFIG_F_READY != 0)
@@ -101,13 +138,13 @@ fn established<P: PacketAccess>(ctx: &P) -> Result<bool, Counter> {
         return Ok(false);
     };
     maps::count(Counter::Translated);
-    nat6::rewrite(ctx, packet, &to)?;
+    set_rewrite_to(&to)?;
     Ok(true)
 }
 
 /// A packet (`PARSED`) without a live connection: the frontend it is addressed to, its endpoint
 /// list, backend selection (sessionAffinity and the schedulers, as IPv4's), the masquerade
-/// source, tracking and the rewrite.
+/// source, tracking and the translation.
 #[inline(never)]
 fn open<P: PacketAccess>(ctx: &P) -> Result<Translation6, Counter> {
     let packet = parsed()?;
@@ -139,8 +176,8 @@ fn open<P: PacketAccess>(ctx: &P) -> Result<Translation6, Counter> {
         state,
         masquerade.as_ref(),
     )?;
-    nat6::rewrite(ctx, packet, &conntrack6::rewrite_of_new(tuple.proto)?)?;
-    Ok(Translation6::Translated)
+    set_rewrite_to(&conntrack6::rewrite_of_new(tuple.proto)?)?;
+    Ok(Translation6::Tracked)
 }
 
 /// The frontend a new connection `tuple` is addressed to: its exact port, else the catch-all of

@@ -360,6 +360,23 @@ pub fn requests(ns: &Netns, proto: Proto, to: SocketAddr, count: usize) -> Resul
     ns.run(move || (0..count).map(|_| proto.request(to)).collect())?
 }
 
+/// Six requests from `ns` to `to`, each answered by one of `servers` having seen `source`, the
+/// client seeing `to` answer.
+pub fn six_answered(
+    ns: &Netns,
+    proto: Proto,
+    to: SocketAddr,
+    servers: &[&str],
+    source: IpAddr,
+) -> Result<()> {
+    let answers = requests(ns, proto, to, 6)?;
+    anyhow::ensure!(answers.len() == 6, "{answers:?}");
+    for answer in &answers {
+        answer.check(servers, source, to)?;
+    }
+    Ok(())
+}
+
 /// One request from `ns`.
 pub fn request(ns: &Netns, proto: Proto, to: SocketAddr) -> Result<Answer> {
     let mut answers = requests(ns, proto, to, 1)?;

@@ -377,6 +377,18 @@ pub fn endpoint_lines(addresses: &[impl std::fmt::Display]) -> String {
         .collect()
 }
 
+/// `service` (an `ipv6_only_service`) made of type NodePort on `node_port`.
+pub fn ipv6_node_port(service: &str, node_port: u16) -> anyhow::Result<String> {
+    let (cluster_ip, port) = ("  type: ClusterIP\n", "      targetPort: app\n");
+    anyhow::ensure!(
+        service.contains(cluster_ip) && service.contains(port),
+        "{service}"
+    );
+    Ok(service
+        .replacen(cluster_ip, "  type: NodePort\n", 1)
+        .replacen(port, &format!("{port}      nodePort: {node_port}\n"), 1))
+}
+
 /// An IPv6-only Service `name` on `frontend` (its ClusterIP and port, named `app`, targetPort
 /// `app`) and its EndpointSlice `slice` (name, addressType, port) of `addresses`.
 pub fn ipv6_only_service(

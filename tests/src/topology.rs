@@ -53,6 +53,17 @@ pub struct Topology {
 }
 
 impl Topology {
+    /// Readies the links for `lb agent --xdp`'s fast path, as tests/tests/xdp.rs explains: NAPI
+    /// on the pods' veth ends (GRO on) lets XDP redirect into them; the client's checksums
+    /// complete, as frames from a wire are.
+    pub fn prepare_xdp_fast_path(&self) -> Result<()> {
+        for pod in &self.pods {
+            pod.ns.exec("ethtool", &["-K", "eth0", "gro", "on"])?;
+        }
+        self.client.exec("ethtool", &["-K", "eth0", "tx", "off"])?;
+        Ok(())
+    }
+
     pub fn new(pods: usize) -> Result<Self> {
         let prefix = unique_prefix();
         let node = Netns::new(format!("{prefix}node"))?;

@@ -7,11 +7,12 @@
 use std::net::{Ipv6Addr, SocketAddrV6};
 
 use aya::{
+    Ebpf,
     maps::{
-        PerCpuArray, PerCpuValues,
+        HashMap, PerCpuArray, PerCpuValues,
         lpm_trie::{Key, LpmTrie},
     },
-    programs::SchedClassifier,
+    programs::{SchedClassifier, TestRun, TestRunOptions, Xdp},
 };
 use lb_common::{
     AffinityKey6, Backend6, CT_F_MASQUERADE, CT_F_REPLY, CT_UDP_UNREPLIED, Counter,
@@ -898,11 +899,19 @@ fn verifier_cost_is_bounded() {
         .try_into()
         .unwrap();
     lb_user::datapath::load_program(|| program.load()).unwrap();
+    let xdp: &mut Xdp = datapath
+        .ebpf
+        .program_mut(program_name::XDP6)
+        .unwrap()
+        .try_into()
+        .unwrap();
+    lb_user::datapath::load_program(|| xdp.load()).expect("verifier accepts lb_xdp6");
     for name in [
         program_name::INGRESS,
         program_name::EGRESS,
         program_name::INGRESS6,
         program_name::EGRESS6,
+        program_name::XDP6,
     ] {
         let program = datapath.ebpf.program(name).unwrap();
         let processed = program
@@ -914,6 +923,148 @@ fn verifier_cost_is_bounded() {
         assert!(
             processed < 300_000,
             "{name}: {processed} instructions processed"
+        );
+    }
+}
+
+const XDP_PASS: u32 = 2;
+const XDP_REDIRECT: u32 = 4;
+/// The node's end of the link towards the pods in `xdp_forwards_tracked_flows`.
+const PODS_LINK: &str = "lbx6";
+/// The MAC the neighbours of `PODS_LINK` are given.
+const POD_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x21];
+
+/// Runs `lb_xdp6` on `packet`.
+fn run_xdp6(ebpf: &Ebpf, packet: &[u8]) -> (u32, Vec<u8>) {
+    let program: &Xdp = ebpf
+        .program(program_name::XDP6)
+        .unwrap()
+        .try_into()
+        .unwrap();
+    let mut out = vec![0; packet.len()];
+    let result = program
+        .test_run(TestRunOptions {
+            data_in: Some(packet),
+            data_out: Some(&mut out),
+            ..Default::default()
+        })
+        .unwrap();
+    out.truncate(result.data_size_out as usize);
+    (result.return_value, out)
+}
+
+/// `lb_xdp6` in a namespace of its own, whose FIB routes the pods' prefix out of `PODS_LINK`
+/// (its neighbours static, `POD_MAC`; forwarding on, as on a node): a connection's first packet
+/// is tracked but passed untouched while `PODS_LINK` is not an XDP egress; once it is, the
+/// client's packets and the backend's replies are rewritten (addresses, ports, the FIB's MACs,
+/// the hop limit one less; the TCP/UDP checksum verified here over the new pseudo-header) and
+/// redirected to it.
+#[test]
+fn xdp_forwards_tracked_flows() {
+    let prefix = lb_tests::netns::unique_prefix();
+    let node = lb_tests::netns::Netns::new(format!("{prefix}x6n")).unwrap();
+    let pods = lb_tests::netns::Netns::new(format!("{prefix}x6p")).unwrap();
+    node.add_veth(PODS_LINK, &pods, "eth0").unwrap();
+    node.sysctl("net.ipv6.conf.all.forwarding", "1").unwrap();
+    node.ip(&["link", "set", "lo", "up"]).unwrap();
+    node.ip(&["link", "set", PODS_LINK, "up"]).unwrap();
+    let prefix_len = "fd00:10:244:1::1/64";
+    node.ip(&["-6", "addr", "add", prefix_len, "dev", PODS_LINK, "nodad"])
+        .unwrap();
+    let lladdr = POD_MAC.map(|b| format!("{b:02x}")).join(":");
+    for neighbour in [ENDPOINTS[0], CLIENT] {
+        let addr = neighbour.ip().to_string();
+        let neigh = [
+            "-6", "neigh", "add", &addr, "lladdr", &lladdr, "dev", PODS_LINK,
+        ];
+        node.ip(&[&neigh[..], &["nud", "permanent"]].concat())
+            .unwrap();
+    }
+    let link_mac = lb_tests::topology::mac(&node, PODS_LINK).unwrap();
+    let link_mac: Vec<u8> = link_mac
+        .split(':')
+        .map(|b| u8::from_str_radix(b, 16).unwrap())
+        .collect();
+    let ifindex = node
+        .run(|| nix::net::if_::if_nametoindex(PODS_LINK))
+        .unwrap()
+        .unwrap();
+    for proto in [Proto::Tcp, Proto::Udp] {
+        let link_mac = link_mac.clone();
+        let (passed, forwarded, answered, counters) = node
+            .run(move || {
+                let mut datapath = Datapath::with_cluster_ip(&ENDPOINTS[..1]);
+                let xdp: &mut Xdp = datapath
+                    .ebpf
+                    .program_mut(program_name::XDP6)
+                    .unwrap()
+                    .try_into()
+                    .unwrap();
+                xdp.load().unwrap();
+                let flags = if proto == Proto::Tcp { TCP_SYN } else { 0 };
+                let first = packet(proto, CLIENT, CLUSTER_IP, flags, &[]);
+                let passed = run_xdp6(&datapath.ebpf, &first);
+                let mut egress: HashMap<_, u32, u8> = datapath
+                    .ebpf
+                    .map_mut(map_name::XDP_EGRESS)
+                    .unwrap()
+                    .try_into()
+                    .unwrap();
+                egress.insert(ifindex, 1, 0).unwrap();
+                let forwarded = (first.clone(), run_xdp6(&datapath.ebpf, &first));
+                let answer_flags = if proto == Proto::Tcp {
+                    TCP_SYN | TCP_ACK
+                } else {
+                    0
+                };
+                let answer = packet(proto, ENDPOINTS[0], CLIENT, answer_flags, &[]);
+                let answered = (answer.clone(), run_xdp6(&datapath.ebpf, &answer));
+                let counters = [
+                    Counter::XdpPassed,
+                    Counter::XdpForwarded,
+                    Counter::NewConnection,
+                ]
+                .map(|counter| datapath.counter(counter));
+                ((first, passed), forwarded, answered, counters)
+            })
+            .unwrap();
+        let ((first, (verdict, output)), l4) = (passed, ETH_HLEN + IPV6_HLEN);
+        assert_eq!(
+            (verdict, &output),
+            (XDP_PASS, &first),
+            "{proto:?}: passed untouched"
+        );
+        // As the FIB forwards it: its MACs, the hop limit one less.
+        let forwarded_as = |input: &[u8]| {
+            let mut expected = input.to_vec();
+            expected[..6].copy_from_slice(&POD_MAC);
+            expected[6..12].copy_from_slice(&link_mac);
+            expected[ETH_HLEN + 7] = 63;
+            expected
+        };
+        for ((input, (verdict, output)), tuple) in [
+            (forwarded, (CLIENT, ENDPOINTS[0])),
+            (answered, (CLUSTER_IP, CLIENT)),
+        ] {
+            assert_eq!(verdict, XDP_REDIRECT, "{proto:?}");
+            let expected = forwarded_as(&input);
+            assert_eq!(
+                output[..ETH_HLEN + 8],
+                expected[..ETH_HLEN + 8],
+                "{proto:?}"
+            );
+            let mut unchanged_header = output.clone();
+            unchanged_header[..ETH_HLEN + 8].copy_from_slice(&input[..ETH_HLEN + 8]);
+            assert_eq!(
+                verify(&input, &unchanged_header, proto, l4),
+                tuple,
+                "{proto:?}"
+            );
+        }
+        assert_eq!(
+            counters,
+            [1, 2, 1],
+            "{proto:?}: xdp_passed, xdp_forwarded, new_connection"
         );
     }
 }

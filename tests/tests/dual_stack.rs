@@ -15,7 +15,7 @@ use lb_tests::{
     agent::{SYNC_DONE, lb_binary},
     bpffs::Bpffs,
     cgroup::Cgroup,
-    echo::{Answer, EchoServer, Proto, ask, requests, udp_socket},
+    echo::{Answer, EchoServer, Proto, ask, requests, six_answered, udp_socket},
     manifests::{self, EndpointManifest, ServiceManifest},
     netns::Netns,
     node::{CLUSTER_IP, Node, PORT, TARGET_PORT, vip},
@@ -708,15 +708,7 @@ const NODE_PORT_V6: u16 = 30081;
 
 /// The IPv6-only Service `web6` of `ipv6_only`, of type NodePort on NODE_PORT_V6.
 fn ipv6_node_port(proto: Proto, endpoints: &[Ipv6Addr]) -> Result<String> {
-    let service = ipv6_only(proto, endpoints);
-    let (cluster_ip, port) = ("  type: ClusterIP\n", "      targetPort: app\n");
-    ensure!(
-        service.contains(cluster_ip) && service.contains(port),
-        "{service}"
-    );
-    Ok(service
-        .replacen(cluster_ip, "  type: NodePort\n", 1)
-        .replacen(port, &format!("{port}      nodePort: {NODE_PORT_V6}\n"), 1))
+    manifests::ipv6_node_port(&ipv6_only(proto, endpoints), NODE_PORT_V6)
 }
 
 /// External client → NodePort on the node's IPv6 address → pod-b or pod-c, externalTrafficPolicy
@@ -886,21 +878,4 @@ fn serve_ipv6(node: &Node, pods: &[&str]) -> Result<Vec<EchoServer>> {
     pods.iter()
         .map(|pod| EchoServer::start_v6(node.pod_ns(pod), pod, TARGET_PORT_V6))
         .collect()
-}
-
-/// Six requests from `ns` to `to`, each answered by one of `servers` having seen `source`, the
-/// client seeing `to` answer.
-fn six_answered(
-    ns: &Netns,
-    proto: Proto,
-    to: SocketAddr,
-    servers: &[&str],
-    source: IpAddr,
-) -> Result<()> {
-    let answers = requests(ns, proto, to, 6)?;
-    ensure!(answers.len() == 6, "{answers:?}");
-    for answer in &answers {
-        answer.check(servers, source, to)?;
-    }
-    Ok(())
 }

@@ -70,14 +70,7 @@ impl SurvivalNode {
     fn start(xdp: bool) -> Result<Self> {
         let topology = Topology::new(3)?;
         if xdp {
-            // As in tests/tests/xdp.rs: NAPI on the pods' veth ends lets XDP redirect into
-            // them; the client's checksums complete, as frames from a wire are.
-            for pod in &topology.pods {
-                pod.ns.exec("ethtool", &["-K", "eth0", "gro", "on"])?;
-            }
-            topology
-                .client
-                .exec("ethtool", &["-K", "eth0", "tx", "off"])?;
+            topology.prepare_xdp_fast_path()?;
         }
         let servers = serve_pods(&topology, TARGET_PORT)?;
         let flow_servers = topology

@@ -250,13 +250,15 @@ impl Datapath {
         self.program(program_name::XDP)
     }
 
-    /// Loads the XDP program (`--xdp`), which shares the maps of the ingress one.
+    /// Loads the XDP program (`--xdp`), which shares the maps of the ingress one, and its IPv6
+    /// twin into the program array it tail-calls.
     pub fn load_xdp(&mut self) -> Result<(), DatapathError> {
-        let xdp = self.xdp()?;
-        load_program(|| xdp.load()).map_err(|source| DatapathError::Program {
-            name: program_name::XDP,
-            source,
-        })
+        for name in [program_name::XDP, program_name::XDP6] {
+            let xdp: &mut Xdp = self.program(name)?;
+            load_program(|| xdp.load())
+                .map_err(|source| DatapathError::Program { name, source })?;
+        }
+        ipv6_programs::fill_xdp_program_array(&mut self.ebpf)
     }
 
     /// Lets `lb_xdp` redirect into interface `ifindex` (or no longer, when `allowed` is false).
