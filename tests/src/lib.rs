@@ -15,6 +15,7 @@ pub mod node;
 pub mod overlay;
 pub mod paths;
 pub mod raw;
+pub mod test_run;
 pub mod test_run6;
 pub mod topology;
 pub mod transfer;

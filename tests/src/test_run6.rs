@@ -8,13 +8,15 @@ use std::net::{Ipv6Addr, SocketAddrV6};
 use aya::{
     Ebpf, EbpfLoader,
     maps::{Array, HashMap, MapData, PerCpuArray},
-    programs::{SchedClassifier, TestRun, TestRunOptions},
+    programs::SchedClassifier,
 };
 use lb_common::{
     Addr6, AffinityKey6, Backend6, BackendKey, CONFIG_F_READY, Config, Config6, ConntrackEntry6,
     ConntrackKey6, Counter, FRONTEND_F_MASQUERADE, Frontend, FrontendKey6, IPPROTO_TCP,
     IPPROTO_UDP, SNAT_PORT_MAX, SNAT_PORT_MIN, StickyBackend6, map_name, port_be, program_name,
 };
+
+use crate::test_run::run_program;
 
 pub const TC_ACT_OK: u32 = 0;
 pub const TC_ACT_SHOT: u32 = 2;
@@ -403,16 +405,7 @@ impl Datapath {
             .unwrap()
             .try_into()
             .unwrap();
-        let mut out = vec![0; packet.len() + 256];
-        let result = program
-            .test_run(TestRunOptions {
-                data_in: Some(packet),
-                data_out: Some(&mut out),
-                ..Default::default()
-            })
-            .unwrap();
-        out.truncate(result.data_size_out as usize);
-        (result.return_value, out)
+        run_program(program, packet, None)
     }
 
     /// Runs a packet that must come out untouched with TC_ACT_OK.

@@ -14,7 +14,7 @@ use aya::{
         Array, HashMap, MapData, PerCpuArray, PerCpuValues,
         lpm_trie::{Key, LpmTrie},
     },
-    programs::{CgroupSockAddr, SchedClassifier, TestRun, TestRunOptions, Xdp},
+    programs::{CgroupSockAddr, SchedClassifier, Xdp},
 };
 use etherparse::{
     ArpHardwareId, ArpOperation, ArpPacket, EtherType, Ethernet2Header, IpHeaders, IpNumber,
@@ -29,6 +29,7 @@ use lb_common::{
     SNAT_PORT_MIN, SourceRangeKey, StickyBackend, flow_hash, ipv4_be, map_name, port_be,
     program_name, source_hash, tcp, tcp_timeout_s,
 };
+use lb_tests::test_run::run_program;
 
 const TC_ACT_OK: u32 = 0;
 const TC_ACT_SHOT: u32 = 2;
@@ -367,20 +368,10 @@ impl Datapath {
             .unwrap()
             .try_into()
             .unwrap();
-        let mut out = vec![0; packet.len() + 256];
         // The head of a struct __sk_buff, up to ingress_ifindex; the kernel zero-fills the rest.
         let mut skb = [0u8; SKB_INGRESS_IFINDEX + 4];
         skb[SKB_INGRESS_IFINDEX..].copy_from_slice(&self.ingress_ifindex.to_ne_bytes());
-        let result = program
-            .test_run(TestRunOptions {
-                data_in: Some(packet),
-                data_out: Some(&mut out),
-                ctx_in: Some(&skb),
-                ..Default::default()
-            })
-            .unwrap();
-        out.truncate(result.data_size_out as usize);
-        (result.return_value, out)
+        run_program(program, packet, Some(&skb))
     }
 
     /// Runs a packet that must be translated, and returns where it went.
@@ -426,23 +417,13 @@ impl Datapath {
             .unwrap()
             .try_into()
             .unwrap();
-        let mut out = vec![0; packet.len() + 256];
         // struct xdp_md: data, data_end (the packet's length, no metadata), data_meta,
         // ingress_ifindex, rx_queue_index, egress_ifindex.
         let mut xdp_md = [0u32; 6];
         xdp_md[1] = packet.len() as u32;
         xdp_md[3] = self.ingress_ifindex;
         let xdp_md: Vec<u8> = xdp_md.iter().flat_map(|w| w.to_ne_bytes()).collect();
-        let result = program
-            .test_run(TestRunOptions {
-                data_in: Some(packet),
-                data_out: Some(&mut out),
-                ctx_in: Some(&xdp_md),
-                ..Default::default()
-            })
-            .unwrap();
-        out.truncate(result.data_size_out as usize);
-        (result.return_value, out)
+        run_program(program, packet, Some(&xdp_md))
     }
 
     /// Runs a packet that `lb_xdp` must translate and redirect, and returns where it went.

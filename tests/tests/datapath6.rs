@@ -12,7 +12,7 @@ use aya::{
         HashMap, PerCpuArray, PerCpuValues,
         lpm_trie::{Key, LpmTrie},
     },
-    programs::{SchedClassifier, TestRun, TestRunOptions, Xdp},
+    programs::{SchedClassifier, Xdp},
 };
 use lb_common::{
     AffinityKey6, Backend6, CT_F_MASQUERADE, CT_F_REPLY, CT_UDP_UNREPLIED, Counter,
@@ -21,7 +21,7 @@ use lb_common::{
     SNAT_PORT_MAX, SNAT_PORT_MIN, SourceRangeKey6, StickyBackend6, flow_hash6, map_name, port_be,
     program_name, source_hash6, tcp,
 };
-use lb_tests::test_run6::*;
+use lb_tests::{test_run::run_program, test_run6::*};
 
 /// Without the IPv6 programs in the array, `lb_ingress`'s tail call fails: the packet passes
 /// untouched, counted.
@@ -941,16 +941,7 @@ fn run_xdp6(ebpf: &Ebpf, packet: &[u8]) -> (u32, Vec<u8>) {
         .unwrap()
         .try_into()
         .unwrap();
-    let mut out = vec![0; packet.len()];
-    let result = program
-        .test_run(TestRunOptions {
-            data_in: Some(packet),
-            data_out: Some(&mut out),
-            ..Default::default()
-        })
-        .unwrap();
-    out.truncate(result.data_size_out as usize);
-    (result.return_value, out)
+    run_program(program, packet, None)
 }
 
 /// `lb_xdp6` in a namespace of its own, whose FIB routes the pods' prefix out of `PODS_LINK`

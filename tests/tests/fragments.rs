@@ -10,6 +10,7 @@ use lb_tests::{
     agent::counter,
     echo::{LARGE_DATAGRAM, Proto, large_exchange, serve_large},
     manifests::{ServiceManifest, yaml},
+    netns::Netns,
     node::{CLUSTER_IP, Node, PORT},
     topology::{NODE_IP, POD_GATEWAY},
 };
@@ -23,6 +24,23 @@ fn large_port() -> SocketAddr {
     (Ipv4Addr::UNSPECIFIED, LARGE_PORT).into()
 }
 
+/// Who sends to the service, where, and the source its endpoint sees: pod-a to the ClusterIP
+/// (itself), the external client to the NodePort (masqueraded to the node's pod-side address).
+fn clients(node: &Node) -> [(&Netns, SocketAddr, Ipv4Addr); 2] {
+    [
+        (
+            node.pod_ns("pod-a"),
+            SocketAddr::from((CLUSTER_IP, PORT)),
+            node.ip("pod-a"),
+        ),
+        (
+            &node.topology.client,
+            SocketAddr::from((NODE_IP, NODE_PORT)),
+            POD_GATEWAY,
+        ),
+    ]
+}
+
 /// From a pod to the ClusterIP (the endpoint sees the pod) and from an external client to the
 /// NodePort (masqueraded), every fragment of both directions translated by tc, and by the XDP
 /// path's agent too, which hands fragments to tc.
@@ -33,19 +51,7 @@ fn fragmented_udp(agent_args: &[&str]) -> Result<()> {
         .endpoints([node.ip("pod-b")]);
     node.agent.update_manifests(&yaml(&[service]))?;
     let server = serve_large(node.pod_ns("pod-b"), large_port(), 2)?;
-    let pod_a = node.ip("pod-a");
-    let cases = [
-        (
-            node.pod_ns("pod-a"),
-            SocketAddr::from((CLUSTER_IP, PORT)),
-            pod_a,
-        ),
-        (
-            &node.topology.client,
-            SocketAddr::from((NODE_IP, NODE_PORT)),
-            POD_GATEWAY,
-        ),
-    ];
+    let cases = clients(&node);
     for (ns, to, expected_source) in cases {
         let (seen, peer) = large_exchange(ns, to, LARGE_DATAGRAM)?;
         ensure!(seen.ip() == expected_source, "to {to}: endpoint saw {seen}");
@@ -90,19 +96,7 @@ fn too_big_without_df_is_fragmented_by_the_node(forwarding: &str) -> Result<()> 
     node.agent.update_manifests(&yaml(&[service]))?;
     let sizes = [WHOLE_DATAGRAM, LARGE_DATAGRAM];
     let server = serve_large(node.pod_ns("pod-b"), large_port(), 2 * sizes.len())?;
-    let pod_a = node.ip("pod-a");
-    let cases = [
-        (
-            node.pod_ns("pod-a"),
-            SocketAddr::from((CLUSTER_IP, PORT)),
-            pod_a,
-        ),
-        (
-            &node.topology.client,
-            SocketAddr::from((NODE_IP, NODE_PORT)),
-            POD_GATEWAY,
-        ),
-    ];
+    let cases = clients(&node);
     for (ns, to, expected_source) in cases {
         ns.sysctl("net.ipv4.ip_no_pmtu_disc", "1")?;
         for size in sizes {
