@@ -4,10 +4,7 @@
 //! tail call starts with a fresh stack and is verified on its own, so IPv4's programs grow by the
 //! jump only and IPv6 gets the stack its 16-byte addresses need.
 use aya_ebpf::{
-    bindings::{
-        TC_ACT_OK, TC_ACT_SHOT,
-        xdp_action::{XDP_DROP, XDP_PASS},
-    },
+    bindings::{TC_ACT_OK, TC_ACT_SHOT, xdp_action::XDP_PASS},
     macros::{classifier, map, xdp},
     maps::ProgramArray,
     programs::{TcContext, XdpContext},
@@ -131,17 +128,7 @@ fn forward(ctx: &TcContext) -> Result<i32, Counter> {
 /// `lb_xdp`'s.
 #[xdp]
 pub fn lb_xdp6(ctx: XdpContext) -> u32 {
-    match try_xdp6(&ctx) {
-        Ok(action) => action,
-        Err(reason) if passes(reason) => {
-            maps::count(Counter::XdpPassed);
-            XDP_PASS
-        }
-        Err(reason) => {
-            maps::count(reason);
-            XDP_DROP
-        }
-    }
+    crate::xdp_verdict(try_xdp6(&ctx), passes)
 }
 
 fn try_xdp6(ctx: &XdpContext) -> Result<u32, Counter> {

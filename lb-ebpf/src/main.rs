@@ -188,7 +188,13 @@ pub fn lb_xdp(ctx: XdpContext) -> u32 {
     if ipv6::is_ipv6_frame(&ctx) {
         return ipv6::tail_call_xdp(&ctx);
     }
-    match try_xdp(&ctx) {
+    xdp_verdict(try_xdp(&ctx), passes)
+}
+
+/// An XDP program's verdict: what it did not finish goes on to tc untouched, counted only as
+/// `XdpPassed` (tc counts why) when `passes` says so; the rest is dropped, counted by reason.
+pub fn xdp_verdict(result: Result<u32, Counter>, passes: fn(Counter) -> bool) -> u32 {
+    match result {
         Ok(action) => action,
         Err(reason) if passes(reason) => {
             maps::count(Counter::XdpPassed);
