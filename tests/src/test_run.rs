@@ -1,5 +1,9 @@
 //! BPF_PROG_TEST_RUN of one of the datapath's programs on a crafted packet.
-use aya::programs::{TestRun, TestRunOptions, TestRunResult};
+use aya::{
+    Ebpf, Pod,
+    maps::{HashMap, MapData},
+    programs::{TestRun, TestRunOptions, TestRunResult},
+};
 
 /// Room for a program to grow the packet into (a REJECT's ICMP error is longer than the packet).
 const ROOM: usize = 256;
@@ -21,4 +25,16 @@ where
         .unwrap();
     out.truncate(result.data_size_out as usize);
     (result.return_value, out)
+}
+
+/// How many entries the hash maps `names` of `ebpf` hold together (e.g. a family's conntrack
+/// tables, main and unconfirmed), their keys `K` and values `V`.
+pub fn entries<K: Pod, V: Pod>(ebpf: &Ebpf, names: &[&str]) -> usize {
+    names
+        .iter()
+        .map(|name| {
+            let map: HashMap<&MapData, K, V> = ebpf.map(name).unwrap().try_into().unwrap();
+            map.keys().count()
+        })
+        .sum()
 }

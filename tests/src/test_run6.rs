@@ -16,7 +16,7 @@ use lb_common::{
     IPPROTO_UDP, SNAT_PORT_MAX, SNAT_PORT_MIN, StickyBackend6, map_name, port_be, program_name,
 };
 
-use crate::test_run::run_program;
+use crate::test_run::{entries, run_program};
 
 pub const TC_ACT_OK: u32 = 0;
 pub const TC_ACT_SHOT: u32 = 2;
@@ -446,14 +446,7 @@ impl Datapath {
     }
 
     pub fn conntrack_len(&self) -> usize {
-        [map_name::CONNTRACK6, map_name::CONNTRACK6_UNCONFIRMED]
-            .into_iter()
-            .map(|name| {
-                let map = self.ebpf.map(name).unwrap();
-                let conntrack: HashMap<&MapData, ConntrackKey6, ConntrackEntry6> =
-                    map.try_into().unwrap();
-                conntrack.keys().count()
-            })
-            .sum()
+        let tables = [map_name::CONNTRACK6, map_name::CONNTRACK6_UNCONFIRMED];
+        entries::<ConntrackKey6, ConntrackEntry6>(&self.ebpf, &tables)
     }
 }

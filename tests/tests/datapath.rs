@@ -29,7 +29,7 @@ use lb_common::{
     SNAT_PORT_MIN, SourceRangeKey, StickyBackend, flow_hash, ipv4_be, map_name, port_be,
     program_name, source_hash, tcp, tcp_timeout_s,
 };
-use lb_tests::test_run::run_program;
+use lb_tests::test_run::{entries, run_program};
 
 const TC_ACT_OK: u32 = 0;
 const TC_ACT_SHOT: u32 = 2;
@@ -498,15 +498,8 @@ impl Datapath {
     }
 
     fn conntrack_len(&self) -> usize {
-        [map_name::CONNTRACK, map_name::CONNTRACK_UNCONFIRMED]
-            .into_iter()
-            .map(|name| {
-                let map = self.ebpf.map(name).unwrap();
-                let conntrack: HashMap<&MapData, ConntrackKey, ConntrackEntry> =
-                    map.try_into().unwrap();
-                conntrack.keys().count()
-            })
-            .sum()
+        let tables = [map_name::CONNTRACK, map_name::CONNTRACK_UNCONFIRMED];
+        entries::<ConntrackKey, ConntrackEntry>(&self.ebpf, &tables)
     }
 
     /// Moves every unconfirmed entry to the main table, as if each connection had completed
